@@ -1,0 +1,387 @@
+//! The decoder-only transformer shared by the Llama family (Llama, Qwen2, Mixtral): its resolved
+//! config and its graph, laid out as the checkpoint's key paths (`model.layers.N.self_attn...`).
+
+use super::config::ConfigReader;
+use super::rope::RopeConfig;
+use super::BuildOptions;
+use crate::ir::{names, Dim, GraphBuilder, KvLayout, Op, TensorType};
+use crate::{DType, Graph, GraphRole, Result};
+use petgraph::graph::NodeIndex;
+use serde::{Deserialize, Serialize};
+
+/// Mixture-of-experts settings of a decoder's MLP.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    /// Experts per layer.
+    pub num_experts: usize,
+    /// Experts each token is routed to.
+    pub top_k: usize,
+}
+
+/// Which projections carry a bias.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Biases {
+    /// q, k and v projections.
+    pub qkv: bool,
+    /// The attention output projection.
+    pub o: bool,
+    /// gate, up and down projections.
+    pub mlp: bool,
+}
+
+/// A decoder's config, resolved: every default applied, every size known.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DecoderConfig {
+    /// Model width H.
+    pub hidden_size: usize,
+    /// MLP width (per expert for MoE).
+    pub intermediate_size: usize,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads (GQA when fewer than query heads).
+    pub num_kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// The LM head reuses the token embedding.
+    pub tie_word_embeddings: bool,
+    /// Rotary embedding.
+    pub rope: RopeConfig,
+    /// Projection biases.
+    pub biases: Biases,
+    /// MoE MLP, where the model has one.
+    pub moe: Option<MoeConfig>,
+    /// The checkpoint's dtype, where config.json says.
+    pub checkpoint_dtype: Option<DType>,
+    /// Longest context the model was trained for, where config.json says.
+    pub max_position_embeddings: Option<usize>,
+}
+
+impl DecoderConfig {
+    /// Reads the fields every Llama-family config has. `biases` and `moe` are the
+    /// architecture's to set.
+    pub fn read(cfg: &ConfigReader<'_>) -> Result<Self> {
+        let hidden_size = cfg.positive("hidden_size")?;
+        let num_heads = cfg.positive("num_attention_heads")?;
+        let num_kv_heads = cfg.opt_usize("num_key_value_heads")?.unwrap_or(num_heads);
+        if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+            return Err(cfg.error(
+                "num_key_value_heads",
+                format!(
+                    "is {num_kv_heads}; expected a divisor of num_attention_heads ({num_heads})"
+                ),
+            ));
+        }
+        let head_dim = match cfg.opt_usize("head_dim")? {
+            Some(d) => d,
+            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+            None => {
+                return Err(cfg.error(
+                    "head_dim",
+                    format!("absent, and hidden_size ({hidden_size}) is not a multiple of num_attention_heads ({num_heads})"),
+                ))
+            }
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(cfg.error(
+                "head_dim",
+                format!("is {head_dim}; rotary embedding needs an even, positive head_dim"),
+            ));
+        }
+        if let Some(act) = cfg.opt_str("hidden_act")? {
+            if act != "silu" {
+                return Err(cfg.error(
+                    "hidden_act",
+                    format!("`{act}` is not supported; expected silu"),
+                ));
+            }
+        }
+        let rms_norm_eps = cfg.opt_f64("rms_norm_eps")?.unwrap_or(1e-6);
+        Ok(DecoderConfig {
+            hidden_size,
+            intermediate_size: cfg.positive("intermediate_size")?,
+            num_layers: cfg.positive("num_hidden_layers")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rms_norm_eps,
+            vocab_size: cfg.positive("vocab_size")?,
+            tie_word_embeddings: cfg.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            rope: RopeConfig::read(cfg)?,
+            biases: Biases::default(),
+            moe: None,
+            checkpoint_dtype: cfg.checkpoint_dtype()?,
+            max_position_embeddings: cfg.opt_usize("max_position_embeddings")?,
+        })
+    }
+
+    /// The layout of this decoder's paged KV cache.
+    pub fn kv_layout(&self, page_size: usize, dtype: DType) -> KvLayout {
+        KvLayout {
+            num_layers: self.num_layers,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            page_size,
+            dtype,
+        }
+    }
+}
+
+/// Key paths, as candle's `VarBuilder::pp`: `Path::new("model").pp("layers").pp(0)`.
+#[derive(Clone, Debug)]
+struct KeyPath(String);
+
+impl KeyPath {
+    fn new(root: &str) -> Self {
+        KeyPath(root.to_string())
+    }
+    fn pp(&self, part: impl std::fmt::Display) -> Self {
+        if self.0.is_empty() {
+            KeyPath(part.to_string())
+        } else {
+            KeyPath(format!("{}.{part}", self.0))
+        }
+    }
+    fn key(&self, leaf: &str) -> String {
+        self.pp(leaf).0
+    }
+}
+
+/// The per-step inputs every decoder layer reads.
+struct StepInputs {
+    kv_cache: NodeIndex,
+    lookup: NodeIndex,
+    cache_lengths: NodeIndex,
+    row_offsets: NodeIndex,
+    positions: NodeIndex,
+}
+
+/// Builds a decoder's graph: embedding, `num_layers` pre-norm blocks (attention over the paged
+/// KV cache, then a dense SwiGLU or MoE MLP, each with a residual add), the final norm and the
+/// LM head. Weight keys are those of the Hugging Face checkpoint, without any role prefix.
+pub fn build_decoder(cfg: &DecoderConfig, role: GraphRole, opts: &BuildOptions) -> Result<Graph> {
+    let b = DecoderBuilder {
+        b: GraphBuilder::new(role),
+        cfg,
+        opts,
+    };
+    b.build()
+}
+
+struct DecoderBuilder<'a> {
+    b: GraphBuilder,
+    cfg: &'a DecoderConfig,
+    opts: &'a BuildOptions,
+}
+
+impl DecoderBuilder<'_> {
+    fn weight(&mut self, key: String, shape: &[usize]) -> Result<NodeIndex> {
+        let ty = TensorType::new(self.opts.param_dtype, shape.iter().map(|&d| Dim::Fixed(d)));
+        self.b.param(&key, ty)
+    }
+
+    /// `x · Wᵀ (+ bias)` with the weight at `path.weight` of shape `[out, in]`.
+    fn linear(
+        &mut self,
+        path: &KeyPath,
+        x: NodeIndex,
+        out: usize,
+        inp: usize,
+        bias: bool,
+    ) -> Result<NodeIndex> {
+        let w = self.weight(path.key("weight"), &[out, inp])?;
+        let y = self.b.op(&path.0, Op::Linear, &[x, w])?;
+        if !bias {
+            return Ok(y);
+        }
+        let bw = self.weight(path.key("bias"), &[out])?;
+        self.b.op(&path.key("add_bias"), Op::Add, &[y, bw])
+    }
+
+    fn rms_norm(&mut self, path: &KeyPath, x: NodeIndex) -> Result<NodeIndex> {
+        let w = self.weight(path.key("weight"), &[self.cfg.hidden_size])?;
+        self.b.op(
+            &path.0,
+            Op::RmsNorm {
+                eps: self.cfg.rms_norm_eps as f32,
+            },
+            &[x, w],
+        )
+    }
+
+    fn reshape(&mut self, name: String, x: NodeIndex, shape: Vec<Dim>) -> Result<NodeIndex> {
+        self.b.op(&name, Op::Reshape { shape }, &[x])
+    }
+
+    fn build(mut self) -> Result<Graph> {
+        let c = self.cfg;
+        let t = || Dim::sym(names::TOTAL_SEQ_LEN);
+        let bsz = || Dim::sym(names::BATCH_SIZE);
+        let tokens = self.b.input("tokens", TensorType::new(DType::I64, [t()]))?;
+        let row_offsets = self.b.input(
+            "input_row_offsets",
+            TensorType::new(DType::I32, [Dim::sym(names::INPUT_ROW_OFFSETS_LEN)]),
+        )?;
+        let cache_lengths = self
+            .b
+            .input("cache_lengths", TensorType::new(DType::I32, [bsz()]))?;
+        let lookup = self.b.input(
+            "kv_lookup_table",
+            TensorType::new(DType::I32, [bsz(), Dim::sym(names::MAX_NUM_PAGES)]),
+        )?;
+        if self.opts.takes_batch_context_lengths {
+            self.b.input(
+                "batch_context_lengths",
+                TensorType::new(DType::I32, [bsz()]),
+            )?;
+        }
+        let kv_cache = self
+            .b
+            .kv_cache(c.kv_layout(self.opts.page_size, DType::F32))?;
+
+        let model = KeyPath::new("model");
+        let embed = self.weight(
+            model.pp("embed_tokens").key("weight"),
+            &[c.vocab_size, c.hidden_size],
+        )?;
+        let mut h = self
+            .b
+            .op("model.embed_tokens", Op::Embedding, &[embed, tokens])?;
+        let positions = self.b.op(
+            "positions",
+            Op::Positions,
+            &[tokens, row_offsets, cache_lengths],
+        )?;
+        let step = StepInputs {
+            kv_cache,
+            lookup,
+            cache_lengths,
+            row_offsets,
+            positions,
+        };
+
+        for layer in 0..c.num_layers {
+            let lp = model.pp("layers").pp(layer);
+            let x = self.rms_norm(&lp.pp("input_layernorm"), h)?;
+            let attn = self.attention(&lp.pp("self_attn"), layer, x, &step)?;
+            h = self.b.op(&lp.key("attn_residual"), Op::Add, &[h, attn])?;
+            let x = self.rms_norm(&lp.pp("post_attention_layernorm"), h)?;
+            let mlp = match &c.moe {
+                None => self.mlp(&lp.pp("mlp"), x)?,
+                Some(moe) => self.moe(&lp.pp("block_sparse_moe"), x, moe)?,
+            };
+            h = self.b.op(&lp.key("mlp_residual"), Op::Add, &[h, mlp])?;
+        }
+        let mut h = self.rms_norm(&model.pp("norm"), h)?;
+        if !self.opts.all_logits {
+            h = self
+                .b
+                .op("last_tokens", Op::LastTokens, &[h, row_offsets])?;
+        }
+        let head = if c.tie_word_embeddings {
+            embed
+        } else {
+            self.weight("lm_head.weight".into(), &[c.vocab_size, c.hidden_size])?
+        };
+        let logits = self.b.op("lm_head", Op::Linear, &[h, head])?;
+        self.b.output("logits", logits);
+        self.b.finish()
+    }
+
+    fn attention(
+        &mut self,
+        p: &KeyPath,
+        layer: usize,
+        x: NodeIndex,
+        s: &StepInputs,
+    ) -> Result<NodeIndex> {
+        let c = self.cfg;
+        let (hq, hkv, d, hid) = (c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size);
+        let t = || Dim::sym(names::TOTAL_SEQ_LEN);
+        let inv_freq = c.rope.inv_freq(d, self.opts.checkpoint_dtype);
+        let heads = |this: &mut Self, name: &str, n: usize, rope: bool| -> Result<NodeIndex> {
+            let proj = p.pp(name);
+            let y = this.linear(&proj, x, n * d, hid, c.biases.qkv)?;
+            let y = this.reshape(proj.key("heads"), y, vec![t(), n.into(), d.into()])?;
+            if !rope {
+                return Ok(y);
+            }
+            this.b.op(
+                &proj.key("rope"),
+                Op::Rope {
+                    inv_freq: inv_freq.clone(),
+                },
+                &[y, s.positions],
+            )
+        };
+        let q = heads(self, "q_proj", hq, true)?;
+        let k = heads(self, "k_proj", hkv, true)?;
+        let v = heads(self, "v_proj", hkv, false)?;
+        let scale = 1.0 / (d as f32).sqrt();
+        let a = self.b.op(
+            &p.key("attention"),
+            Op::PagedAttention { layer, scale },
+            &[
+                q,
+                k,
+                v,
+                s.kv_cache,
+                s.lookup,
+                s.cache_lengths,
+                s.row_offsets,
+            ],
+        )?;
+        let a = self.reshape(p.key("merge_heads"), a, vec![t(), (hq * d).into()])?;
+        self.linear(&p.pp("o_proj"), a, hid, hq * d, c.biases.o)
+    }
+
+    fn mlp(&mut self, p: &KeyPath, x: NodeIndex) -> Result<NodeIndex> {
+        let (h, f, bias) = (
+            self.cfg.hidden_size,
+            self.cfg.intermediate_size,
+            self.cfg.biases.mlp,
+        );
+        let gate = self.linear(&p.pp("gate_proj"), x, f, h, bias)?;
+        let up = self.linear(&p.pp("up_proj"), x, f, h, bias)?;
+        let act = self.b.op(&p.key("act"), Op::Silu, &[gate])?;
+        let prod = self.b.op(&p.key("gate_up"), Op::Mul, &[act, up])?;
+        self.linear(&p.pp("down_proj"), prod, h, f, bias)
+    }
+
+    /// Mixtral's sparse MoE block: softmax router, top-k renormalized, SwiGLU experts
+    /// (`w1` gate, `w3` up, `w2` down).
+    fn moe(&mut self, p: &KeyPath, x: NodeIndex, moe: &MoeConfig) -> Result<NodeIndex> {
+        let (h, f) = (self.cfg.hidden_size, self.cfg.intermediate_size);
+        let router = self.linear(&p.pp("gate"), x, moe.num_experts, h, false)?;
+        let probs = self
+            .b
+            .op(&p.key("router_softmax"), Op::Softmax, &[router])?;
+        let routing = self.b.op(
+            &p.key("router_top_k"),
+            Op::TopK {
+                k: moe.top_k,
+                renormalize: true,
+            },
+            &[probs],
+        )?;
+        let mut operands = vec![x, routing];
+        for e in 0..moe.num_experts {
+            let ep = p.pp("experts").pp(e);
+            operands.push(self.weight(ep.pp("w1").key("weight"), &[f, h])?);
+            operands.push(self.weight(ep.pp("w3").key("weight"), &[f, h])?);
+            operands.push(self.weight(ep.pp("w2").key("weight"), &[h, f])?);
+        }
+        self.b.op(
+            &p.key("experts"),
+            Op::MoeExperts {
+                num_experts: moe.num_experts,
+            },
+            &operands,
+        )
+    }
+}

@@ -1,0 +1,62 @@
+//! `Qwen2ForCausalLM`: the Llama decoder with biases on the q, k and v projections.
+
+use super::config::ConfigReader;
+use super::decoder::{Biases, DecoderConfig};
+use super::llama::LlamaFamilyHooks;
+use super::{Architecture, ModelSpec};
+use crate::{DeploymentConfig, GraphRole, Result};
+use std::sync::Arc;
+
+/// The Qwen2 architecture.
+pub struct Qwen2;
+
+impl Architecture for Qwen2 {
+    fn name(&self) -> &'static str {
+        "Qwen2ForCausalLM"
+    }
+    fn description(&self) -> &'static str {
+        "Qwen2 decoder: Llama layout with q/k/v projection biases"
+    }
+    fn roles(&self) -> &'static [GraphRole] {
+        &[GraphRole::Decoder]
+    }
+    fn parse_config(&self, cfg: &ConfigReader<'_>) -> Result<Box<dyn ModelSpec>> {
+        let mut config = DecoderConfig::read(cfg)?;
+        config.biases = Biases {
+            qkv: true,
+            o: false,
+            mlp: false,
+        };
+        if cfg.opt_bool("use_sliding_window")? == Some(true) {
+            return Err(cfg.error(
+                "use_sliding_window",
+                "sliding-window attention is not supported; expected false",
+            ));
+        }
+        Ok(Box::new(Qwen2Model { config }))
+    }
+}
+
+/// A Qwen2 model: one decoder role.
+#[derive(Clone, Debug)]
+pub struct Qwen2Model {
+    /// The decoder's config.
+    pub config: DecoderConfig,
+}
+
+impl ModelSpec for Qwen2Model {
+    fn architecture(&self) -> &'static str {
+        "Qwen2ForCausalLM"
+    }
+    fn roles(&self) -> Vec<GraphRole> {
+        vec![GraphRole::Decoder]
+    }
+    fn deployment(&self) -> DeploymentConfig {
+        DeploymentConfig::with_hooks(Arc::new(LlamaFamilyHooks {
+            tie_word_embeddings: self.config.tie_word_embeddings,
+        }))
+    }
+    fn decoder(&self, role: GraphRole) -> Option<&DecoderConfig> {
+        (role == GraphRole::Decoder).then_some(&self.config)
+    }
+}

@@ -1,0 +1,220 @@
+//! Rotary embedding parameters: `rope_theta` and scaling, as transformers 4 (`rope_theta`,
+//! `rope_scaling`) and 5 (`rope_parameters`) write them, turned into inverse frequencies.
+
+use super::config::ConfigReader;
+use crate::{DType, Result};
+use serde::{Deserialize, Serialize};
+
+/// How inverse frequencies are scaled.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "rope_type", rename_all = "snake_case")]
+pub enum RopeScaling {
+    /// No scaling.
+    Default,
+    /// Every frequency divided by `factor`.
+    Linear {
+        /// The divisor.
+        factor: f64,
+    },
+    /// Llama 3's wavelength-dependent scaling.
+    Llama3 {
+        /// Divisor of low frequencies.
+        factor: f64,
+        /// Wavelengths above `original_max_position_embeddings / low_freq_factor` are divided.
+        low_freq_factor: f64,
+        /// Wavelengths below `original_max_position_embeddings / high_freq_factor` are kept.
+        high_freq_factor: f64,
+        /// The context length of pre-training.
+        original_max_position_embeddings: f64,
+    },
+}
+
+/// Rotary embedding parameters of one decoder.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RopeConfig {
+    /// Base of the frequencies.
+    pub theta: f64,
+    /// Frequency scaling.
+    pub scaling: RopeScaling,
+}
+
+impl RopeConfig {
+    /// Reads `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (transformers 4).
+    pub fn read(cfg: &ConfigReader<'_>) -> Result<Self> {
+        let params = cfg.child("rope_parameters")?;
+        let legacy = cfg.child("rope_scaling")?;
+        let theta = match params
+            .as_ref()
+            .map(|p| p.opt_f64("rope_theta"))
+            .transpose()?
+            .flatten()
+        {
+            Some(t) => t,
+            None => cfg.opt_f64("rope_theta")?.unwrap_or(10000.0),
+        };
+        if theta <= 0.0 {
+            return Err(cfg.error(
+                "rope_theta",
+                format!("is {theta}; expected a positive number"),
+            ));
+        }
+        let scaling = match params.or(legacy) {
+            None => RopeScaling::Default,
+            Some(p) => {
+                let kind = match p.opt_str("rope_type")? {
+                    Some(k) => k,
+                    None => p.opt_str("type")?.unwrap_or("default"),
+                };
+                let num = |key: &str| {
+                    p.opt_f64(key)?.ok_or_else(|| {
+                        p.error(key, format!("missing; rope_type `{kind}` needs it"))
+                    })
+                };
+                match kind {
+                    "default" => RopeScaling::Default,
+                    "linear" => RopeScaling::Linear {
+                        factor: num("factor")?,
+                    },
+                    "llama3" => RopeScaling::Llama3 {
+                        factor: num("factor")?,
+                        low_freq_factor: num("low_freq_factor")?,
+                        high_freq_factor: num("high_freq_factor")?,
+                        original_max_position_embeddings: num("original_max_position_embeddings")?,
+                    },
+                    other => {
+                        return Err(p.error(
+                            "rope_type",
+                            format!(
+                                "`{other}` is not supported; expected default, linear or llama3"
+                            ),
+                        ))
+                    }
+                }
+            }
+        };
+        Ok(RopeConfig { theta, scaling })
+    }
+
+    /// The `head_dim / 2` inverse frequencies, computed in f32 as transformers does, then rounded
+    /// to `stored` where that is a 16-bit float: transformers keeps the frequencies in a buffer
+    /// that is cast with the model, so a checkpoint loaded in its stored bf16 rotates with
+    /// bf16-rounded frequencies. maxc does the same, to agree with the reference.
+    pub fn inv_freq(&self, head_dim: usize, stored: DType) -> Vec<f32> {
+        let round: fn(f32) -> f32 = match stored {
+            DType::BF16 => |f| half::bf16::from_f32(f).to_f32(),
+            DType::F16 => |f| half::f16::from_f32(f).to_f32(),
+            _ => |f| f,
+        };
+        self.unrounded_inv_freq(head_dim)
+            .into_iter()
+            .map(round)
+            .collect()
+    }
+
+    fn unrounded_inv_freq(&self, head_dim: usize) -> Vec<f32> {
+        let base = self.theta as f32;
+        let default: Vec<f32> = (0..head_dim)
+            .step_by(2)
+            .map(|i| 1.0 / base.powf(i as f32 / head_dim as f32))
+            .collect();
+        match &self.scaling {
+            RopeScaling::Default => default,
+            RopeScaling::Linear { factor } => default.iter().map(|f| f / *factor as f32).collect(),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                let (factor, low, high, old) = (
+                    *factor as f32,
+                    *low_freq_factor as f32,
+                    *high_freq_factor as f32,
+                    *original_max_position_embeddings as f32,
+                );
+                let low_freq_wavelen = old / low;
+                let high_freq_wavelen = old / high;
+                default
+                    .iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f32::consts::PI / f;
+                        if wavelen > low_freq_wavelen {
+                            f / factor
+                        } else if wavelen < high_freq_wavelen {
+                            f
+                        } else {
+                            let smooth = (old / wavelen - low) / (high - low);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use std::path::Path;
+
+    fn read(v: serde_json::Value) -> Result<RopeConfig> {
+        RopeConfig::read(&ConfigReader::new(Path::new("config.json"), &v)?)
+    }
+
+    #[test]
+    fn theta_from_either_transformers_layout() {
+        assert_eq!(
+            read(json!({"rope_theta": 500000.0})).unwrap().theta,
+            500000.0
+        );
+        let v5 =
+            read(json!({"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}})).unwrap();
+        assert_eq!((v5.theta, v5.scaling), (1e6, RopeScaling::Default));
+        assert_eq!(read(json!({})).unwrap().theta, 10000.0);
+    }
+
+    #[test]
+    fn llama3_scaling_matches_the_reference_formula() {
+        // Llama 3.1's settings; values from transformers' _compute_llama3_parameters.
+        let cfg = read(json!({"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}))
+        .unwrap();
+        let f = cfg.inv_freq(128, DType::F32);
+        assert_eq!(f.len(), 64);
+        assert_eq!(f[0], 1.0); // high frequency: kept
+        let base = RopeConfig {
+            theta: 500000.0,
+            scaling: RopeScaling::Default,
+        }
+        .inv_freq(128, DType::F32);
+        assert!((f[63] - base[63] / 8.0).abs() < 1e-12); // low frequency: divided by factor
+                                                         // Medium band: strictly between the two.
+        let mid = (0..64)
+            .find(|&i| f[i] != base[i] && (f[i] - base[i] / 8.0).abs() > 1e-12)
+            .unwrap();
+        assert!(f[mid] < base[mid] && f[mid] > base[mid] / 8.0);
+    }
+
+    #[test]
+    fn frequencies_follow_a_bf16_checkpoint() {
+        let cfg = read(json!({"rope_theta": 10000.0})).unwrap();
+        let (f32_freqs, bf16_freqs) = (cfg.inv_freq(32, DType::F32), cfg.inv_freq(32, DType::BF16));
+        for (a, b) in f32_freqs.iter().zip(&bf16_freqs) {
+            assert_eq!(*b, half::bf16::from_f32(*a).to_f32());
+        }
+        assert_ne!(f32_freqs, bf16_freqs);
+    }
+
+    #[test]
+    fn unknown_rope_type_names_the_field() {
+        let err = read(json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("rope_parameters.rope_type") && err.contains("yarn"),
+            "{err}"
+        );
+    }
+}

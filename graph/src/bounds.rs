@@ -1,0 +1,297 @@
+//! The batch-processor runtime and the bound of every symbolic dim (`max_dims`), so that buffers
+//! are planned once at their largest size.
+
+use crate::ir::names;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Batch-processing limits of a deployment.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchProcessorRuntime {
+    /// Sequences per step, per data-parallel replica.
+    pub max_batch_size: usize,
+    /// Longest context (prompt plus generated tokens).
+    pub max_seq_len: usize,
+    /// Token budget of one step, per replica.
+    pub max_batch_input_tokens: usize,
+    /// Long prompts are split into chunks that fit the budget.
+    pub enable_chunked_prefill: bool,
+    /// Data-parallel replicas.
+    pub data_parallel_degree: usize,
+}
+
+impl Default for BatchProcessorRuntime {
+    fn default() -> Self {
+        BatchProcessorRuntime {
+            max_batch_size: 8,
+            max_seq_len: 512,
+            max_batch_input_tokens: 512,
+            enable_chunked_prefill: true,
+            data_parallel_degree: 1,
+        }
+    }
+}
+
+impl BatchProcessorRuntime {
+    /// Checks that every limit is at least one; the error names the setting.
+    pub fn validate(&self) -> Result<()> {
+        for (field, value) in [
+            ("max_batch_size", self.max_batch_size),
+            ("max_seq_len", self.max_seq_len),
+            ("max_batch_input_tokens", self.max_batch_input_tokens),
+            ("data_parallel_degree", self.data_parallel_degree),
+        ] {
+            if value == 0 {
+                return Err(Error::Setting {
+                    field: field.into(),
+                    value: value.to_string(),
+                    message: "must be at least 1".into(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// `max_batch_size * data_parallel_degree`.
+    pub fn max_global_batch_size(&self) -> usize {
+        self.max_batch_size * self.data_parallel_degree
+    }
+
+    /// Tokens in one step over all replicas. Per replica the budget is `max_batch_input_tokens`,
+    /// plus `max_seq_len` when chunked prefill is off (one full-length sequence may land on a full
+    /// budget); it never exceeds `max_batch_size * max_seq_len` nor falls below `max_batch_size`.
+    pub fn max_batch_active_tokens(&self) -> usize {
+        let soft = if self.enable_chunked_prefill {
+            0
+        } else {
+            self.max_seq_len
+        };
+        let per_replica = (self.max_batch_input_tokens + soft)
+            .min(self.max_batch_size * self.max_seq_len)
+            .max(self.max_batch_size);
+        per_replica * self.data_parallel_degree
+    }
+}
+
+/// Paged KV cache settings.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvCacheParams {
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Pages in the cache; `None` means enough for every context at full length
+    /// (`max_global_batch_size * ceil(max_seq_len / page_size)`).
+    pub num_pages: Option<usize>,
+}
+
+impl Default for KvCacheParams {
+    fn default() -> Self {
+        KvCacheParams {
+            page_size: 128,
+            num_pages: None,
+        }
+    }
+}
+
+impl KvCacheParams {
+    /// Pages per context at `max_seq_len`.
+    pub fn max_pages_per_context(&self, batch: &BatchProcessorRuntime) -> usize {
+        batch.max_seq_len.div_ceil(self.page_size)
+    }
+
+    /// Pages in the cache.
+    pub fn total_pages(&self, batch: &BatchProcessorRuntime) -> usize {
+        self.num_pages
+            .unwrap_or_else(|| batch.max_global_batch_size() * self.max_pages_per_context(batch))
+    }
+}
+
+/// The deployment: what [`crate::DeploymentConfig::apply_runtime`] completes a config with.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModuleRuntime {
+    /// Batch-processing limits.
+    pub batch: BatchProcessorRuntime,
+    /// KV cache settings.
+    pub kv: KvCacheParams,
+}
+
+impl ModuleRuntime {
+    /// Checks every setting; the error names the setting.
+    pub fn validate(&self) -> Result<()> {
+        self.batch.validate()?;
+        if self.kv.page_size == 0 {
+            return Err(Error::Setting {
+                field: "page_size".into(),
+                value: "0".into(),
+                message: "must be at least 1".into(),
+            });
+        }
+        if self.kv.num_pages == Some(0) {
+            return Err(Error::Setting {
+                field: "kv_cache_pages".into(),
+                value: "0".into(),
+                message: "must be at least 1".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The dims this runtime bounds, sorted.
+    pub const KNOWN_DIMS: [&'static str; 5] = [
+        names::BATCH_SIZE,
+        names::INPUT_ROW_OFFSETS_LEN,
+        names::MAX_NUM_PAGES,
+        names::TOTAL_NUM_PAGES,
+        names::TOTAL_SEQ_LEN,
+    ];
+
+    /// The largest size of each named per-step dim. A dim it does not bound is an error naming
+    /// the dim and the dims it knows.
+    pub fn max_dims<'a>(
+        &self,
+        dims: impl IntoIterator<Item = &'a str>,
+    ) -> Result<BTreeMap<String, usize>> {
+        self.validate()?;
+        let b = &self.batch;
+        let mut out = BTreeMap::new();
+        for dim in dims {
+            let bound = match dim {
+                names::BATCH_SIZE => b.max_global_batch_size(),
+                names::TOTAL_SEQ_LEN => b.max_batch_active_tokens(),
+                names::INPUT_ROW_OFFSETS_LEN => b.max_global_batch_size() + 1,
+                names::MAX_NUM_PAGES => self.kv.max_pages_per_context(b),
+                names::TOTAL_NUM_PAGES => self.kv.total_pages(b),
+                other => {
+                    return Err(Error::Dim {
+                        dim: other.into(),
+                        message: format!(
+                            "not bounded by the batch-processor runtime; known dims: {}",
+                            Self::KNOWN_DIMS.join(", ")
+                        ),
+                    })
+                }
+            };
+            out.insert(dim.to_string(), bound);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rt(bs: usize, len: usize, budget: usize, chunked: bool, dp: usize) -> ModuleRuntime {
+        ModuleRuntime {
+            batch: BatchProcessorRuntime {
+                max_batch_size: bs,
+                max_seq_len: len,
+                max_batch_input_tokens: budget,
+                enable_chunked_prefill: chunked,
+                data_parallel_degree: dp,
+            },
+            kv: KvCacheParams {
+                page_size: 16,
+                num_pages: None,
+            },
+        }
+    }
+
+    #[test]
+    fn chunked_prefill_off_is_capped_by_full_contexts() {
+        // 8192 + 128 exceeds 2 * 128: every context full is the cap.
+        assert_eq!(
+            rt(2, 128, 8192, false, 1).batch.max_batch_active_tokens(),
+            256
+        );
+    }
+
+    #[test]
+    fn chunked_prefill_off_adds_one_sequence_to_the_budget() {
+        assert_eq!(
+            rt(8, 4096, 2048, false, 1).batch.max_batch_active_tokens(),
+            2048 + 4096
+        );
+        assert_eq!(
+            rt(8, 4096, 2048, true, 1).batch.max_batch_active_tokens(),
+            2048
+        );
+    }
+
+    #[test]
+    fn data_parallel_replicas_add_up() {
+        let r = rt(8, 8192, 2048, true, 4);
+        assert_eq!(r.batch.max_batch_active_tokens(), 8192);
+        assert_eq!(r.batch.max_global_batch_size(), 32);
+        let dims = r.max_dims(["batch_size", "input_row_offsets_len"]).unwrap();
+        assert_eq!(dims["batch_size"], 32);
+        assert_eq!(dims["input_row_offsets_len"], 33);
+    }
+
+    #[test]
+    fn budget_below_batch_size_still_gives_one_token_per_context() {
+        assert_eq!(
+            rt(64, 1024, 16, true, 1).batch.max_batch_active_tokens(),
+            64
+        );
+        assert_eq!(
+            rt(64, 1024, 16, true, 2).batch.max_batch_active_tokens(),
+            128
+        );
+    }
+
+    #[test]
+    fn full_length_sequences_below_the_budget_cap_it() {
+        // 4 sequences of 100 tokens hold 400 tokens, below a budget of 8192.
+        assert_eq!(
+            rt(4, 100, 8192, true, 1).batch.max_batch_active_tokens(),
+            400
+        );
+    }
+
+    #[test]
+    fn page_dims() {
+        let r = rt(3, 100, 64, true, 2);
+        let dims = r.max_dims(ModuleRuntime::KNOWN_DIMS).unwrap();
+        assert_eq!(dims["max_num_pages"], 7); // ceil(100 / 16)
+        assert_eq!(dims["total_num_pages"], 6 * 7);
+        let mut fixed = r.clone();
+        fixed.kv.num_pages = Some(10);
+        assert_eq!(
+            fixed.max_dims(["total_num_pages"]).unwrap()["total_num_pages"],
+            10
+        );
+    }
+
+    #[test]
+    fn unknown_dim_names_the_dim_and_the_known_ones() {
+        let err = rt(1, 8, 8, true, 1)
+            .max_dims(["image_rows"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("image_rows") && err.contains("total_seq_len"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn zero_bounds_are_errors_naming_the_setting() {
+        for (r, field) in [
+            (rt(0, 8, 8, true, 1), "max_batch_size"),
+            (rt(1, 0, 8, true, 1), "max_seq_len"),
+            (rt(1, 8, 0, true, 1), "max_batch_input_tokens"),
+            (rt(1, 8, 8, true, 0), "data_parallel_degree"),
+        ] {
+            let err = r.max_dims(["batch_size"]).unwrap_err().to_string();
+            assert!(err.contains(field), "{err}");
+        }
+        let mut r = rt(1, 8, 8, true, 1);
+        r.kv.page_size = 0;
+        assert!(r
+            .max_dims(["max_num_pages"])
+            .unwrap_err()
+            .to_string()
+            .contains("page_size"));
+    }
+}

@@ -1,0 +1,172 @@
+//! The interpreter's kernels: plain f32 loops, written to be obviously right, not fast.
+
+use crate::ir::KvLayout;
+
+/// `out[m, n] = Σ_k x[m, k] · w[n, k]`.
+pub fn linear(x: &[f32], w: &[f32], k: usize) -> Vec<f32> {
+    let n = w.len() / k;
+    let mut out = Vec::with_capacity(x.len() / k * n);
+    for row in x.chunks_exact(k) {
+        for wrow in w.chunks_exact(k) {
+            out.push(row.iter().zip(wrow).map(|(a, b)| a * b).sum());
+        }
+    }
+    out
+}
+
+/// Elementwise `f(a, b)`, `b` repeated over `a`'s leading dims.
+pub fn broadcast(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> Vec<f32> {
+    a.iter()
+        .enumerate()
+        .map(|(i, &x)| f(x, b[i % b.len()]))
+        .collect()
+}
+
+/// `x · sigmoid(x)`.
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// RMSNorm over rows of `w.len()`.
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let h = w.len();
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(h) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / h as f32;
+        let r = 1.0 / (ms + eps).sqrt();
+        out.extend(row.iter().zip(w).map(|(v, g)| g * (v * r)));
+    }
+    out
+}
+
+/// Softmax over rows of `n`.
+pub fn softmax(x: &[f32], n: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(n) {
+        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let e: Vec<f32> = row.iter().map(|v| (v - m).exp()).collect();
+        let s: f32 = e.iter().sum();
+        out.extend(e.iter().map(|v| v / s));
+    }
+    out
+}
+
+/// Keeps each row's `k` largest entries (ties: lower index), optionally renormalized.
+pub fn top_k(x: &[f32], n: usize, k: usize, renormalize: bool) -> Vec<f32> {
+    let mut out = vec![0.0; x.len()];
+    for (row, orow) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+        let mut idx: Vec<usize> = (0..n).collect();
+        idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        let sum: f32 = idx[..k].iter().map(|&i| row[i]).sum();
+        for &i in &idx[..k] {
+            orow[i] = if renormalize { row[i] / sum } else { row[i] };
+        }
+    }
+    out
+}
+
+/// Rotary embedding, rotate-half layout, on `x [T, H, D]`.
+pub fn rope(x: &[f32], positions: &[i64], heads: usize, inv_freq: &[f32]) -> Vec<f32> {
+    let half = inv_freq.len();
+    let d = 2 * half;
+    let mut out = x.to_vec();
+    for (t, &pos) in positions.iter().enumerate() {
+        for h in 0..heads {
+            let base = (t * heads + h) * d;
+            for (i, f) in inv_freq.iter().enumerate() {
+                let angle = pos as f32 * f;
+                let (sin, cos) = (angle.sin(), angle.cos());
+                let (x1, x2) = (x[base + i], x[base + half + i]);
+                out[base + i] = x1 * cos - x2 * sin;
+                out[base + half + i] = x2 * cos + x1 * sin;
+            }
+        }
+    }
+    out
+}
+
+/// The per-step view of a ragged batch over a paged KV cache.
+pub struct PagedBatch<'a> {
+    /// Row offsets of each sequence, `B + 1` of them.
+    pub row_offsets: &'a [i64],
+    /// Tokens already cached per sequence.
+    pub cache_lengths: &'a [i64],
+    /// `[B, pages_per_seq]` page ids.
+    pub lookup: &'a [i64],
+    /// Columns of `lookup`.
+    pub pages_per_seq: usize,
+}
+
+impl PagedBatch<'_> {
+    /// The sequence of each row, and its position.
+    pub fn rows(&self) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        (0..self.cache_lengths.len()).flat_map(move |b| {
+            let (start, end) = (
+                self.row_offsets[b] as usize,
+                self.row_offsets[b + 1] as usize,
+            );
+            (start..end).map(move |r| (r, b, self.cache_lengths[b] as usize + (r - start)))
+        })
+    }
+
+    /// The flat cache offset of (`layer`, k or v, token `pos` of sequence `b`, kv head `h`).
+    fn slot(&self, l: &KvLayout, layer: usize, kv: usize, b: usize, pos: usize, h: usize) -> usize {
+        let page = self.lookup[b * self.pages_per_seq + pos / l.page_size] as usize;
+        ((((page * l.num_layers + layer) * 2 + kv) * l.page_size + pos % l.page_size)
+            * l.num_kv_heads
+            + h)
+            * l.head_dim
+    }
+}
+
+/// Writes the step's `k` and `v` (`[T, Hkv, D]`) into `layer` of the cache, then computes causal
+/// attention of every row of `q` (`[T, Hq, D]`) over its sequence's positions `0..=pos`.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    cache: &mut [f32],
+    hq: usize,
+    l: &KvLayout,
+    layer: usize,
+    scale: f32,
+    batch: &PagedBatch<'_>,
+) -> Vec<f32> {
+    let (hkv, d) = (l.num_kv_heads, l.head_dim);
+    for (r, b, pos) in batch.rows() {
+        for h in 0..hkv {
+            let src = (r * hkv + h) * d;
+            let ks = batch.slot(l, layer, 0, b, pos, h);
+            cache[ks..ks + d].copy_from_slice(&k[src..src + d]);
+            let vs = batch.slot(l, layer, 1, b, pos, h);
+            cache[vs..vs + d].copy_from_slice(&v[src..src + d]);
+        }
+    }
+    let group = hq / hkv;
+    let mut out = vec![0.0; q.len()];
+    for (r, b, pos) in batch.rows() {
+        for h in 0..hq {
+            let qv = &q[(r * hq + h) * d..][..d];
+            let scores: Vec<f32> = (0..=pos)
+                .map(|j| {
+                    let ks = batch.slot(l, layer, 0, b, j, h / group);
+                    qv.iter()
+                        .zip(&cache[ks..ks + d])
+                        .map(|(a, c)| a * c)
+                        .sum::<f32>()
+                        * scale
+                })
+                .collect();
+            let probs = softmax(&scores, scores.len());
+            let o = &mut out[(r * hq + h) * d..][..d];
+            for (j, p) in probs.iter().enumerate() {
+                let vs = batch.slot(l, layer, 1, b, j, h / group);
+                for (acc, val) in o.iter_mut().zip(&cache[vs..vs + d]) {
+                    *acc += p * val;
+                }
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,442 @@
+//! The ops of the graph IR and their shape inference.
+//!
+//! Every op has one output. Operands are ordered; [`Op::infer`] checks them and gives the output
+//! type, so a graph can be re-checked after any pass (`Graph::validate`).
+
+use super::dim::{names, same_volume, shape_string, Dim, Shape};
+use crate::DType;
+use serde::{Deserialize, Serialize};
+
+/// The type of a tensor value: element type and shape.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TensorType {
+    /// Element type.
+    pub dtype: DType,
+    /// Shape, with symbolic dims.
+    pub shape: Shape,
+}
+
+impl TensorType {
+    /// A tensor type.
+    pub fn new(dtype: DType, shape: impl IntoIterator<Item = Dim>) -> Self {
+        TensorType {
+            dtype,
+            shape: shape.into_iter().collect(),
+        }
+    }
+}
+
+impl std::fmt::Display for TensorType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}{}", self.dtype, shape_string(&self.shape))
+    }
+}
+
+/// Layout of a role's paged KV cache. The cache tensor is
+/// `[total_num_pages, num_layers, 2 (k, v), page_size, num_kv_heads, head_dim]`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct KvLayout {
+    /// Decoder layers, each with its own K and V.
+    pub num_layers: usize,
+    /// KV heads per layer.
+    pub num_kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Element type of the cache.
+    pub dtype: DType,
+}
+
+impl KvLayout {
+    /// The cache tensor's type, with `total_num_pages` symbolic.
+    pub fn tensor_type(&self) -> TensorType {
+        TensorType::new(
+            self.dtype,
+            [
+                Dim::sym(names::TOTAL_NUM_PAGES),
+                self.num_layers.into(),
+                2.into(),
+                self.page_size.into(),
+                self.num_kv_heads.into(),
+                self.head_dim.into(),
+            ],
+        )
+    }
+
+    /// Elements in one page (all layers, K and V).
+    pub fn page_elems(&self) -> usize {
+        self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim
+    }
+}
+
+/// An operation of the graph IR.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Op {
+    /// A per-step graph input; the node's name is the input's name.
+    Input,
+    /// The paged KV cache: state that attention reads and writes; persists across steps.
+    KvCache(KvLayout),
+    /// A weight; the node's name is its key in the role's weights.
+    Param,
+    /// `(table [V, H], ids [T]) -> [T, H]`: rows of `table`.
+    Embedding,
+    /// `(x [.., K], w [N, K]) -> [.., N]`: `x · wᵀ`, the layout of a Hugging Face linear weight.
+    Linear,
+    /// `(a, b) -> a`: elementwise sum; `b`'s shape is `a`'s or a suffix of it (broadcast).
+    Add,
+    /// `(a, b) -> a`: elementwise product, broadcast as [`Op::Add`].
+    Mul,
+    /// `x -> x`: `x · sigmoid(x)`.
+    Silu,
+    /// `(x [.., H], w [H]) -> [.., H]`: `x / sqrt(mean(x²) + eps) · w`.
+    RmsNorm {
+        /// Added to the mean square.
+        eps: f32,
+    },
+    /// `x -> shape`: same elements, new shape.
+    Reshape {
+        /// The new shape.
+        shape: Shape,
+    },
+    /// `(tokens [T], input_row_offsets [B+1], cache_lengths [B]) -> i64 [T]`: each token's
+    /// position in its sequence (cache length plus its index within the step's rows).
+    Positions,
+    /// `(x [T, H, D], positions [T]) -> [T, H, D]`: rotary embedding, rotate-half layout.
+    Rope {
+        /// Inverse frequencies, `D / 2` of them, with any rope scaling applied.
+        inv_freq: Vec<f32>,
+    },
+    /// `(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], kv_cache, kv_lookup_table [B, P],
+    /// cache_lengths [B], input_row_offsets [B+1]) -> [T, Hq, D]`: writes the step's K and V into
+    /// layer `layer` of the paged cache, then causal attention of each row over its sequence's
+    /// cached and new tokens. `Hq` is a multiple of `Hkv` (GQA/MQA).
+    PagedAttention {
+        /// The decoder layer, the cache slot written and read.
+        layer: usize,
+        /// Scale of `q · k`, usually `1 / sqrt(D)`.
+        scale: f32,
+    },
+    /// `x -> x`: softmax over the last axis.
+    Softmax,
+    /// `probs [T, E] -> [T, E]`: keeps each row's `k` largest entries (ties: lower index first),
+    /// zeroes the rest; with `renormalize`, the kept ones are divided by their sum.
+    TopK {
+        /// Entries kept per row.
+        k: usize,
+        /// Whether kept entries sum to one.
+        renormalize: bool,
+    },
+    /// `(x [T, H], routing [T, E], then per expert e: gate_e [F, H], up_e [F, H],
+    /// down_e [H, F]) -> [T, H]`: `Σ_e routing[t, e] · down_e(silu(gate_e x) · up_e x)` over the
+    /// experts with a non-zero routing weight.
+    MoeExperts {
+        /// Experts E.
+        num_experts: usize,
+    },
+    /// `(x [T, H], input_row_offsets [B+1]) -> [B, H]`: the last row of each sequence.
+    LastTokens,
+}
+
+impl Op {
+    /// The op's short name, for errors and listings.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Input => "input",
+            Op::KvCache(_) => "kv_cache",
+            Op::Param => "param",
+            Op::Embedding => "embedding",
+            Op::Linear => "linear",
+            Op::Add => "add",
+            Op::Mul => "mul",
+            Op::Silu => "silu",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::Reshape { .. } => "reshape",
+            Op::Positions => "positions",
+            Op::Rope { .. } => "rope",
+            Op::PagedAttention { .. } => "paged_attention",
+            Op::Softmax => "softmax",
+            Op::TopK { .. } => "top_k",
+            Op::MoeExperts { .. } => "moe_experts",
+            Op::LastTokens => "last_tokens",
+        }
+    }
+
+    /// True for ops without operands whose type is declared, not inferred.
+    pub fn is_leaf(&self) -> bool {
+        matches!(self, Op::Input | Op::KvCache(_) | Op::Param)
+    }
+
+    /// The output type for these operand types, or what does not fit.
+    pub fn infer(&self, xs: &[&TensorType]) -> Result<TensorType, String> {
+        match self {
+            Op::Input | Op::Param => Err("a leaf has a declared type".into()),
+            Op::KvCache(layout) => {
+                arity(xs, 0)?;
+                Ok(layout.tensor_type())
+            }
+            Op::Embedding => {
+                arity(xs, 2)?;
+                let (table, ids) = (xs[0], xs[1]);
+                float(table, "table")?;
+                rank(table, 2, "table")?;
+                rank(ids, 1, "ids")?;
+                integer(ids, "ids")?;
+                Ok(TensorType::new(
+                    DType::F32,
+                    [ids.shape[0].clone(), table.shape[1].clone()],
+                ))
+            }
+            Op::Linear => {
+                arity(xs, 2)?;
+                let (x, w) = (xs[0], xs[1]);
+                float(x, "x")?;
+                float(w, "w")?;
+                rank(w, 2, "w")?;
+                let k = x.shape.last().ok_or("x is a scalar")?;
+                same_dim(k, &w.shape[1], "x's last dim", "w's in-features (dim 1)")?;
+                let mut shape = x.shape.clone();
+                *shape.last_mut().expect("rank checked") = w.shape[0].clone();
+                Ok(TensorType::new(DType::F32, shape))
+            }
+            Op::Add | Op::Mul => {
+                arity(xs, 2)?;
+                let (a, b) = (xs[0], xs[1]);
+                float(a, "a")?;
+                float(b, "b")?;
+                if b.shape.len() > a.shape.len()
+                    || a.shape[a.shape.len() - b.shape.len()..] != b.shape[..]
+                {
+                    return Err(format!(
+                        "b's shape {} is not a suffix of a's shape {}",
+                        shape_string(&b.shape),
+                        shape_string(&a.shape)
+                    ));
+                }
+                Ok(TensorType::new(DType::F32, a.shape.clone()))
+            }
+            Op::Silu | Op::Softmax => {
+                arity(xs, 1)?;
+                float(xs[0], "x")?;
+                Ok(TensorType::new(DType::F32, xs[0].shape.clone()))
+            }
+            Op::RmsNorm { .. } => {
+                arity(xs, 2)?;
+                let (x, w) = (xs[0], xs[1]);
+                float(x, "x")?;
+                rank(w, 1, "w")?;
+                let h = x.shape.last().ok_or("x is a scalar")?;
+                same_dim(h, &w.shape[0], "x's last dim", "w's size")?;
+                Ok(TensorType::new(DType::F32, x.shape.clone()))
+            }
+            Op::Reshape { shape } => {
+                arity(xs, 1)?;
+                if !same_volume(&xs[0].shape, shape) {
+                    return Err(format!(
+                        "cannot reshape {} to {}: element counts differ",
+                        shape_string(&xs[0].shape),
+                        shape_string(shape)
+                    ));
+                }
+                Ok(TensorType::new(xs[0].dtype, shape.clone()))
+            }
+            Op::Positions => {
+                arity(xs, 3)?;
+                for (x, what) in xs
+                    .iter()
+                    .zip(["tokens", "input_row_offsets", "cache_lengths"])
+                {
+                    rank(x, 1, what)?;
+                    integer(x, what)?;
+                }
+                Ok(TensorType::new(DType::I64, [xs[0].shape[0].clone()]))
+            }
+            Op::Rope { inv_freq } => {
+                arity(xs, 2)?;
+                let (x, pos) = (xs[0], xs[1]);
+                float(x, "x")?;
+                rank(x, 3, "x")?;
+                rank(pos, 1, "positions")?;
+                integer(pos, "positions")?;
+                same_dim(&x.shape[0], &pos.shape[0], "x's rows", "positions' length")?;
+                same_dim(
+                    &x.shape[2],
+                    &Dim::Fixed(2 * inv_freq.len()),
+                    "x's head dim",
+                    "2 × inv_freq count",
+                )?;
+                Ok(TensorType::new(DType::F32, x.shape.clone()))
+            }
+            Op::PagedAttention { .. } => {
+                arity(xs, 7)?;
+                let (q, k, v, cache, lut, lens, offs) =
+                    (xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6]);
+                for (x, what) in [(q, "q"), (k, "k"), (v, "v")] {
+                    float(x, what)?;
+                    rank(x, 3, what)?;
+                    same_dim(
+                        &x.shape[0],
+                        &q.shape[0],
+                        &format!("{what}'s rows"),
+                        "q's rows",
+                    )?;
+                }
+                if k.shape != v.shape {
+                    return Err(format!(
+                        "k {} and v {} differ",
+                        shape_string(&k.shape),
+                        shape_string(&v.shape)
+                    ));
+                }
+                same_dim(&q.shape[2], &k.shape[2], "q's head dim", "k's head dim")?;
+                let (hq, hkv) = (q.shape[1].fixed(), k.shape[1].fixed());
+                match (hq, hkv) {
+                    (Some(hq), Some(hkv)) if hkv > 0 && hq % hkv == 0 => {}
+                    _ => {
+                        return Err(format!(
+                            "q heads {} are not a multiple of kv heads {}",
+                            q.shape[1], k.shape[1]
+                        ))
+                    }
+                }
+                rank(cache, 6, "kv_cache")?;
+                same_dim(
+                    &cache.shape[4],
+                    &k.shape[1],
+                    "kv_cache's kv heads",
+                    "k's heads",
+                )?;
+                same_dim(
+                    &cache.shape[5],
+                    &k.shape[2],
+                    "kv_cache's head dim",
+                    "k's head dim",
+                )?;
+                rank(lut, 2, "kv_lookup_table")?;
+                integer(lut, "kv_lookup_table")?;
+                rank(lens, 1, "cache_lengths")?;
+                integer(lens, "cache_lengths")?;
+                same_dim(
+                    &lut.shape[0],
+                    &lens.shape[0],
+                    "kv_lookup_table's rows",
+                    "cache_lengths' length",
+                )?;
+                rank(offs, 1, "input_row_offsets")?;
+                integer(offs, "input_row_offsets")?;
+                Ok(TensorType::new(DType::F32, q.shape.clone()))
+            }
+            Op::TopK { k, .. } => {
+                arity(xs, 1)?;
+                rank(xs[0], 2, "probs")?;
+                if let Some(e) = xs[0].shape[1].fixed() {
+                    if *k == 0 || *k > e {
+                        return Err(format!("k = {k} is not in 1..={e} (the expert count)"));
+                    }
+                }
+                Ok(TensorType::new(DType::F32, xs[0].shape.clone()))
+            }
+            Op::MoeExperts { num_experts } => {
+                arity(xs, 2 + 3 * num_experts)?;
+                let (x, routing) = (xs[0], xs[1]);
+                rank(x, 2, "x")?;
+                rank(routing, 2, "routing")?;
+                same_dim(&routing.shape[0], &x.shape[0], "routing's rows", "x's rows")?;
+                same_dim(
+                    &routing.shape[1],
+                    &Dim::Fixed(*num_experts),
+                    "routing's columns",
+                    "the expert count",
+                )?;
+                let h = &x.shape[1];
+                let f = &xs[2]
+                    .shape
+                    .first()
+                    .ok_or("expert 0's gate is a scalar")?
+                    .clone();
+                for e in 0..*num_experts {
+                    let (g, u, d) = (xs[2 + 3 * e], xs[3 + 3 * e], xs[4 + 3 * e]);
+                    for (w, what, want) in
+                        [(g, "gate", [f, h]), (u, "up", [f, h]), (d, "down", [h, f])]
+                    {
+                        float(w, what)?;
+                        if w.shape.len() != 2 || &w.shape[0] != want[0] || &w.shape[1] != want[1] {
+                            return Err(format!(
+                                "expert {e}'s {what} weight is {}, expected [{}, {}]",
+                                shape_string(&w.shape),
+                                want[0],
+                                want[1]
+                            ));
+                        }
+                    }
+                }
+                Ok(TensorType::new(DType::F32, x.shape.clone()))
+            }
+            Op::LastTokens => {
+                arity(xs, 2)?;
+                let (x, offs) = (xs[0], xs[1]);
+                rank(x, 2, "x")?;
+                rank(offs, 1, "input_row_offsets")?;
+                integer(offs, "input_row_offsets")?;
+                let b = match &offs.shape[0] {
+                    Dim::Fixed(n) if *n >= 1 => Dim::Fixed(n - 1),
+                    Dim::Sym(s) if s == names::INPUT_ROW_OFFSETS_LEN => Dim::sym(names::BATCH_SIZE),
+                    other => {
+                        return Err(format!(
+                            "input_row_offsets has length {other}, expected {}",
+                            names::INPUT_ROW_OFFSETS_LEN
+                        ))
+                    }
+                };
+                Ok(TensorType::new(DType::F32, [b, x.shape[1].clone()]))
+            }
+        }
+    }
+}
+
+fn arity(xs: &[&TensorType], n: usize) -> Result<(), String> {
+    if xs.len() == n {
+        Ok(())
+    } else {
+        Err(format!("takes {n} operand(s), got {}", xs.len()))
+    }
+}
+
+fn rank(x: &TensorType, n: usize, what: &str) -> Result<(), String> {
+    if x.shape.len() == n {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what} has rank {} ({}), expected rank {n}",
+            x.shape.len(),
+            shape_string(&x.shape)
+        ))
+    }
+}
+
+fn float(x: &TensorType, what: &str) -> Result<(), String> {
+    if x.dtype.is_float() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what} has dtype {}, expected a float dtype",
+            x.dtype
+        ))
+    }
+}
+
+fn integer(x: &TensorType, what: &str) -> Result<(), String> {
+    if matches!(x.dtype, DType::I32 | DType::I64) {
+        Ok(())
+    } else {
+        Err(format!("{what} has dtype {}, expected i32 or i64", x.dtype))
+    }
+}
+
+fn same_dim(a: &Dim, b: &Dim, what_a: &str, what_b: &str) -> Result<(), String> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(format!("{what_a} ({a}) differs from {what_b} ({b})"))
+    }
+}

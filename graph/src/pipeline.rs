@@ -1,0 +1,223 @@
+//! The weight pipeline and graph building in DESIGN.md's order, as one call: read the checkpoint
+//! (memory-mapped) -> finalize from raw keys where asked -> `prepare_weights` -> per role: select
+//! by prefix and strip it -> convert to the parameter dtype -> bind strictly to the graph.
+
+use crate::arch::{BuildOptions, ModelSpec};
+use crate::deployment::ModelLoadContext;
+use crate::ir::TensorType;
+use crate::weights::{load_checkpoint_weights, StateDict};
+use crate::{DType, DeploymentConfig, Error, Graph, GraphRole, ModuleRuntime, Registry, Result};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// What to load, and how.
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    /// The deployment.
+    pub runtime: ModuleRuntime,
+    /// The dtype float weights are converted to.
+    pub param_dtype: DType,
+    /// Graphs output logits for every token row, not only each sequence's last.
+    pub all_logits: bool,
+    /// The roles to build; empty means every role of the model.
+    pub roles: Vec<GraphRole>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            runtime: ModuleRuntime::default(),
+            param_dtype: DType::F32,
+            all_logits: false,
+            roles: Vec::new(),
+        }
+    }
+}
+
+/// One role's graph with its bound weights (keys are the graph's parameter names).
+#[derive(Clone, Debug)]
+pub struct RoleGraph {
+    /// The graph.
+    pub graph: Graph,
+    /// Exactly the graph's parameters, converted to their dtype.
+    pub weights: StateDict,
+}
+
+/// A checkpoint turned into graphs.
+#[derive(Debug)]
+pub struct LoadedModel {
+    /// The checkpoint folder.
+    pub dir: PathBuf,
+    /// config.json as read.
+    pub config_json: serde_json::Value,
+    /// The parsed model.
+    pub spec: Box<dyn ModelSpec>,
+    /// The deployment config, completed by the runtime.
+    pub deployment: DeploymentConfig,
+    /// The graphs, by role.
+    pub roles: BTreeMap<GraphRole, RoleGraph>,
+}
+
+/// Reads and parses `dir/config.json`.
+pub fn read_config(
+    dir: &Path,
+    registry: &Registry,
+) -> Result<(serde_json::Value, Box<dyn ModelSpec>)> {
+    let file = dir.join("config.json");
+    let text = std::fs::read_to_string(&file).map_err(|e| Error::io(&file, e))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::checkpoint(&file, format!("not valid JSON: {e}")))?;
+    let spec = registry.parse_config(&file, &json)?;
+    Ok((json, spec))
+}
+
+/// Loads the checkpoint folder `dir` and builds the graph of every requested role.
+pub fn load_model(dir: &Path, registry: &Registry, opts: &LoadOptions) -> Result<LoadedModel> {
+    opts.runtime.validate()?;
+    let (config_json, spec) = read_config(dir, registry)?;
+    let roles = if opts.roles.is_empty() {
+        spec.roles()
+    } else {
+        opts.roles.clone()
+    };
+    for role in &roles {
+        if !spec.roles().contains(role) {
+            return Err(Error::Setting {
+                field: "role".into(),
+                value: role.to_string(),
+                message: format!(
+                    "{} has roles {:?}",
+                    spec.architecture(),
+                    spec.roles().iter().map(|r| r.name()).collect::<Vec<_>>()
+                ),
+            });
+        }
+    }
+    let ctx = ModelLoadContext {
+        roles: roles.clone(),
+    };
+    let mut deployment = spec
+        .deployment()
+        .apply_runtime(&opts.runtime)?
+        .apply_model_load_context(&ctx)?;
+
+    let raw = load_checkpoint_weights(dir)?;
+    let checkpoint_dtype = stored_float_dtype(&raw);
+    if deployment.preserve_checkpoint_keys {
+        deployment = deployment.finalize_from_checkpoint(&raw)?;
+    }
+    let prepared = deployment.prepare_weights(raw)?;
+    check_outside_prefixes(&deployment, &spec.roles(), &prepared)?;
+
+    let build = BuildOptions {
+        param_dtype: opts.param_dtype,
+        page_size: opts.runtime.kv.page_size,
+        all_logits: opts.all_logits,
+        takes_batch_context_lengths: deployment.takes_batch_context_lengths,
+        checkpoint_dtype,
+    };
+    let mut built = BTreeMap::new();
+    for role in roles {
+        let graph = spec.build(role, &build)?;
+        let selected = deployment.role_weights(role, &prepared);
+        let prefix = deployment.weight_prefixes.get(&role).map(String::as_str);
+        let weights = bind_weights(role, &graph.params(), selected, prefix)?;
+        built.insert(role, RoleGraph { graph, weights });
+    }
+    Ok(LoadedModel {
+        dir: dir.to_path_buf(),
+        config_json,
+        spec,
+        deployment,
+        roles: built,
+    })
+}
+
+/// The float dtype holding most of the checkpoint's float weight elements (f32 when none).
+pub fn stored_float_dtype(weights: &StateDict) -> DType {
+    let mut elems: BTreeMap<DType, usize> = BTreeMap::new();
+    for (_, w) in weights.iter().filter(|(_, w)| w.dtype.is_float()) {
+        *elems.entry(w.dtype).or_insert(0) += w.numel();
+    }
+    elems
+        .into_iter()
+        .max_by_key(|&(d, n)| (n, std::cmp::Reverse(d)))
+        .map_or(DType::F32, |(d, _)| d)
+}
+
+/// Where every role has a prefix, weights under none of them belong to no role: an error.
+fn check_outside_prefixes(
+    deployment: &DeploymentConfig,
+    roles: &[GraphRole],
+    weights: &StateDict,
+) -> Result<()> {
+    let prefixes: Vec<&str> = roles
+        .iter()
+        .filter_map(|r| deployment.weight_prefixes.get(r).map(String::as_str))
+        .collect();
+    if prefixes.len() < roles.len() {
+        return Ok(()); // a role without a prefix takes every weight; binding checks what it leaves.
+    }
+    let stray: Vec<&String> = weights
+        .keys()
+        .filter(|k| !prefixes.iter().any(|p| k.starts_with(p)))
+        .collect();
+    if stray.is_empty() {
+        return Ok(());
+    }
+    Err(Error::UnusedWeights {
+        role: format!("(none; role prefixes are {})", prefixes.join(", ")),
+        count: stray.len(),
+        keys: list_keys(stray.into_iter()),
+    })
+}
+
+fn list_keys<'a>(keys: impl Iterator<Item = &'a String>) -> String {
+    let keys: Vec<&String> = keys.collect();
+    let mut shown: Vec<String> = keys.iter().take(8).map(|k| format!("`{k}`")).collect();
+    if keys.len() > 8 {
+        shown.push(format!("... and {} more", keys.len() - 8));
+    }
+    shown.join(", ")
+}
+
+/// Binds `weights` to the graph's parameters strictly: a missing, unused or mis-shaped key is an
+/// error naming it. Float weights are converted to the parameter's dtype.
+pub fn bind_weights(
+    role: GraphRole,
+    params: &BTreeMap<String, TensorType>,
+    weights: StateDict,
+    prefix: Option<&str>,
+) -> Result<StateDict> {
+    let mut bound = StateDict::new();
+    for (key, ty) in params {
+        let expected: Vec<usize> = ty.shape.iter().map(|d| d.fixed().unwrap_or(0)).collect();
+        let w = weights.get(key).ok_or_else(|| Error::MissingWeight {
+            role: role.to_string(),
+            key: key.clone(),
+            expected: ty.to_string(),
+            hint: prefix
+                .map(|p| format!("; looked for `{p}{key}` in the checkpoint"))
+                .unwrap_or_default(),
+        })?;
+        if w.shape != expected {
+            return Err(Error::WeightShape {
+                role: role.to_string(),
+                key: key.clone(),
+                found: w.shape.clone(),
+                expected,
+            });
+        }
+        bound.insert(key.clone(), w.convert(ty.dtype, key)?);
+    }
+    let used: BTreeSet<&String> = params.keys().collect();
+    let unused: Vec<&String> = weights.keys().filter(|k| !used.contains(k)).collect();
+    if !unused.is_empty() {
+        return Err(Error::UnusedWeights {
+            role: role.to_string(),
+            count: unused.len(),
+            keys: list_keys(unused.into_iter()),
+        });
+    }
+    Ok(bound)
+}
