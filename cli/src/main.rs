@@ -1,1 +1,45 @@
-fn main() {}
+//! `maxc`: compile models ahead of time and inspect them.
+
+mod args;
+mod commands;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+/// maxc: an ahead-of-time model compiler with a lean serving runtime.
+#[derive(Parser, Debug)]
+#[command(name = "maxc", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// List the registered architectures.
+    Models(commands::models::Args),
+    /// Load a checkpoint, build every role's graph and show parameters, ops, inputs and dim bounds.
+    Plan(commands::plan::Args),
+    /// Run one prompt through the reference interpreter and print (or dump) its logits.
+    Eval(commands::eval::Args),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("MAXC_LOG"))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Models(a) => commands::models::run(a),
+        Command::Plan(a) => commands::plan::run(a),
+        Command::Eval(a) => commands::eval::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,84 @@
+//! `maxc eval MODEL --tokens ...`: one prompt through the reference interpreter.
+
+use crate::args::parse_tokens;
+use anyhow::{Context, Result};
+use maxc_graph::interp::{Interpreter, Session};
+use maxc_graph::pipeline::{load_model, LoadOptions};
+use maxc_graph::weights::{write_safetensors, StateDict, WeightTensor};
+use maxc_graph::{BatchProcessorRuntime, GraphRole, KvCacheParams, ModuleRuntime, Registry};
+use std::path::PathBuf;
+
+/// Arguments of `maxc eval`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Checkpoint folder (config.json + safetensors).
+    model: PathBuf,
+    /// The prompt's token ids, comma separated.
+    #[arg(long)]
+    tokens: String,
+    /// The graph role to run.
+    #[arg(long, default_value = "decoder")]
+    role: GraphRole,
+    /// Write the logits of every position to this safetensors file (`logits`, f32 [n, vocab]).
+    #[arg(long)]
+    dump_logits: Option<PathBuf>,
+}
+
+/// Runs the prompt and prints the last position's top tokens.
+pub fn run(args: Args) -> Result<()> {
+    let tokens = parse_tokens(&args.tokens)?;
+    let page_size = 16;
+    let runtime = ModuleRuntime {
+        batch: BatchProcessorRuntime {
+            max_batch_size: 1,
+            max_seq_len: tokens.len(),
+            max_batch_input_tokens: tokens.len(),
+            ..Default::default()
+        },
+        kv: KvCacheParams {
+            page_size,
+            num_pages: None,
+        },
+    };
+    let opts = LoadOptions {
+        runtime,
+        all_logits: true,
+        roles: vec![args.role],
+        ..Default::default()
+    };
+    let mut loaded = load_model(&args.model, &Registry::builtin(), &opts)?;
+    let rg = loaded
+        .roles
+        .remove(&args.role)
+        .context("role was not built")?;
+    let interp = Interpreter::new(rg.graph, &rg.weights)?;
+    let pages = tokens.len().div_ceil(page_size);
+    let mut session = Session::new(&interp, pages, pages);
+    let logits = session.step(&[(0, &tokens)])?;
+    let last = logits.row(tokens.len() - 1);
+    let mut top: Vec<(usize, f32)> = last.iter().copied().enumerate().collect();
+    top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    println!(
+        "{} tokens, vocab {}; last position's top 5:",
+        tokens.len(),
+        interp.vocab_size()
+    );
+    for (id, logit) in top.iter().take(5) {
+        println!("  {id:>8}  {logit:.5}");
+    }
+    if let Some(path) = &args.dump_logits {
+        let mut out = StateDict::new();
+        out.insert(
+            "logits",
+            WeightTensor::from_f32(logits.shape.clone(), &logits.data),
+        );
+        write_safetensors(path, &out, None)?;
+        println!(
+            "logits [{}, {}] written to {}",
+            logits.shape[0],
+            logits.shape[1],
+            path.display()
+        );
+    }
+    Ok(())
+}
