@@ -1,0 +1,1 @@
+//! The CPU backend: Cranelift-generated native code for the kernel IR.

@@ -1,0 +1,309 @@
+//! The kernel IR: what a lowered program runs. Both backends consume it (CPU: Cranelift native
+//! code or a library kernel; CUDA: generated CUDA C), and it is stored in the artifact.
+//!
+//! Calling convention of a generated CPU kernel (System V on x86-64, AAPCS64 on aarch64):
+//!
+//! ```text
+//! extern "C" fn(bufs: *const *mut u8, dims: *const u64, start: u64, end: u64)
+//! ```
+//!
+//! - `bufs`: one pointer per buffer, in the order each [`KernelBody`] variant documents.
+//! - `dims`: the step's sizes, indexed by [`StepDim`] (`dims[StepDim::TotalSeqLen as usize]`...).
+//! - `start..end`: the slice of the kernel's parallel range (documented per variant) that this
+//!   call computes; the executor splits the range across threads. Calls on disjoint slices may
+//!   run at the same time and must not write the same memory.
+//!
+//! Float activations are f32. Weights ("param" buffers) are in the kernel's `weight_dtype`.
+//! Integer step inputs (`input_row_offsets`, `cache_lengths`, `kv_lookup_table`) are i32;
+//! `tokens` and positions are i64.
+
+use super::DType;
+use serde::{Deserialize, Serialize};
+
+/// A per-step size, by its slot in the `dims` array passed to every kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[repr(u8)]
+pub enum StepDim {
+    /// Token rows in the step (`total_seq_len`).
+    TotalSeqLen = 0,
+    /// Sequences in the step (`batch_size`).
+    BatchSize = 1,
+    /// Columns of the KV lookup table (`max_num_pages`).
+    MaxNumPages = 2,
+    /// Pages in the KV cache (`total_num_pages`).
+    TotalNumPages = 3,
+}
+
+impl StepDim {
+    /// Slots in the `dims` array.
+    pub const COUNT: usize = 4;
+
+    /// The graph's name of this dim.
+    pub fn name(self) -> &'static str {
+        match self {
+            StepDim::TotalSeqLen => "total_seq_len",
+            StepDim::BatchSize => "batch_size",
+            StepDim::MaxNumPages => "max_num_pages",
+            StepDim::TotalNumPages => "total_num_pages",
+        }
+    }
+
+    /// The dim with the graph name `name`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        [
+            StepDim::TotalSeqLen,
+            StepDim::BatchSize,
+            StepDim::MaxNumPages,
+            StepDim::TotalNumPages,
+        ]
+        .into_iter()
+        .find(|d| d.name() == name)
+    }
+}
+
+/// How many rows a kernel processes: fixed, or a step dim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Rows {
+    /// A step dim's value.
+    Step(StepDim),
+    /// A constant.
+    Fixed(u64),
+}
+
+/// One instruction of a fused elementwise expression; operands are indices of earlier
+/// instructions. The last instruction is the result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum EwInstr {
+    /// The value of input `i` at this element.
+    Input(u32),
+    /// `a + b`.
+    Add(u32, u32),
+    /// `a * b`.
+    Mul(u32, u32),
+    /// `a · sigmoid(a)`.
+    Silu(u32),
+}
+
+/// An input of a fused elementwise kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct EwInput {
+    /// Element type (f32 activations, or a weight dtype).
+    pub dtype: DType,
+    /// A `[cols]` vector repeated over every row (a bias or a norm weight), instead of
+    /// `[rows, cols]`.
+    pub broadcast: bool,
+}
+
+/// Which rows a row gather reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum GatherIndex {
+    /// Row `i` of the output is row `index[i]` (i64 token ids) of the source; `rows` = tokens.
+    Tokens,
+    /// Row `b` of the output is row `index[b + 1] - 1` (i32 row offsets) of the source, the last
+    /// row of sequence `b`; a sequence without rows gets zeros.
+    LastRows,
+}
+
+/// What a kernel computes. Each variant documents its buffers (in `bufs` order) and its
+/// parallel range.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum KernelBody {
+    /// `out[i, :] = src[idx(i), :]`, converted to f32.
+    /// Buffers: `src [V, cols]` (`src_dtype`), `index`, `out f32 [rows, cols]`.
+    /// Parallel range: output rows.
+    Gather {
+        /// Output rows.
+        rows: Rows,
+        /// Row width.
+        cols: u64,
+        /// How the source row is chosen.
+        index: GatherIndex,
+        /// The source's element type.
+        src_dtype: DType,
+    },
+    /// Each token row's position: `cache_lengths[b] + (r - input_row_offsets[b])`.
+    /// Buffers: `input_row_offsets i32 [B+1]`, `cache_lengths i32 [B]`, `out i64 [T]`.
+    /// Parallel range: sequences `0..B`.
+    Positions,
+    /// RMSNorm of rows, optionally of a residual sum:
+    /// without residual: `x`, `w [cols]`, `out` with `out = x / sqrt(mean(x²) + eps) · w`;
+    /// with residual: `a`, `b`, `w [cols]`, `sum`, `out` with `sum = a + b` and
+    /// `out = rmsnorm(sum) · w`. All rows `[rows, cols]` f32; `w` in `weight_dtype`.
+    /// Parallel range: rows.
+    RmsNorm {
+        /// Rows.
+        rows: Rows,
+        /// Row width.
+        cols: u64,
+        /// Added to the mean square.
+        eps: f32,
+        /// Whether the kernel first adds a residual.
+        residual: bool,
+        /// Element type of `w`.
+        weight_dtype: DType,
+    },
+    /// A fused elementwise expression over `[rows, cols]` f32 values.
+    /// Buffers: each input in order, then `out f32 [rows, cols]`. Parallel range: rows.
+    Elementwise {
+        /// Rows.
+        rows: Rows,
+        /// Row width.
+        cols: u64,
+        /// The inputs.
+        inputs: Vec<EwInput>,
+        /// The expression; the last instruction is the output.
+        program: Vec<EwInstr>,
+    },
+    /// Rotary embedding (rotate-half layout) of `x [T, heads, head_dim]`:
+    /// `out[i] = x[i]·cos - x[i+h]·sin`, `out[i+h] = x[i+h]·cos + x[i]·sin` for `i < h =
+    /// head_dim/2`, with `cos = table[pos, 0, i]`, `sin = table[pos, 1, i]`.
+    /// Buffers: `x`, `positions i64 [T]`, `table f32 [max_pos, 2, head_dim/2]`, `out`.
+    /// Parallel range: rows `0..T`.
+    Rope {
+        /// Heads per row.
+        heads: u64,
+        /// Elements per head (even).
+        head_dim: u64,
+    },
+    /// Writes the step's keys and values into layer `layer` of the paged cache: for row `r` of
+    /// sequence `b` at position `p = cache_lengths[b] + r - input_row_offsets[b]`, page
+    /// `kv_lookup_table[b, p / page_size]`, slot `p % page_size`.
+    /// Cache layout `[pages, num_layers, 2, page_size, kv_heads, head_dim]` f32.
+    /// Buffers: `k [T, kv_heads, head_dim]`, `v` (same), `kv_cache`, `kv_lookup_table [B, P]`,
+    /// `cache_lengths [B]`, `input_row_offsets [B+1]`. Parallel range: rows `0..T`.
+    KvStore {
+        /// The layer's slot in the cache.
+        layer: u64,
+        /// Layers in the cache.
+        num_layers: u64,
+        /// KV heads.
+        kv_heads: u64,
+        /// Elements per head.
+        head_dim: u64,
+        /// Tokens per page.
+        page_size: u64,
+    },
+    /// Causal attention of each query row over its sequence's cached positions `0..=p` (the
+    /// step's own keys must already be stored by [`KernelBody::KvStore`]). Query head `h` reads
+    /// KV head `h / (heads / kv_heads)`. Scores `q·k · scale`, softmax, weighted sum of values.
+    /// Buffers: `q [T, heads, head_dim]`, `kv_cache`, `kv_lookup_table [B, P]`,
+    /// `cache_lengths [B]`, `input_row_offsets [B+1]`, `out [T, heads, head_dim]`.
+    /// Parallel range: rows `0..T`.
+    Attention {
+        /// The layer's slot in the cache.
+        layer: u64,
+        /// Layers in the cache.
+        num_layers: u64,
+        /// Query heads.
+        heads: u64,
+        /// KV heads (divides `heads`).
+        kv_heads: u64,
+        /// Elements per head.
+        head_dim: u64,
+        /// Tokens per page.
+        page_size: u64,
+        /// Score scale.
+        scale: f32,
+    },
+    /// Softmax over each row. Buffers: `x [rows, cols]`, `out`. Parallel range: rows.
+    Softmax {
+        /// Rows.
+        rows: Rows,
+        /// Row width.
+        cols: u64,
+    },
+    /// Keeps each row's `k` largest entries (ties: lower index first), zeroes the rest;
+    /// with `renormalize`, the kept entries are divided by their sum.
+    /// Buffers: `x [rows, cols]`, `out`. Parallel range: rows.
+    TopK {
+        /// Rows.
+        rows: Rows,
+        /// Row width.
+        cols: u64,
+        /// Entries kept.
+        k: u64,
+        /// Whether kept entries sum to one.
+        renormalize: bool,
+    },
+    /// `out = x · wᵀ (+ bias)`. Buffers: `x f32 [rows, k]`, `w [n, k]` (`weight_dtype`),
+    /// then `bias [n]` where `bias`, then `out f32 [rows, n]`. Parallel range: output columns.
+    Matmul {
+        /// Rows of `x`.
+        rows: Rows,
+        /// Output features.
+        n: u64,
+        /// Input features.
+        k: u64,
+        /// Element type of `w` and `bias`.
+        weight_dtype: DType,
+        /// Whether a bias follows `w`.
+        bias: bool,
+    },
+    /// SwiGLU experts weighted by a dense routing matrix:
+    /// `out[t] = Σ_e routing[t, e] · down_e(silu(gate_e · x[t]) · (up_e · x[t]))` over experts
+    /// with a non-zero weight. Buffers: `x [rows, hidden]`, `routing [rows, experts]`, then per
+    /// expert `gate [ffn, hidden]`, `up [ffn, hidden]`, `down [hidden, ffn]`, then `out`.
+    /// Parallel range: experts (the executor sums partial outputs).
+    MoeExperts {
+        /// Rows.
+        rows: Rows,
+        /// Model width.
+        hidden: u64,
+        /// Expert MLP width.
+        ffn: u64,
+        /// Experts.
+        experts: u64,
+        /// Element type of the expert weights.
+        weight_dtype: DType,
+    },
+}
+
+impl KernelBody {
+    /// The kernel kind's short name.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            KernelBody::Gather { .. } => "gather",
+            KernelBody::Positions => "positions",
+            KernelBody::RmsNorm { .. } => "rms_norm",
+            KernelBody::Elementwise { .. } => "elementwise",
+            KernelBody::Rope { .. } => "rope",
+            KernelBody::KvStore { .. } => "kv_store",
+            KernelBody::Attention { .. } => "attention",
+            KernelBody::Softmax { .. } => "softmax",
+            KernelBody::TopK { .. } => "top_k",
+            KernelBody::Matmul { .. } => "matmul",
+            KernelBody::MoeExperts { .. } => "moe_experts",
+        }
+    }
+
+    /// The extent of the parallel range for the step sizes `dims`.
+    pub fn parallel_extent(&self, dims: &[u64; StepDim::COUNT]) -> u64 {
+        let rows = |r: &Rows| match r {
+            Rows::Step(d) => dims[*d as usize],
+            Rows::Fixed(n) => *n,
+        };
+        let t = dims[StepDim::TotalSeqLen as usize];
+        match self {
+            KernelBody::Gather { rows: r, .. }
+            | KernelBody::RmsNorm { rows: r, .. }
+            | KernelBody::Elementwise { rows: r, .. }
+            | KernelBody::Softmax { rows: r, .. }
+            | KernelBody::TopK { rows: r, .. } => rows(r),
+            KernelBody::Positions => dims[StepDim::BatchSize as usize],
+            KernelBody::Rope { .. } | KernelBody::KvStore { .. } | KernelBody::Attention { .. } => {
+                t
+            }
+            KernelBody::Matmul { n, .. } => *n,
+            KernelBody::MoeExperts { experts, .. } => *experts,
+        }
+    }
+
+    /// Whether the CPU backend runs this kernel as generated native code (otherwise as a
+    /// library kernel of the runtime).
+    pub fn is_generated_on_cpu(&self) -> bool {
+        !matches!(
+            self,
+            KernelBody::Matmul { .. } | KernelBody::MoeExperts { .. }
+        )
+    }
+}
