@@ -22,6 +22,14 @@ enum Command {
     Plan(commands::plan::Args),
     /// Run one prompt through the reference interpreter and print (or dump) its logits.
     Eval(commands::eval::Args),
+    /// Compile a checkpoint into an artifact directory.
+    Compile(commands::compile::Args),
+    /// Run one prompt through a compiled artifact and print (or dump) its logits.
+    Run(commands::run::Args),
+    /// Generate tokens with a compiled artifact.
+    Generate(commands::generate::Args),
+    /// Show an artifact's roles, dims and bounds, kernels, arena and weights.
+    Inspect(commands::inspect::Args),
 }
 
 fn main() -> ExitCode {
@@ -34,6 +42,10 @@ fn main() -> ExitCode {
         Command::Models(a) => commands::models::run(a),
         Command::Plan(a) => commands::plan::run(a),
         Command::Eval(a) => commands::eval::run(a),
+        Command::Compile(a) => commands::compile::run(a),
+        Command::Run(a) => commands::run::run(a),
+        Command::Generate(a) => commands::generate::run(a),
+        Command::Inspect(a) => commands::inspect::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

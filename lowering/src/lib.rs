@@ -1,4 +1,12 @@
-//! maxc's lowering: from a role's graph to a [`maxc_runtime::schema::Program`]: named passes
-//! (fusion, memory plan) and the backends that turn the kernel IR into code.
+//! maxc's lowering: from a role's graph to a [`maxc_runtime::schema::Program`]: kernel selection,
+//! named fusion passes, the memory plan, and the backends that turn the kernel IR into code.
 
 pub mod cpu;
+pub mod error;
+pub mod kgraph;
+pub mod passes;
+pub mod program;
+pub mod select;
+
+pub use error::{LowerError, Result};
+pub use program::{lower_graph, LowerOptions};

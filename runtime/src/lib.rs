@@ -1,5 +1,17 @@
-//! maxc's runtime: the artifact schema, its reader and validation, and the executors. It holds
-//! no compiler: artifacts are compiled ahead of time by `maxc compile`.
+//! maxc's runtime: the artifact schema, its reader and validation, the paged KV cache's
+//! bookkeeping and the executors. It holds no compiler: artifacts are compiled ahead of time by
+//! `maxc compile`.
 
+pub mod artifact;
 pub mod cpu;
+pub mod engine;
+pub mod error;
+pub mod kv;
+pub mod sampling;
 pub mod schema;
+pub mod step;
+
+pub use artifact::Artifact;
+pub use engine::Engine;
+pub use error::{Result, RuntimeError};
+pub use step::{Logits, StepInputs};

@@ -1,5 +1,9 @@
 //! One module per `maxc` subcommand.
 
+pub mod compile;
 pub mod eval;
+pub mod generate;
+pub mod inspect;
 pub mod models;
 pub mod plan;
+pub mod run;

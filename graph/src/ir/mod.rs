@@ -6,9 +6,10 @@ mod op;
 
 pub use dim::{names, same_volume, shape_string, Dim, Shape};
 pub use op::{KvLayout, Op, TensorType};
+pub use petgraph::graph::NodeIndex;
 
 use crate::{Error, GraphRole, Result};
-use petgraph::graph::{DiGraph, NodeIndex};
+use petgraph::graph::DiGraph;
 use petgraph::visit::EdgeRef;
 use petgraph::Direction;
 use serde::{Deserialize, Serialize};

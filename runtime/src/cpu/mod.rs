@@ -1,3 +1,8 @@
-//! The CPU executor's pieces: native code loading and (in time) the executor itself.
+//! The CPU executor: native code loading, host target checks, library kernels and the executor.
 
 pub mod code;
+pub mod executor;
+pub mod library;
+pub mod target;
+
+pub use executor::CpuExecutor;

@@ -32,11 +32,22 @@ pub enum StepDim {
     MaxNumPages = 2,
     /// Pages in the KV cache (`total_num_pages`).
     TotalNumPages = 3,
+    /// Entries of `input_row_offsets` (`input_row_offsets_len`, the batch size plus one).
+    InputRowOffsetsLen = 4,
 }
 
 impl StepDim {
     /// Slots in the `dims` array.
-    pub const COUNT: usize = 4;
+    pub const COUNT: usize = 5;
+
+    /// Every step dim, in slot order.
+    pub const ALL: [StepDim; StepDim::COUNT] = [
+        StepDim::TotalSeqLen,
+        StepDim::BatchSize,
+        StepDim::MaxNumPages,
+        StepDim::TotalNumPages,
+        StepDim::InputRowOffsetsLen,
+    ];
 
     /// The graph's name of this dim.
     pub fn name(self) -> &'static str {
@@ -45,19 +56,13 @@ impl StepDim {
             StepDim::BatchSize => "batch_size",
             StepDim::MaxNumPages => "max_num_pages",
             StepDim::TotalNumPages => "total_num_pages",
+            StepDim::InputRowOffsetsLen => "input_row_offsets_len",
         }
     }
 
     /// The dim with the graph name `name`.
     pub fn from_name(name: &str) -> Option<Self> {
-        [
-            StepDim::TotalSeqLen,
-            StepDim::BatchSize,
-            StepDim::MaxNumPages,
-            StepDim::TotalNumPages,
-        ]
-        .into_iter()
-        .find(|d| d.name() == name)
+        StepDim::ALL.into_iter().find(|d| d.name() == name)
     }
 }
 

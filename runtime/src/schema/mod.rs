@@ -2,11 +2,15 @@
 //! The exporter writes these types; the runtime reads and validates them.
 
 pub mod kernel;
+pub mod manifest;
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 pub use kernel::{EwInput, EwInstr, GatherIndex, KernelBody, Rows, StepDim};
+pub use manifest::{
+    FileEntry, Manifest, RoleEntry, RuntimeSettings, Targets, MANIFEST_FILE, WEIGHTS_FILE,
+};
 
 /// The artifact format this runtime reads and the exporter writes.
 pub const FORMAT_VERSION: u32 = 1;
@@ -103,8 +107,6 @@ pub struct Kernel {
     pub name: String,
     /// What it computes.
     pub body: KernelBody,
-    /// The graph nodes it implements, for listings.
-    pub nodes: Vec<String>,
 }
 
 /// One kernel call of a step.
@@ -114,6 +116,8 @@ pub struct Launch {
     pub kernel: u32,
     /// Buffer ids, in the kernel's argument order.
     pub buffers: Vec<u32>,
+    /// The graph nodes this call implements, for listings and diffs.
+    pub nodes: Vec<String>,
 }
 
 /// A rotary table's parameters.
@@ -162,6 +166,27 @@ pub struct Program {
     pub launches: Vec<Launch>,
     /// Arena size at the bounds, in bytes.
     pub arena_bytes: u64,
+}
+
+/// A role's native CPU code: every generated kernel's machine code in one blob.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CpuModule {
+    /// The target the code was generated for.
+    pub target: CpuTarget,
+    /// Machine code, position independent and relocation free.
+    pub code: Vec<u8>,
+    /// Per kernel of the program: the offset of its entry in `code`, or `None` for a library
+    /// kernel of the runtime.
+    pub entries: Vec<Option<u64>>,
+}
+
+/// A CPU code-generation target: architecture and the instruction-set features the code uses.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct CpuTarget {
+    /// `x86_64` or `aarch64`.
+    pub arch: String,
+    /// Features the code needs (`sse4.2`, ...), sorted.
+    pub features: Vec<String>,
 }
 
 /// bincode 2's configuration for programs: standard, little endian, variable-width integers.

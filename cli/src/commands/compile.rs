@@ -1,0 +1,83 @@
+//! `maxc compile MODEL --out DIR`: compiles a checkpoint into an artifact.
+
+use crate::args::RuntimeArgs;
+use anyhow::{bail, Result};
+use maxc_exporter::{compile, CompileOptions, CpuMatmul};
+use maxc_graph::pipeline::read_config;
+use maxc_graph::{DType, Registry};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Arguments of `maxc compile`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Checkpoint folder (config.json + safetensors).
+    pub model: PathBuf,
+    /// The artifact directory to write (conventionally NAME.maxc).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Code target.
+    #[arg(long, default_value = "cpu")]
+    pub target: String,
+    /// The dtype weights are stored in.
+    #[arg(long, default_value = "f32")]
+    pub dtype: DType,
+    #[command(flatten)]
+    pub runtime: RuntimeArgs,
+    /// Return logits for every token row, not only each sequence's last (for scoring and tests).
+    #[arg(long)]
+    pub all_logits: bool,
+    /// How matmuls run on the CPU: `library` (the gemm crate) or `generated` (Cranelift).
+    #[arg(long, default_value = "library", value_parser = ["library", "generated"])]
+    pub cpu_matmul: String,
+    /// Replace an existing artifact.
+    #[arg(long)]
+    pub force: bool,
+    /// Print nothing but errors.
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+/// Compiles, showing each stage with its elapsed time on stderr.
+pub fn run(args: Args) -> Result<()> {
+    if args.target != "cpu" {
+        bail!(
+            "--target {}: this maxc compiles for `cpu` (the CUDA backend is not built yet)",
+            args.target
+        );
+    }
+    let (_, spec) = read_config(&args.model, &Registry::builtin())?;
+    let opts = CompileOptions {
+        runtime: args.runtime.runtime(spec.as_ref()),
+        param_dtype: args.dtype,
+        all_logits: args.all_logits,
+        cpu_matmul: if args.cpu_matmul == "generated" {
+            CpuMatmul::Generated
+        } else {
+            CpuMatmul::Library
+        },
+        force: args.force,
+    };
+    let start = Instant::now();
+    let quiet = args.quiet;
+    let mut progress = |stage: &str| {
+        if !quiet {
+            eprintln!("[{:>6.2}s] {stage}", start.elapsed().as_secs_f64());
+        }
+    };
+    let summary = compile(&args.model, &args.out, &opts, &mut progress)?;
+    if !quiet {
+        let kernels: Vec<String> = summary
+            .kernels
+            .iter()
+            .map(|(r, n)| format!("{r}: {n} kernels"))
+            .collect();
+        eprintln!(
+            "compiled {} ({}) in {:.2}s",
+            summary.dir.display(),
+            kernels.join(", "),
+            start.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}

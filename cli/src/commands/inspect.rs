@@ -1,0 +1,150 @@
+//! `maxc inspect ARTIFACT`: roles, dims and bounds, kernels, arena, weights.
+
+use anyhow::Result;
+use maxc_runtime::schema::Storage;
+use maxc_runtime::Artifact;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// Arguments of `maxc inspect`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The artifact directory.
+    artifact: PathBuf,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The inspection report as JSON.
+pub fn report(a: &Artifact) -> Value {
+    let m = &a.manifest;
+    let mut roles = serde_json::Map::new();
+    for (role, p) in &a.programs {
+        let entries = a
+            .cpu
+            .get(role)
+            .map(|c| c.entries.clone())
+            .unwrap_or_default();
+        let code_len = a.cpu.get(role).map_or(0, |c| c.code.len() as u64);
+        let mut launches: BTreeMap<u32, usize> = BTreeMap::new();
+        for l in &p.launches {
+            *launches.entry(l.kernel).or_insert(0) += 1;
+        }
+        let mut starts: Vec<u64> = entries.iter().flatten().copied().collect();
+        starts.sort_unstable();
+        let kernels: Vec<Value> = p
+            .kernels
+            .iter()
+            .enumerate()
+            .map(|(i, k)| {
+                let entry = entries.get(i).copied().flatten();
+                let bytes =
+                    entry.map(|s| starts.iter().find(|&&x| x > s).copied().unwrap_or(code_len) - s);
+                json!({
+                    "name": k.name,
+                    "kind": k.body.kind(),
+                    "cpu": if entry.is_some() { "generated" } else { "library" },
+                    "code_bytes": bytes,
+                    "launches": launches.get(&(i as u32)).copied().unwrap_or(0),
+                })
+            })
+            .collect();
+        let weights = p
+            .buffers
+            .iter()
+            .filter(|b| matches!(b.storage, Storage::Param { .. }))
+            .count();
+        roles.insert(
+            role.clone(),
+            json!({
+                "dims": m.roles[role].dims,
+                "arena_bytes": p.arena_bytes,
+                "kv": p.kv,
+                "vocab_size": p.vocab_size,
+                "launches": p.launches.len(),
+                "kernels": kernels,
+                "weights": weights,
+            }),
+        );
+    }
+    let mut by_dtype: BTreeMap<&str, u64> = BTreeMap::new();
+    for w in a.weights().values() {
+        *by_dtype.entry(w.dtype.name()).or_insert(0) += w.range.len() as u64;
+    }
+    json!({
+        "artifact": a.dir.display().to_string(),
+        "format_version": m.format_version,
+        "maxc_version": m.maxc_version,
+        "architecture": m.architecture,
+        "param_dtype": m.param_dtype,
+        "runtime": m.runtime,
+        "targets": m.targets,
+        "roles": roles,
+        "weights": {"count": a.weights().len(), "bytes_by_dtype": by_dtype},
+        "files": m.files,
+    })
+}
+
+/// Prints the report.
+pub fn run(args: Args) -> Result<()> {
+    let a = Artifact::open(&args.artifact)?;
+    let r = report(&a);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    let m = &a.manifest;
+    println!("artifact      {}", a.dir.display());
+    println!(
+        "format        {} (maxc {})",
+        m.format_version, m.maxc_version
+    );
+    println!(
+        "architecture  {}  weights {}",
+        m.architecture, m.param_dtype
+    );
+    if let Some(cpu) = &m.targets.cpu {
+        println!("cpu target    {} [{}]", cpu.arch, cpu.features.join(", "));
+    }
+    let rt = &m.runtime;
+    println!(
+        "runtime       max_batch_size {} x {}, max_seq_len {}, max_batch_input_tokens {}, chunked prefill {}, page size {}, kv pages {}",
+        rt.max_batch_size, rt.data_parallel_degree, rt.max_seq_len, rt.max_batch_input_tokens,
+        if rt.enable_chunked_prefill { "on" } else { "off" }, rt.page_size, rt.kv_cache_pages
+    );
+    for (role, r) in r["roles"].as_object().into_iter().flatten() {
+        println!(
+            "\nrole {role}: {} launches per step, arena {} bytes",
+            r["launches"], r["arena_bytes"]
+        );
+        let dims: Vec<String> = r["dims"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(d, b)| format!("{d} <= {b}"))
+            .collect();
+        println!("  dims     {}", dims.join(", "));
+        println!("  kernels");
+        for k in r["kernels"].as_array().into_iter().flatten() {
+            let bytes = k["code_bytes"]
+                .as_u64()
+                .map(|b| format!("{b} B"))
+                .unwrap_or_else(|| "-".into());
+            println!(
+                "    {:<24} {:<12} {:<9} {:>8}  x{}",
+                k["name"].as_str().unwrap_or(""),
+                k["kind"].as_str().unwrap_or(""),
+                k["cpu"].as_str().unwrap_or(""),
+                bytes,
+                k["launches"]
+            );
+        }
+    }
+    println!(
+        "\nweights       {} tensors, {}",
+        r["weights"]["count"], r["weights"]["bytes_by_dtype"]
+    );
+    Ok(())
+}

@@ -1,0 +1,265 @@
+//! Artifacts: deterministic bytes, and the runtime's refusals of altered, incomplete or
+//! mismatched artifacts and out-of-bounds requests, each naming what differs.
+
+use maxc_runtime::schema::{bincode_config, CpuModule, Manifest};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn fixtures() -> PathBuf {
+    std::env::var_os("MAXC_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"))
+}
+
+fn maxc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_maxc"))
+        .args(args)
+        .output()
+        .expect("maxc runs")
+}
+
+fn compile(model: &str, out: &Path, extra: &[&str]) {
+    let m = fixtures().join(model);
+    let mut args = vec![
+        "compile",
+        m.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--quiet",
+        "--max-seq-len",
+        "64",
+        "--page-size",
+        "16",
+    ];
+    args.extend_from_slice(extra);
+    let o = maxc(&args);
+    assert!(
+        o.status.success(),
+        "compile failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push((
+                    p.strip_prefix(dir).unwrap().display().to_string(),
+                    std::fs::read(&p).unwrap(),
+                ));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+fn err_of(o: &Output) -> String {
+    assert!(!o.status.success(), "expected a failure");
+    let e = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(!e.contains("panicked"), "{e}");
+    e
+}
+
+#[test]
+fn compiling_twice_gives_identical_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    for model in ["tiny-llama", "tiny-mixtral", "tiny-roles"] {
+        let (a, b) = (
+            tmp.path().join(format!("{model}-a.maxc")),
+            tmp.path().join(format!("{model}-b.maxc")),
+        );
+        compile(model, &a, &[]);
+        compile(model, &b, &[]);
+        let (fa, fb) = (files(&a), files(&b));
+        assert!(
+            fa.len() >= 4,
+            "{model}: {:?}",
+            fa.iter().map(|f| &f.0).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            fa.iter().map(|f| &f.0).collect::<Vec<_>>(),
+            fb.iter().map(|f| &f.0).collect::<Vec<_>>()
+        );
+        for ((name, x), (_, y)) in fa.iter().zip(&fb) {
+            assert!(x == y, "{model}: {name} differs between two compiles");
+        }
+        let manifest = String::from_utf8(std::fs::read(a.join("manifest.json")).unwrap()).unwrap();
+        assert!(
+            !manifest.contains(tmp.path().to_str().unwrap()),
+            "the manifest holds an absolute path"
+        );
+    }
+}
+
+fn fresh(tmp: &Path, name: &str) -> PathBuf {
+    let out = tmp.join(name);
+    compile("tiny-llama", &out, &[]);
+    out
+}
+
+fn run(artifact: &Path, tokens: &str) -> Output {
+    maxc(&["run", artifact.to_str().unwrap(), "--tokens", tokens])
+}
+
+/// Rewrites the manifest's entry for `file` after it changed, as a consistent but different
+/// artifact would have it.
+fn reseal(artifact: &Path, file: &str) {
+    let mpath = artifact.join("manifest.json");
+    let mut m: Manifest = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    let bytes = std::fs::read(artifact.join(file)).unwrap();
+    let e = m.files.get_mut(file).unwrap();
+    e.bytes = bytes.len() as u64;
+    e.sha256 = maxc_runtime::artifact::sha256_hex(&bytes);
+    std::fs::write(&mpath, serde_json::to_string_pretty(&m).unwrap()).unwrap();
+}
+
+#[test]
+fn the_runtime_refuses_altered_and_incomplete_artifacts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ok = fresh(tmp.path(), "ok.maxc");
+    assert!(run(&ok, "1,2,3").status.success());
+
+    // A weight byte flipped: the checksum names the file.
+    let a = fresh(tmp.path(), "flipped.maxc");
+    let w = a.join("weights.safetensors");
+    let mut bytes = std::fs::read(&w).unwrap();
+    let n = bytes.len() - 10;
+    bytes[n] ^= 0x40;
+    std::fs::write(&w, bytes).unwrap();
+    let e = err_of(&run(&a, "1,2,3"));
+    assert!(
+        e.contains("weights.safetensors") && e.contains("sha256"),
+        "{e}"
+    );
+
+    // A file missing.
+    let a = fresh(tmp.path(), "missing.maxc");
+    std::fs::remove_file(a.join("decoder/cpu.bin")).unwrap();
+    let e = err_of(&run(&a, "1,2,3"));
+    assert!(
+        e.contains("decoder/cpu.bin") && e.contains("missing"),
+        "{e}"
+    );
+
+    // An unknown format version.
+    let a = fresh(tmp.path(), "version.maxc");
+    let mpath = a.join("manifest.json");
+    let text = std::fs::read_to_string(&mpath).unwrap().replacen(
+        "\"format_version\": 1",
+        "\"format_version\": 99",
+        1,
+    );
+    std::fs::write(&mpath, text).unwrap();
+    let e = err_of(&run(&a, "1,2,3"));
+    assert!(
+        e.contains("format version 99") && e.contains("manifest.json"),
+        "{e}"
+    );
+
+    // Code for a machine this is not.
+    let a = fresh(tmp.path(), "target.maxc");
+    let cpath = a.join("decoder/cpu.bin");
+    let (mut module, _): (CpuModule, usize) =
+        bincode::serde::decode_from_slice(&std::fs::read(&cpath).unwrap(), bincode_config())
+            .unwrap();
+    module.target.arch = "riscv64".into();
+    std::fs::write(
+        &cpath,
+        bincode::serde::encode_to_vec(&module, bincode_config()).unwrap(),
+    )
+    .unwrap();
+    reseal(&a, "decoder/cpu.bin");
+    let e = err_of(&run(&a, "1,2,3"));
+    assert!(
+        e.contains("riscv64") && e.contains(std::env::consts::ARCH),
+        "{e}"
+    );
+
+    // Not an artifact at all.
+    let e = err_of(&run(tmp.path(), "1"));
+    assert!(e.contains("manifest.json"), "{e}");
+}
+
+#[test]
+fn the_runtime_refuses_requests_beyond_the_bounds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = fresh(tmp.path(), "bounds.maxc");
+    let long: Vec<String> = (0..65).map(|i| (i % 100).to_string()).collect();
+    let e = err_of(&run(&a, &long.join(",")));
+    assert!(
+        e.contains("65 tokens") && e.contains("max_seq_len is 64"),
+        "{e}"
+    );
+    let e = err_of(&run(&a, "1,1024"));
+    assert!(
+        e.contains("token id 1024") && e.contains("vocabulary"),
+        "{e}"
+    );
+    let gen = maxc(&[
+        "generate",
+        a.to_str().unwrap(),
+        "--tokens",
+        &long[..60].join(","),
+        "--max-new-tokens",
+        "10",
+        "--json",
+    ]);
+    assert!(
+        gen.status.success(),
+        "{}",
+        String::from_utf8_lossy(&gen.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&gen.stdout).unwrap();
+    assert_eq!(
+        v["generated"].as_array().unwrap().len(),
+        4,
+        "generation stops at max_seq_len: {v}"
+    );
+}
+
+#[test]
+fn an_interrupted_compile_leaves_no_artifact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("cut.maxc");
+    let model = fixtures().join("tiny-llama");
+    // The file-size limit kills the compiler (SIGXFSZ) while it writes the 13 MB of weights.
+    let status = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -f 2048; exec {} compile {} --out {} --quiet",
+            env!("CARGO_BIN_EXE_maxc"),
+            model.display(),
+            out.display()
+        ))
+        .status()
+        .unwrap();
+    assert!(!status.success(), "the limited compile was expected to die");
+    assert!(
+        !out.exists(),
+        "a partial artifact was left at {}",
+        out.display()
+    );
+    // The next compile cleans up and succeeds.
+    compile("tiny-llama", &out, &[]);
+    let left: Vec<String> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into())
+        .collect();
+    assert_eq!(
+        left,
+        vec!["cut.maxc".to_string()],
+        "stale partial directories remain"
+    );
+    // An existing artifact is kept unless --force.
+    let m = model.to_str().unwrap();
+    let o = maxc(&["compile", m, "--out", out.to_str().unwrap(), "--quiet"]);
+    assert!(err_of(&o).contains("--force"));
+    compile("tiny-llama", &out, &["--force"]);
+}

@@ -1,0 +1,427 @@
+//! One fixture suite, run on every backend (STYLE.md 4): the reference interpreter, and the
+//! compiled CPU artifact (f32 and bf16 weights). Each checks every prompt and position of the
+//! Hugging Face fixtures, alone, as one ragged batch, and as prefill chunks mixed with decode
+//! rows; and greedy generation against the fixture's continuation.
+
+use maxc_exporter::{compile, CompileOptions, CpuMatmul};
+use maxc_graph::interp::{Interpreter, Session};
+use maxc_graph::pipeline::{load_model, LoadOptions};
+use maxc_graph::weights::{read_safetensors_file, StateDict};
+use maxc_graph::{DType, GraphRole, KvCacheParams, ModuleRuntime, Registry};
+use maxc_runtime::engine::GenerateOptions;
+use maxc_runtime::Engine;
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock};
+
+const TOL: f32 = 1e-3;
+const PAGE: usize = 16;
+const MAX_LEN: usize = 160;
+
+fn fixtures() -> PathBuf {
+    std::env::var_os("MAXC_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"))
+}
+
+fn runtime() -> ModuleRuntime {
+    let mut rt = ModuleRuntime::default();
+    rt.batch.max_batch_size = 4;
+    rt.batch.max_seq_len = MAX_LEN;
+    rt.batch.max_batch_input_tokens = 256;
+    rt.kv = KvCacheParams {
+        page_size: PAGE,
+        num_pages: Some(48),
+    };
+    rt
+}
+
+/// A backend: runs steps of `(sequence, tokens)` chunks, returning `rows × vocab` logits.
+trait Backend {
+    fn step(&mut self, chunks: &[(u64, &[i64])]) -> Vec<f32>;
+    fn reset(&mut self);
+    fn all_logits(&self) -> bool;
+}
+
+struct Interp {
+    interp: &'static Interpreter,
+    session: Session<'static>,
+}
+
+impl Backend for Interp {
+    fn step(&mut self, chunks: &[(u64, &[i64])]) -> Vec<f32> {
+        self.session.step(chunks).expect("interpreter step").data
+    }
+    fn reset(&mut self) {
+        self.session = Session::new(self.interp, 48, MAX_LEN.div_ceil(PAGE));
+    }
+    fn all_logits(&self) -> bool {
+        true
+    }
+}
+
+struct Compiled {
+    engine: Engine,
+    seqs: Vec<u64>,
+}
+
+impl Backend for Compiled {
+    fn step(&mut self, chunks: &[(u64, &[i64])]) -> Vec<f32> {
+        self.seqs.extend(chunks.iter().map(|c| c.0));
+        self.engine.step(chunks).expect("artifact step").data
+    }
+    fn reset(&mut self) {
+        for s in self.seqs.drain(..) {
+            self.engine.release(s);
+        }
+    }
+    fn all_logits(&self) -> bool {
+        self.engine.all_logits()
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Interpreter,
+    Artifact(DType, bool),
+}
+
+struct Case {
+    model: &'static str,
+    role: GraphRole,
+    reference: StateDict,
+    prefix: &'static str,
+}
+
+impl Case {
+    fn new(model: &'static str, role: GraphRole, prefix: &'static str) -> Case {
+        let reference =
+            read_safetensors_file(&fixtures().join(model).join("reference.safetensors"))
+                .expect("reference");
+        Case {
+            model,
+            role,
+            reference,
+            prefix,
+        }
+    }
+    fn i64s(&self, key: &str) -> Vec<i64> {
+        let k = format!("{}{key}", self.prefix);
+        self.reference
+            .get(&k)
+            .unwrap_or_else(|| panic!("fixture has {k}"))
+            .to_i64(&k)
+            .unwrap()
+    }
+    fn f32s(&self, key: &str) -> Vec<f32> {
+        let k = format!("{}{key}", self.prefix);
+        self.reference
+            .get(&k)
+            .unwrap_or_else(|| panic!("fixture has {k}"))
+            .to_f32(&k)
+            .unwrap()
+    }
+    fn prompts(&self) -> Vec<usize> {
+        (0..)
+            .take_while(|i| {
+                self.reference
+                    .contains(&format!("{}p{i}.tokens", self.prefix))
+            })
+            .collect()
+    }
+
+    fn backend(&self, kind: Kind) -> Box<dyn Backend> {
+        let dir = fixtures().join(self.model);
+        match kind {
+            Kind::Interpreter => {
+                let opts = LoadOptions {
+                    runtime: runtime(),
+                    all_logits: true,
+                    roles: vec![self.role],
+                    ..Default::default()
+                };
+                let mut loaded =
+                    load_model(&dir, &Registry::builtin(), &opts).expect("fixture loads");
+                let rg = loaded.roles.remove(&self.role).unwrap();
+                let interp: &'static Interpreter =
+                    Box::leak(Box::new(Interpreter::new(rg.graph, &rg.weights).unwrap()));
+                Box::new(Interp {
+                    interp,
+                    session: Session::new(interp, 48, MAX_LEN.div_ceil(PAGE)),
+                })
+            }
+            Kind::Artifact(dtype, all_logits) => {
+                let out = artifact_dir(self.model, dtype, all_logits);
+                Box::new(Compiled {
+                    engine: Engine::open(&out, self.role.name()).expect("artifact opens"),
+                    seqs: vec![],
+                })
+            }
+        }
+    }
+}
+
+/// Compiles each (model, dtype, logits) once per test run.
+fn artifact_dir(model: &str, dtype: DType, all_logits: bool) -> PathBuf {
+    static ROOT: OnceLock<tempfile::TempDir> = OnceLock::new();
+    static LOCK: Mutex<()> = Mutex::new(());
+    let root = ROOT.get_or_init(|| tempfile::tempdir().unwrap());
+    let out = root.path().join(format!(
+        "{model}-{dtype}-{}.maxc",
+        if all_logits { "all" } else { "last" }
+    ));
+    let _guard = LOCK.lock().unwrap();
+    if !out.exists() {
+        let opts = CompileOptions {
+            runtime: runtime(),
+            param_dtype: dtype,
+            all_logits,
+            cpu_matmul: CpuMatmul::Library,
+            force: false,
+        };
+        compile(&fixtures().join(model), &out, &opts, &mut |_| {}).expect("compiles");
+    }
+    out
+}
+
+fn max_diff(
+    got: &[f32],
+    rows: std::ops::Range<usize>,
+    want: &[f32],
+    from: usize,
+    vocab: usize,
+) -> f32 {
+    rows.enumerate()
+        .flat_map(|(i, r)| {
+            got[r * vocab..(r + 1) * vocab]
+                .iter()
+                .zip(&want[(from + i) * vocab..(from + i + 1) * vocab])
+                .map(|(a, b)| (a - b).abs())
+        })
+        .fold(0.0, f32::max)
+}
+
+fn tol(kind: Kind) -> f32 {
+    match kind {
+        Kind::Artifact(DType::F32, _) | Kind::Interpreter => TOL,
+        // bf16 weights are exact copies of the bf16 checkpoint: the same tolerance holds.
+        Kind::Artifact(..) => TOL,
+    }
+}
+
+fn each_prompt_alone(case: &Case, kind: Kind) {
+    let mut b = case.backend(kind);
+    for i in case.prompts() {
+        b.reset();
+        let tokens = case.i64s(&format!("p{i}.tokens"));
+        let got = b.step(&[(i as u64, &tokens)]);
+        let (rows, from) = if b.all_logits() {
+            (0..tokens.len(), 0)
+        } else {
+            (0..1, tokens.len() - 1)
+        };
+        let d = max_diff(&got, rows, &case.f32s(&format!("p{i}.logits")), from, 1024);
+        assert!(d < tol(kind), "{kind:?} prompt {i}: max |logit diff| {d}");
+    }
+}
+
+fn all_prompts_as_one_ragged_batch(case: &Case, kind: Kind) {
+    let mut b = case.backend(kind);
+    let prompts: Vec<Vec<i64>> = case
+        .prompts()
+        .iter()
+        .map(|i| case.i64s(&format!("p{i}.tokens")))
+        .collect();
+    let chunks: Vec<(u64, &[i64])> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (i as u64, t.as_slice()))
+        .collect();
+    let got = b.step(&chunks);
+    let mut row = 0;
+    for (i, t) in prompts.iter().enumerate() {
+        let (rows, from) = if b.all_logits() {
+            (row..row + t.len(), 0)
+        } else {
+            (i..i + 1, t.len() - 1)
+        };
+        let d = max_diff(&got, rows, &case.f32s(&format!("p{i}.logits")), from, 1024);
+        assert!(
+            d < tol(kind),
+            "{kind:?} prompt {i} in the ragged batch: max |logit diff| {d}"
+        );
+        row += t.len();
+    }
+}
+
+/// The longest prompt is prefilled in chunks while the shortest decodes its greedy continuation
+/// alongside; then both decode. Logits are checked at every row the backend returns.
+fn chunked_prefill_mixed_with_decode(case: &Case, kind: Kind) {
+    let mut b = case.backend(kind);
+    let prompts = case.prompts();
+    let seqs: Vec<(u64, usize, Vec<i64>)> = [*prompts.last().unwrap(), prompts[0]]
+        .iter()
+        .map(|&p| {
+            let mut t = case.i64s(&format!("p{p}.tokens"));
+            let n = t.len();
+            t.extend(case.i64s(&format!("p{p}.greedy")));
+            (p as u64, n, t)
+        })
+        .collect();
+    let mut fed = [0usize; 2];
+    while fed.iter().zip(&seqs).any(|(f, s)| *f < s.2.len()) {
+        let mut chunks = Vec::new();
+        let mut spans = Vec::new();
+        for (k, (id, plen, t)) in seqs.iter().enumerate() {
+            let n = if fed[k] < *plen {
+                33.min(*plen - fed[k])
+            } else {
+                1
+            }
+            .min(t.len() - fed[k]);
+            if n > 0 {
+                chunks.push((*id, &t[fed[k]..fed[k] + n]));
+                spans.push((k, fed[k], n));
+            }
+        }
+        let got = b.step(&chunks);
+        let mut row = 0;
+        for (j, (k, start, n)) in spans.into_iter().enumerate() {
+            let id = seqs[k].0;
+            let want = case.f32s(&format!("p{id}.seq_logits"));
+            let (rows, from) = if b.all_logits() {
+                (row..row + n, start)
+            } else {
+                (j..j + 1, start + n - 1)
+            };
+            let d = max_diff(&got, rows, &want, from, 1024);
+            assert!(
+                d < tol(kind),
+                "{kind:?} prompt {id}, positions {start}..{}: max |logit diff| {d}",
+                start + n
+            );
+            fed[k] += n;
+            row += n;
+        }
+    }
+}
+
+fn argmax(row: &[f32]) -> i64 {
+    row.iter()
+        .enumerate()
+        .fold(0, |best, (i, v)| if *v > row[best] { i } else { best }) as i64
+}
+
+/// Greedy decoding reproduces the fixture's continuation up to its first fragile step (margin at
+/// most 1e-2): step by step on every backend, and through `Engine::generate` on artifacts.
+fn greedy_generation(case: &Case, kind: Kind) {
+    let mut b = case.backend(kind);
+    for i in case.prompts() {
+        let tokens = case.i64s(&format!("p{i}.tokens"));
+        let (greedy, margin) = (
+            case.i64s(&format!("p{i}.greedy")),
+            case.f32s(&format!("p{i}.greedy_margin")),
+        );
+        let sure = margin
+            .iter()
+            .position(|&m| m <= 1e-2)
+            .unwrap_or(greedy.len());
+        b.reset();
+        let logits = b.step(&[(i as u64, &tokens)]);
+        let mut last = logits[logits.len() - 1024..].to_vec();
+        let mut got = Vec::new();
+        for _ in 0..greedy.len() {
+            let next = argmax(&last);
+            got.push(next);
+            last = b.step(&[(i as u64, &[next])]);
+        }
+        assert_eq!(
+            got[..sure],
+            greedy[..sure],
+            "{kind:?} prompt {i}: greedy tokens (the first {sure} are above the margin)"
+        );
+        if let Kind::Artifact(dtype, _) = kind {
+            let mut engine =
+                Engine::open(&artifact_dir(case.model, dtype, false), case.role.name()).unwrap();
+            let opts = GenerateOptions {
+                max_new_tokens: greedy.len(),
+                sampling: Default::default(),
+                stop_at_eos: false,
+            };
+            let got = engine.generate(&tokens, &opts).unwrap();
+            assert_eq!(
+                got[..sure],
+                greedy[..sure],
+                "{kind:?} prompt {i}: Engine::generate"
+            );
+        }
+    }
+}
+
+macro_rules! suite {
+    ($name:ident, $model:literal, $role:expr, $prefix:literal, $kind:expr) => {
+        mod $name {
+            use super::*;
+            fn case() -> &'static Case {
+                static CASE: OnceLock<Case> = OnceLock::new();
+                CASE.get_or_init(|| Case::new($model, $role, $prefix))
+            }
+            #[test]
+            fn each_prompt_alone() {
+                super::each_prompt_alone(case(), $kind);
+            }
+            #[test]
+            fn all_prompts_as_one_ragged_batch() {
+                super::all_prompts_as_one_ragged_batch(case(), $kind);
+            }
+            #[test]
+            fn chunked_prefill_mixed_with_decode() {
+                super::chunked_prefill_mixed_with_decode(case(), $kind);
+            }
+            #[test]
+            fn greedy_generation() {
+                super::greedy_generation(case(), $kind);
+            }
+        }
+    };
+}
+
+macro_rules! every_backend {
+    ($model:ident, $name:literal, $role:expr, $prefix:literal) => {
+        mod $model {
+            use super::*;
+            suite!(interpreter, $name, $role, $prefix, Kind::Interpreter);
+            suite!(
+                cpu_f32,
+                $name,
+                $role,
+                $prefix,
+                Kind::Artifact(DType::F32, true)
+            );
+            suite!(
+                cpu_bf16,
+                $name,
+                $role,
+                $prefix,
+                Kind::Artifact(DType::BF16, true)
+            );
+            suite!(
+                cpu_f32_last_logits,
+                $name,
+                $role,
+                $prefix,
+                Kind::Artifact(DType::F32, false)
+            );
+        }
+    };
+}
+
+every_backend!(tiny_llama, "tiny-llama", GraphRole::Decoder, "");
+every_backend!(tiny_qwen2, "tiny-qwen2", GraphRole::Decoder, "");
+every_backend!(tiny_mixtral, "tiny-mixtral", GraphRole::Decoder, "");
+every_backend!(
+    tiny_roles_target,
+    "tiny-roles",
+    GraphRole::Decoder,
+    "target."
+);
+every_backend!(tiny_roles_draft, "tiny-roles", GraphRole::Draft, "draft.");

@@ -1,0 +1,353 @@
+//! The compile driver and the artifact writer.
+
+use maxc_graph::pipeline::{load_model, LoadOptions};
+use maxc_graph::weights::{write_safetensors, StateDict};
+use maxc_graph::{DType, ModuleRuntime, Registry};
+use maxc_lowering::cpu::{compile_kernel, CpuTarget as LowerTarget};
+use maxc_lowering::{lower_graph, LowerOptions};
+use maxc_runtime::artifact::sha256_hex;
+use maxc_runtime::schema::{
+    bincode_config, CpuModule, CpuTarget, FileEntry, KernelBody, Manifest, RoleEntry,
+    RuntimeSettings, Targets, FORMAT_VERSION, MANIFEST_FILE, WEIGHTS_FILE,
+};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// An export error.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    /// Loading the checkpoint or building a graph failed.
+    #[error(transparent)]
+    Graph(#[from] maxc_graph::Error),
+    /// Lowering failed.
+    #[error(transparent)]
+    Lower(#[from] maxc_lowering::LowerError),
+    /// A file could not be written.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The destination exists.
+    #[error("{}: already exists; pass --force to replace it", .0.display())]
+    Exists(PathBuf),
+    /// Anything else, with what it concerns.
+    #[error("{0}")]
+    Other(String),
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ExportError + '_ {
+    move |source| ExportError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// How matmuls run on the CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CpuMatmul {
+    /// The runtime's `gemm` library kernel.
+    #[default]
+    Library,
+    /// Cranelift-generated code.
+    Generated,
+}
+
+/// What to compile, and how.
+#[derive(Clone, Debug)]
+pub struct CompileOptions {
+    /// The deployment's bounds.
+    pub runtime: ModuleRuntime,
+    /// The dtype weights are stored in.
+    pub param_dtype: DType,
+    /// Logits for every token row instead of each sequence's last.
+    pub all_logits: bool,
+    /// How matmuls run on the CPU.
+    pub cpu_matmul: CpuMatmul,
+    /// Replace an existing artifact.
+    pub force: bool,
+}
+
+/// What a compile produced.
+#[derive(Clone, Debug)]
+pub struct CompileSummary {
+    /// The artifact directory.
+    pub dir: PathBuf,
+    /// Kernels per role.
+    pub kernels: BTreeMap<String, usize>,
+    /// Total bytes written.
+    pub bytes: u64,
+}
+
+/// Compiles the checkpoint at `model` into the artifact directory `out`. `progress` hears each
+/// stage.
+pub fn compile(
+    model: &Path,
+    out: &Path,
+    opts: &CompileOptions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<CompileSummary, ExportError> {
+    if out.exists() && !opts.force {
+        return Err(ExportError::Exists(out.to_path_buf()));
+    }
+    progress(&format!("loading {}", model.display()));
+    let load = LoadOptions {
+        runtime: opts.runtime.clone(),
+        param_dtype: opts.param_dtype,
+        all_logits: opts.all_logits,
+        roles: Vec::new(),
+    };
+    let loaded = load_model(model, &Registry::builtin(), &load)?;
+    let target = LowerTarget::host_baseline().map_err(|e| ExportError::Other(e.to_string()))?;
+    let schema_target = CpuTarget {
+        arch: target.arch.clone(),
+        features: sorted(&target.features),
+    };
+
+    let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    let mut roles = BTreeMap::new();
+    let mut weights = StateDict::new();
+    let mut kernels = BTreeMap::new();
+    for (role, rg) in &loaded.roles {
+        let dims = opts
+            .runtime
+            .max_dims(rg.graph.input_dims().iter().map(String::as_str))?;
+        progress(&format!("lowering role {role}"));
+        let lower = LowerOptions {
+            bounds: dims.clone(),
+            max_seq_len: opts.runtime.batch.max_seq_len,
+        };
+        let program = lower_graph(&rg.graph, &lower)?;
+        let mut code = Vec::new();
+        let mut entries = Vec::new();
+        let total = program.kernels.len();
+        for (i, k) in program.kernels.iter().enumerate() {
+            let generate = k.body.is_generated_on_cpu()
+                || (opts.cpu_matmul == CpuMatmul::Generated
+                    && matches!(k.body, KernelBody::Matmul { .. }));
+            if !generate {
+                entries.push(None);
+                continue;
+            }
+            progress(&format!("role {role}: kernel {}/{total} {}", i + 1, k.name));
+            let bytes = compile_kernel(&k.body, &target).map_err(|e| {
+                ExportError::Lower(maxc_lowering::LowerError::Codegen {
+                    kernel: k.name.clone(),
+                    message: e.to_string(),
+                })
+            })?;
+            while code.len() % 64 != 0 {
+                code.push(0);
+            }
+            entries.push(Some(code.len() as u64));
+            code.extend_from_slice(&bytes);
+        }
+        let module = CpuModule {
+            target: schema_target.clone(),
+            code,
+            entries,
+        };
+        let program_file = format!("{role}/program.bin");
+        let code_file = format!("{role}/cpu.bin");
+        files.insert(program_file.clone(), encode(&program)?);
+        files.insert(code_file.clone(), encode(&module)?);
+        roles.insert(
+            role.to_string(),
+            RoleEntry {
+                dims: dims.iter().map(|(k, v)| (k.clone(), *v as u64)).collect(),
+                program: program_file,
+                cpu_code: Some(code_file),
+                arena_bytes: program.arena_bytes,
+                kernels: program.kernels.len() as u64,
+                launches: program.launches.len() as u64,
+            },
+        );
+        kernels.insert(role.to_string(), program.kernels.len());
+        for (key, w) in rg.weights.iter() {
+            weights.insert(format!("{role}/{key}"), w.clone());
+        }
+    }
+
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = out
+        .file_name()
+        .ok_or_else(|| ExportError::Other(format!("{}: not a directory name", out.display())))?;
+    std::fs::create_dir_all(parent).map_err(io(parent))?;
+    remove_stale_partials(parent, &name.to_string_lossy());
+    let tmp = parent.join(format!(
+        ".{}.partial-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let result = write_dir(
+        &tmp,
+        model,
+        &loaded,
+        opts,
+        &files,
+        &weights,
+        roles,
+        &schema_target,
+        progress,
+    );
+    let bytes = match result {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+    };
+    if out.exists() {
+        let old = parent.join(format!(
+            ".{}.old-{}",
+            name.to_string_lossy(),
+            std::process::id()
+        ));
+        std::fs::rename(out, &old).map_err(io(out))?;
+        std::fs::rename(&tmp, out).map_err(io(out))?;
+        let _ = std::fs::remove_dir_all(&old);
+    } else {
+        std::fs::rename(&tmp, out).map_err(io(out))?;
+    }
+    progress(&format!("wrote {} ({bytes} bytes)", out.display()));
+    Ok(CompileSummary {
+        dir: out.to_path_buf(),
+        kernels,
+        bytes,
+    })
+}
+
+/// Removes what earlier, interrupted compiles to the same destination left behind.
+fn remove_stale_partials(parent: &Path, name: &str) {
+    let prefixes = [format!(".{name}.partial-"), format!(".{name}.old-")];
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let file = e.file_name().to_string_lossy().to_string();
+        if prefixes.iter().any(|p| file.starts_with(p.as_str())) {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+fn sorted(v: &[String]) -> Vec<String> {
+    let mut v = v.to_vec();
+    v.sort();
+    v
+}
+
+fn encode<T: serde::Serialize>(value: &T) -> Result<Vec<u8>, ExportError> {
+    bincode::serde::encode_to_vec(value, bincode_config())
+        .map_err(|e| ExportError::Other(format!("bincode: {e}")))
+}
+
+fn token_ids(config: &serde_json::Value, key: &str) -> Vec<i64> {
+    let v = config
+        .get(key)
+        .or_else(|| config.get("text_config").and_then(|t| t.get(key)));
+    match v {
+        Some(serde_json::Value::Number(n)) => n.as_i64().into_iter().collect(),
+        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_i64()).collect(),
+        _ => Vec::new(),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn write_dir(
+    tmp: &Path,
+    model: &Path,
+    loaded: &maxc_graph::pipeline::LoadedModel,
+    opts: &CompileOptions,
+    files: &BTreeMap<String, Vec<u8>>,
+    weights: &StateDict,
+    roles: BTreeMap<String, RoleEntry>,
+    target: &CpuTarget,
+    progress: &mut dyn FnMut(&str),
+) -> Result<u64, ExportError> {
+    if tmp.exists() {
+        std::fs::remove_dir_all(tmp).map_err(io(tmp))?;
+    }
+    std::fs::create_dir_all(tmp).map_err(io(tmp))?;
+    let mut entries = BTreeMap::new();
+    let mut total = 0u64;
+    for (name, bytes) in files {
+        let path = tmp.join(name);
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(io(dir))?;
+        }
+        std::fs::write(&path, bytes).map_err(io(&path))?;
+        entries.insert(
+            name.clone(),
+            FileEntry {
+                bytes: bytes.len() as u64,
+                sha256: sha256_hex(bytes),
+            },
+        );
+        total += bytes.len() as u64;
+    }
+    progress(&format!("writing {} weights", weights.len()));
+    let wpath = tmp.join(WEIGHTS_FILE);
+    write_safetensors(&wpath, weights, None)?;
+    let wbytes = std::fs::read(&wpath).map_err(io(&wpath))?;
+    entries.insert(
+        WEIGHTS_FILE.into(),
+        FileEntry {
+            bytes: wbytes.len() as u64,
+            sha256: sha256_hex(&wbytes),
+        },
+    );
+    total += wbytes.len() as u64;
+    let tok = model.join("tokenizer.json");
+    if tok.is_file() {
+        let bytes = std::fs::read(&tok).map_err(io(&tok))?;
+        std::fs::write(tmp.join("tokenizer.json"), &bytes).map_err(io(tmp))?;
+        entries.insert(
+            "tokenizer.json".into(),
+            FileEntry {
+                bytes: bytes.len() as u64,
+                sha256: sha256_hex(&bytes),
+            },
+        );
+        total += bytes.len() as u64;
+    }
+    let b = &opts.runtime.batch;
+    let manifest = Manifest {
+        format_version: FORMAT_VERSION,
+        maxc_version: env!("CARGO_PKG_VERSION").into(),
+        architecture: loaded.spec.architecture().into(),
+        config: loaded.config_json.clone(),
+        param_dtype: opts.param_dtype.name().into(),
+        runtime: RuntimeSettings {
+            max_batch_size: b.max_batch_size as u64,
+            max_seq_len: b.max_seq_len as u64,
+            max_batch_input_tokens: b.max_batch_input_tokens as u64,
+            enable_chunked_prefill: b.enable_chunked_prefill,
+            data_parallel_degree: b.data_parallel_degree as u64,
+            page_size: opts.runtime.kv.page_size as u64,
+            kv_cache_pages: opts.runtime.kv.total_pages(b) as u64,
+        },
+        roles,
+        targets: Targets {
+            cpu: Some(target.clone()),
+        },
+        export_records: loaded.deployment.export_records(&opts.runtime),
+        bos_token_id: token_ids(&loaded.config_json, "bos_token_id")
+            .first()
+            .copied(),
+        eos_token_ids: token_ids(&loaded.config_json, "eos_token_id"),
+        files: entries,
+    };
+    let mut text = serde_json::to_string_pretty(&manifest)
+        .map_err(|e| ExportError::Other(format!("manifest: {e}")))?;
+    text.push('\n');
+    let mpath = tmp.join(MANIFEST_FILE);
+    std::fs::write(&mpath, &text).map_err(io(&mpath))?;
+    Ok(total + text.len() as u64)
+}

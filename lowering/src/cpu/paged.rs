@@ -1,0 +1,202 @@
+//! The step's sequence bookkeeping and the paged KV cache: token positions, the sequence of a
+//! token row, cache addressing, and the KV store kernel.
+
+use super::builder::{check_product, check_size, KernelBuilder, MEM};
+use super::CpuError;
+use cranelift_codegen::ir::condcodes::IntCC;
+use cranelift_codegen::ir::types::I64;
+use cranelift_codegen::ir::{BlockArg, InstBuilder, Value};
+use maxc_runtime::schema::StepDim;
+
+/// One layer's view of the paged cache `[pages, num_layers, 2, page_size, kv_heads, head_dim]`.
+pub(crate) struct CacheLayout {
+    /// The layer's slot.
+    pub layer: u64,
+    /// Layers in the cache.
+    pub num_layers: u64,
+    /// KV heads.
+    pub kv_heads: u64,
+    /// Elements per head.
+    pub head_dim: u64,
+    /// Tokens per page.
+    pub page_size: u64,
+}
+
+impl CacheLayout {
+    /// Checks the fields of a KV store or attention kernel `kind`.
+    pub fn new(
+        kind: &'static str,
+        layer: u64,
+        num_layers: u64,
+        kv_heads: u64,
+        head_dim: u64,
+        page_size: u64,
+    ) -> Result<Self, CpuError> {
+        let num_layers = check_size(kind, "num_layers", num_layers)?;
+        let kv_heads = check_size(kind, "kv_heads", kv_heads)?;
+        let head_dim = check_size(kind, "head_dim", head_dim)?;
+        let page_size = check_size(kind, "page_size", page_size)?;
+        if layer >= num_layers {
+            return Err(CpuError::Invalid {
+                kind,
+                what: format!("`layer` is {layer}, expected below `num_layers` = {num_layers}"),
+            });
+        }
+        check_product(
+            kind,
+            "bytes per cache page (num_layers × 2 × page_size × kv_heads × head_dim × 4)",
+            &[num_layers, 2, page_size, kv_heads, head_dim, 4],
+        )?;
+        Ok(CacheLayout {
+            layer,
+            num_layers,
+            kv_heads,
+            head_dim,
+            page_size,
+        })
+    }
+
+    /// f32 values per token slot (all KV heads).
+    pub fn slot_floats(&self) -> u64 {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Address of the keys (`which = 0`) or values (`which = 1`) of this layer in `page`.
+    pub fn block(&self, kb: &mut KernelBuilder, cache: Value, page: Value, which: u64) -> Value {
+        let block_bytes = self.page_size * self.slot_floats() * 4;
+        let page_bytes = self.num_layers * 2 * block_bytes;
+        let page_base = kb.addr(cache, page, page_bytes);
+        kb.offset(page_base, (self.layer * 2 + which) * block_bytes)
+    }
+
+    /// Address of `slot` in a key or value block.
+    pub fn slot(&self, kb: &mut KernelBuilder, block: Value, slot: Value) -> Value {
+        kb.addr(block, slot, self.slot_floats() * 4)
+    }
+
+    /// `(p / page_size, p % page_size)` for a non-negative position `p`.
+    pub fn page_and_slot(&self, kb: &mut KernelBuilder, p: Value) -> (Value, Value) {
+        let ps = self.page_size;
+        if ps.is_power_of_two() {
+            let page = kb.b.ins().ushr_imm_u(p, i64::from(ps.trailing_zeros()));
+            let slot = kb.b.ins().band_imm_u(p, (ps - 1) as i64);
+            (page, slot)
+        } else {
+            let ps = kb.i64c(ps);
+            let page = kb.b.ins().udiv(p, ps);
+            let slot = kb.b.ins().urem(p, ps);
+            (page, slot)
+        }
+    }
+}
+
+/// The step's sequence pointers: `input_row_offsets`, `cache_lengths` and `kv_lookup_table`.
+pub(crate) struct Sequences {
+    /// `input_row_offsets i32 [B+1]`.
+    pub offsets: Value,
+    /// `cache_lengths i32 [B]`.
+    pub cache_lengths: Value,
+    /// `kv_lookup_table i32 [B, P]`.
+    pub lookup: Value,
+}
+
+impl Sequences {
+    /// The sequence `b` holding token row `r` and the row's position
+    /// `p = cache_lengths[b] + r - input_row_offsets[b]` (both i64). `b` is the last
+    /// sequence whose first row is at most `r`, so sequences without rows are skipped.
+    pub fn locate(&self, kb: &mut KernelBuilder, r: Value) -> (Value, Value) {
+        let batch = kb.dim(StepDim::BatchSize);
+        let header = kb.b.create_block();
+        let check = kb.b.create_block();
+        let exit = kb.b.create_block();
+        let b = kb.b.append_block_param(header, I64);
+        let found = kb.b.append_block_param(exit, I64);
+        let zero = kb.i64c(0);
+        kb.b.ins().jump(header, &[BlockArg::Value(zero)]);
+
+        kb.b.switch_to_block(header);
+        let next = kb.b.ins().iadd_imm_s(b, 1);
+        let more = kb.b.ins().icmp(IntCC::SignedLessThan, next, batch);
+        kb.b.ins()
+            .brif(more, check, &[], exit, &[BlockArg::Value(b)]);
+        kb.b.switch_to_block(check);
+        kb.b.seal_block(check);
+        let next_start = kb.load_i32(self.offsets, next);
+        let inside = kb.b.ins().icmp(IntCC::SignedLessThanOrEqual, next_start, r);
+        kb.b.ins().brif(
+            inside,
+            header,
+            &[BlockArg::Value(next)],
+            exit,
+            &[BlockArg::Value(b)],
+        );
+        kb.b.seal_block(header);
+        kb.b.switch_to_block(exit);
+        kb.b.seal_block(exit);
+
+        let first = kb.load_i32(self.offsets, found);
+        let cached = kb.load_i32(self.cache_lengths, found);
+        let rel = kb.b.ins().isub(r, first);
+        let p = kb.b.ins().iadd(cached, rel);
+        (found, p)
+    }
+
+    /// `kv_lookup_table[b, page]`: the cache page holding page `page` of sequence `b`.
+    pub fn page(&self, kb: &mut KernelBuilder, b: Value, page: Value) -> Value {
+        let max_pages = kb.dim(StepDim::MaxNumPages);
+        let row = kb.b.ins().imul(b, max_pages);
+        let i = kb.b.ins().iadd(row, page);
+        kb.load_i32(self.lookup, i)
+    }
+}
+
+/// Emits [`maxc_runtime::schema::KernelBody::Positions`]: for each sequence `b` of this
+/// call's slice, `out[r] = cache_lengths[b] + r - input_row_offsets[b]` for its rows.
+pub(crate) fn emit_positions(kb: &mut KernelBuilder) {
+    let offsets = kb.buf(0);
+    let cache_lengths = kb.buf(1);
+    let out = kb.buf(2);
+    let (start, end) = (kb.start(), kb.end());
+    kb.for_range(start, end, 1, |kb, b| {
+        let lo = kb.load_i32(offsets, b);
+        let next = kb.b.ins().iadd_imm_s(b, 1);
+        let hi = kb.load_i32(offsets, next);
+        let cached = kb.load_i32(cache_lengths, b);
+        let base = kb.b.ins().isub(cached, lo);
+        kb.for_range(lo, hi, 1, |kb, r| {
+            let p = kb.b.ins().iadd(base, r);
+            let addr = kb.addr(out, r, 8);
+            kb.b.ins().store(MEM, p, addr, 0);
+        });
+    });
+}
+
+/// Emits [`maxc_runtime::schema::KernelBody::KvStore`]: copies each row's keys and values
+/// (all KV heads, f32x4 copies) into its page and slot of the cache.
+pub(crate) fn emit_kv_store(kb: &mut KernelBuilder, cache: &CacheLayout) -> Result<(), CpuError> {
+    let k = kb.buf(0);
+    let v = kb.buf(1);
+    let cache_ptr = kb.buf(2);
+    let seqs = Sequences {
+        lookup: kb.buf(3),
+        cache_lengths: kb.buf(4),
+        offsets: kb.buf(5),
+    };
+    let floats = cache.slot_floats();
+    let (start, end) = (kb.start(), kb.end());
+    kb.for_range(start, end, 1, |kb, r| {
+        let (b, p) = seqs.locate(kb, r);
+        let (page_index, slot) = cache.page_and_slot(kb, p);
+        let page = seqs.page(kb, b, page_index);
+        for (which, src) in [(0, k), (1, v)] {
+            let block = cache.block(kb, cache_ptr, page, which);
+            let dst = cache.slot(kb, block, slot);
+            let src_row = kb.addr(src, r, floats * 4);
+            kb.map_cols(floats, |kb, ty, c| {
+                let x = kb.load_f32(ty, src_row, c);
+                kb.store_f32(x, dst, c);
+            });
+        }
+    });
+    Ok(())
+}

@@ -1,0 +1,337 @@
+//! Kernel selection: each graph op becomes one kernel call (reshapes become views of their
+//! operand, paged attention becomes a KV store and an attention call). Fusion comes after.
+
+use crate::error::{LowerError, Result};
+use crate::kgraph::{KGraph, KNode, KValue, ValueId, ValueKind};
+use maxc_graph::ir::{Dim, Op, TensorType};
+use maxc_graph::Graph;
+use maxc_runtime::schema::{
+    DType, EwInput, EwInstr, Extent, GatherIndex, KernelBody, KvLayout, RopeTable, Rows, StepDim,
+};
+use std::collections::BTreeMap;
+
+/// The runtime schema's dtype of a graph dtype.
+pub fn dtype(d: maxc_graph::DType) -> DType {
+    match d {
+        maxc_graph::DType::F32 => DType::F32,
+        maxc_graph::DType::F16 => DType::F16,
+        maxc_graph::DType::BF16 => DType::BF16,
+        maxc_graph::DType::I32 => DType::I32,
+        maxc_graph::DType::I64 => DType::I64,
+    }
+}
+
+fn extent(d: &Dim) -> Result<Extent> {
+    match d {
+        Dim::Fixed(n) => Ok(Extent::Fixed(*n as u64)),
+        Dim::Sym(s) => StepDim::from_name(s)
+            .map(Extent::Step)
+            .ok_or_else(|| LowerError::Unbounded(s.clone())),
+    }
+}
+
+fn rows_of(shape: &[Extent]) -> Rows {
+    match shape.first() {
+        Some(Extent::Step(d)) => Rows::Step(*d),
+        Some(Extent::Fixed(n)) => Rows::Fixed(*n),
+        None => Rows::Fixed(1),
+    }
+}
+
+/// Product of the fixed dims after the first (the row width).
+fn cols_of(shape: &[Extent]) -> u64 {
+    shape
+        .iter()
+        .skip(1)
+        .map(|e| if let Extent::Fixed(n) = e { *n } else { 1 })
+        .product()
+}
+
+/// Builds the kernel graph of `graph`: one kernel per op. Weight keys get `key_prefix`.
+pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
+    let mut k = KGraph {
+        role: graph.role.to_string(),
+        ..Default::default()
+    };
+    let mut val: BTreeMap<maxc_graph::ir::NodeIndex, ValueId> = BTreeMap::new();
+    let mut tables: Vec<Vec<f32>> = Vec::new();
+    for id in graph.node_ids() {
+        let node = graph.node(id);
+        let unsupported = |message: &str| LowerError::Unsupported {
+            node: node.name.clone(),
+            op: node.op.name().into(),
+            message: message.into(),
+        };
+        let new_value = |k: &mut KGraph, ty: &TensorType, kind: ValueKind| -> Result<ValueId> {
+            let shape = ty.shape.iter().map(extent).collect::<Result<Vec<_>>>()?;
+            Ok(k.value(KValue {
+                name: node.name.clone(),
+                dtype: dtype(ty.dtype),
+                shape,
+                kind,
+            }))
+        };
+        let ops: Vec<ValueId> = graph.operands(id).iter().map(|o| val[o]).collect();
+        let shape_of = |k: &KGraph, v: ValueId| k.values[v].shape.clone();
+        let body = match &node.op {
+            Op::Input => {
+                let v = new_value(&mut k, &node.ty, ValueKind::Input)?;
+                k.inputs.insert(node.name.clone(), v);
+                val.insert(id, v);
+                continue;
+            }
+            Op::KvCache(l) => {
+                let v = new_value(&mut k, &node.ty, ValueKind::KvCache)?;
+                k.inputs.insert(node.name.clone(), v);
+                k.kv = Some(KvLayout {
+                    num_layers: l.num_layers as u64,
+                    kv_heads: l.num_kv_heads as u64,
+                    head_dim: l.head_dim as u64,
+                    page_size: l.page_size as u64,
+                    dtype: dtype(l.dtype),
+                });
+                val.insert(id, v);
+                continue;
+            }
+            Op::Param => {
+                let v = new_value(
+                    &mut k,
+                    &node.ty,
+                    ValueKind::Param(format!("{key_prefix}{}", node.name)),
+                )?;
+                val.insert(id, v);
+                continue;
+            }
+            Op::Reshape { shape } => {
+                // A view: a temp's consumers read the temp itself (kernels take their widths
+                // from their bodies); any other value gets a value of the new shape.
+                let src = k.values[ops[0]].clone();
+                let v = if src.kind == ValueKind::Temp {
+                    ops[0]
+                } else {
+                    let shape = shape.iter().map(extent).collect::<Result<Vec<_>>>()?;
+                    k.value(KValue {
+                        name: node.name.clone(),
+                        shape,
+                        ..src
+                    })
+                };
+                val.insert(id, v);
+                continue;
+            }
+            Op::Embedding => {
+                let table = &k.values[ops[0]];
+                k.vocab_size = match table.shape[0] {
+                    Extent::Fixed(n) => n,
+                    Extent::Step(_) => {
+                        return Err(unsupported("the embedding table has a symbolic row count"))
+                    }
+                };
+                KernelBody::Gather {
+                    rows: rows_of(&shape_of(&k, ops[1])),
+                    cols: cols_of(&table.shape),
+                    index: GatherIndex::Tokens,
+                    src_dtype: table.dtype,
+                }
+            }
+            Op::LastTokens => {
+                let out_shape = node
+                    .ty
+                    .shape
+                    .iter()
+                    .map(extent)
+                    .collect::<Result<Vec<_>>>()?;
+                KernelBody::Gather {
+                    rows: rows_of(&out_shape),
+                    cols: cols_of(&out_shape),
+                    index: GatherIndex::LastRows,
+                    src_dtype: DType::F32,
+                }
+            }
+            Op::Positions => {
+                // Operands: tokens (only for its length), offsets, cache lengths.
+                let out = new_value(&mut k, &node.ty, ValueKind::Temp)?;
+                k.nodes.push(KNode {
+                    body: KernelBody::Positions,
+                    inputs: vec![ops[1], ops[2]],
+                    outputs: vec![out],
+                    nodes: vec![node.name.clone()],
+                });
+                val.insert(id, out);
+                continue;
+            }
+            Op::Linear => {
+                let (x, w) = (&k.values[ops[0]], &k.values[ops[1]]);
+                let (n, kk) = match (w.shape[0], w.shape[1]) {
+                    (Extent::Fixed(n), Extent::Fixed(kk)) => (n, kk),
+                    _ => return Err(unsupported("the weight has symbolic dims")),
+                };
+                KernelBody::Matmul {
+                    rows: rows_of(&x.shape),
+                    n,
+                    k: kk,
+                    weight_dtype: w.dtype,
+                    bias: false,
+                }
+            }
+            Op::Add | Op::Mul | Op::Silu => {
+                let shape = shape_of(&k, ops[0]);
+                let inputs: Vec<EwInput> = ops
+                    .iter()
+                    .map(|&o| EwInput {
+                        dtype: k.values[o].dtype,
+                        broadcast: k.values[o].shape.len() == 1 && shape.len() > 1,
+                    })
+                    .collect();
+                let program = match &node.op {
+                    Op::Add => vec![EwInstr::Input(0), EwInstr::Input(1), EwInstr::Add(0, 1)],
+                    Op::Mul => vec![EwInstr::Input(0), EwInstr::Input(1), EwInstr::Mul(0, 1)],
+                    _ => vec![EwInstr::Input(0), EwInstr::Silu(0)],
+                };
+                if inputs.iter().any(|i| i.broadcast)
+                    && ops
+                        .iter()
+                        .any(|&o| k.values[o].shape.len() != 1 && k.values[o].shape != shape)
+                {
+                    return Err(unsupported("only [cols] operands broadcast"));
+                }
+                KernelBody::Elementwise {
+                    rows: rows_of(&shape),
+                    cols: cols_of(&shape),
+                    inputs,
+                    program,
+                }
+            }
+            Op::RmsNorm { eps } => {
+                let shape = shape_of(&k, ops[0]);
+                KernelBody::RmsNorm {
+                    rows: rows_of(&shape),
+                    cols: cols_of(&shape),
+                    eps: *eps,
+                    residual: false,
+                    weight_dtype: k.values[ops[1]].dtype,
+                }
+            }
+            Op::Rope { inv_freq } => {
+                let table = match tables.iter().position(|t| t == inv_freq) {
+                    Some(i) => i,
+                    None => {
+                        tables.push(inv_freq.clone());
+                        tables.len() - 1
+                    }
+                } as u32;
+                let d = inv_freq.len() as u64 * 2;
+                let tv = k.value(KValue {
+                    name: format!("rope_table_{table}"),
+                    dtype: DType::F32,
+                    shape: vec![Extent::Fixed(d / 2)],
+                    kind: ValueKind::RopeTable(table),
+                });
+                let heads = cols_of(&shape_of(&k, ops[0])) / d;
+                let out = new_value(&mut k, &node.ty, ValueKind::Temp)?;
+                k.nodes.push(KNode {
+                    body: KernelBody::Rope { heads, head_dim: d },
+                    inputs: vec![ops[0], ops[1], tv],
+                    outputs: vec![out],
+                    nodes: vec![node.name.clone()],
+                });
+                val.insert(id, out);
+                continue;
+            }
+            Op::PagedAttention { layer, scale } => {
+                let l =
+                    k.kv.clone()
+                        .ok_or_else(|| unsupported("attention before the KV cache input"))?;
+                let (q, kk, v, cache, lut, lens, offs) =
+                    (ops[0], ops[1], ops[2], ops[3], ops[4], ops[5], ops[6]);
+                let heads = match k.values[q].shape[1] {
+                    Extent::Fixed(h) => h,
+                    Extent::Step(_) => return Err(unsupported("symbolic head count")),
+                };
+                k.nodes.push(KNode {
+                    body: KernelBody::KvStore {
+                        layer: *layer as u64,
+                        num_layers: l.num_layers,
+                        kv_heads: l.kv_heads,
+                        head_dim: l.head_dim,
+                        page_size: l.page_size,
+                    },
+                    inputs: vec![kk, v, cache, lut, lens, offs],
+                    outputs: vec![],
+                    nodes: vec![node.name.clone()],
+                });
+                let out = new_value(&mut k, &node.ty, ValueKind::Temp)?;
+                k.nodes.push(KNode {
+                    body: KernelBody::Attention {
+                        layer: *layer as u64,
+                        num_layers: l.num_layers,
+                        heads,
+                        kv_heads: l.kv_heads,
+                        head_dim: l.head_dim,
+                        page_size: l.page_size,
+                        scale: *scale,
+                    },
+                    inputs: vec![q, cache, lut, lens, offs],
+                    outputs: vec![out],
+                    nodes: vec![node.name.clone()],
+                });
+                val.insert(id, out);
+                continue;
+            }
+            Op::Softmax => {
+                let shape = shape_of(&k, ops[0]);
+                KernelBody::Softmax {
+                    rows: rows_of(&shape),
+                    cols: cols_of(&shape),
+                }
+            }
+            Op::TopK {
+                k: top,
+                renormalize,
+            } => {
+                let shape = shape_of(&k, ops[0]);
+                KernelBody::TopK {
+                    rows: rows_of(&shape),
+                    cols: cols_of(&shape),
+                    k: *top as u64,
+                    renormalize: *renormalize,
+                }
+            }
+            Op::MoeExperts { num_experts } => {
+                let shape = shape_of(&k, ops[0]);
+                let ffn = match k.values[ops[2]].shape[0] {
+                    Extent::Fixed(f) => f,
+                    Extent::Step(_) => return Err(unsupported("symbolic expert width")),
+                };
+                KernelBody::MoeExperts {
+                    rows: rows_of(&shape),
+                    hidden: cols_of(&shape),
+                    ffn,
+                    experts: *num_experts as u64,
+                    weight_dtype: k.values[ops[2]].dtype,
+                }
+            }
+        };
+        let inputs = match &node.op {
+            Op::LastTokens => vec![ops[0], ops[1]],
+            _ => ops.clone(),
+        };
+        let out = new_value(&mut k, &node.ty, ValueKind::Temp)?;
+        k.nodes.push(KNode {
+            body,
+            inputs,
+            outputs: vec![out],
+            nodes: vec![node.name.clone()],
+        });
+        val.insert(id, out);
+    }
+    for (name, id) in graph.outputs() {
+        k.outputs.insert(name.clone(), val[id]);
+    }
+    k.rope_tables = tables
+        .into_iter()
+        .map(|inv_freq| RopeTable { inv_freq })
+        .collect();
+    k.validate("select_kernels")?;
+    Ok(k)
+}

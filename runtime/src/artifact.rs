@@ -1,0 +1,231 @@
+//! Reading an artifact: the manifest, checksums of every file, the programs, the native code and
+//! the memory-mapped weights. Anything that differs from what the manifest says is an error
+//! naming the file.
+
+use crate::error::{Result, RuntimeError};
+use crate::schema::{
+    bincode_config, CpuModule, DType, Manifest, Program, FORMAT_VERSION, MANIFEST_FILE,
+    WEIGHTS_FILE,
+};
+use memmap2::Mmap;
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Lowercase hex sha256 of `bytes`.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Where a weight's bytes are in the mapped weights file.
+#[derive(Clone, Debug)]
+pub struct WeightView {
+    /// Element type.
+    pub dtype: DType,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Byte range in the file.
+    pub range: std::ops::Range<usize>,
+}
+
+/// An opened, validated artifact.
+pub struct Artifact {
+    /// The artifact directory.
+    pub dir: PathBuf,
+    /// Its manifest.
+    pub manifest: Manifest,
+    /// Programs by role.
+    pub programs: BTreeMap<String, Program>,
+    /// Native CPU code by role.
+    pub cpu: BTreeMap<String, CpuModule>,
+    weights: Arc<Mmap>,
+    index: BTreeMap<String, WeightView>,
+}
+
+fn map_file(path: &Path) -> Result<Mmap> {
+    let file = std::fs::File::open(path).map_err(|source| RuntimeError::Io {
+        path: path.into(),
+        source,
+    })?;
+    // SAFETY: read-only map of an artifact file; artifacts are not modified while served.
+    unsafe { Mmap::map(&file) }.map_err(|source| RuntimeError::Io {
+        path: path.into(),
+        source,
+    })
+}
+
+impl Artifact {
+    /// Opens `dir`: checks the format version, the presence, size and sha256 of every file the
+    /// manifest lists, and decodes the programs and code.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let manifest_path = dir.join(MANIFEST_FILE);
+        if !dir.is_dir() {
+            return Err(RuntimeError::artifact(
+                dir,
+                "not a directory; expected a maxc artifact (NAME.maxc/)",
+            ));
+        }
+        let text = std::fs::read_to_string(&manifest_path).map_err(|e| {
+            RuntimeError::artifact(
+                &manifest_path,
+                format!("cannot read the manifest ({e}); is this a maxc artifact?"),
+            )
+        })?;
+        let raw: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| RuntimeError::artifact(&manifest_path, format!("not valid JSON: {e}")))?;
+        match raw.get("format_version").and_then(|v| v.as_u64()) {
+            Some(v) if v == u64::from(FORMAT_VERSION) => {}
+            Some(v) => {
+                return Err(RuntimeError::artifact(
+                    &manifest_path,
+                    format!("format version {v}; this runtime reads format version {FORMAT_VERSION} (recompile with this maxc)"),
+                ))
+            }
+            None => return Err(RuntimeError::artifact(&manifest_path, "no `format_version`")),
+        }
+        let manifest: Manifest = serde_json::from_value(raw).map_err(|e| {
+            RuntimeError::artifact(
+                &manifest_path,
+                format!("does not match the manifest schema: {e}"),
+            )
+        })?;
+
+        let mut maps: BTreeMap<String, Mmap> = BTreeMap::new();
+        for (name, entry) in &manifest.files {
+            let path = dir.join(name);
+            if name.contains("..") || Path::new(name).is_absolute() {
+                return Err(RuntimeError::artifact(
+                    &manifest_path,
+                    format!("file `{name}` is outside the artifact"),
+                ));
+            }
+            if !path.is_file() {
+                return Err(RuntimeError::artifact(
+                    &path,
+                    "missing: the manifest lists it, the artifact does not have it",
+                ));
+            }
+            let map = map_file(&path)?;
+            if map.len() as u64 != entry.bytes {
+                return Err(RuntimeError::artifact(
+                    &path,
+                    format!("{} bytes, the manifest says {}", map.len(), entry.bytes),
+                ));
+            }
+            let sum = sha256_hex(&map);
+            if sum != entry.sha256 {
+                return Err(RuntimeError::artifact(
+                    &path,
+                    format!("sha256 {sum} differs from the manifest's {}", entry.sha256),
+                ));
+            }
+            maps.insert(name.clone(), map);
+        }
+        fn take<'m>(
+            maps: &'m BTreeMap<String, Mmap>,
+            name: &str,
+            manifest: &Path,
+        ) -> Result<&'m [u8]> {
+            maps.get(name).map(|m| &m[..]).ok_or_else(|| {
+                RuntimeError::artifact(
+                    manifest,
+                    format!("`{name}` is not among the manifest's files"),
+                )
+            })
+        }
+        let mut programs = BTreeMap::new();
+        let mut cpu = BTreeMap::new();
+        for (role, entry) in &manifest.roles {
+            let bytes = take(&maps, &entry.program, &manifest_path)?;
+            let (program, _): (Program, usize) =
+                bincode::serde::decode_from_slice(bytes, bincode_config()).map_err(|e| {
+                    RuntimeError::artifact(
+                        dir.join(&entry.program),
+                        format!("cannot decode the program: {e}"),
+                    )
+                })?;
+            programs.insert(role.clone(), program);
+            if let Some(code) = &entry.cpu_code {
+                let (module, _): (CpuModule, usize) = bincode::serde::decode_from_slice(
+                    take(&maps, code, &manifest_path)?,
+                    bincode_config(),
+                )
+                .map_err(|e| {
+                    RuntimeError::artifact(
+                        dir.join(code),
+                        format!("cannot decode the CPU code: {e}"),
+                    )
+                })?;
+                cpu.insert(role.clone(), module);
+            }
+        }
+        let weights_path = dir.join(WEIGHTS_FILE);
+        let weights = Arc::new(maps.remove(WEIGHTS_FILE).ok_or_else(|| {
+            RuntimeError::artifact(
+                &manifest_path,
+                format!("`{WEIGHTS_FILE}` is not among the manifest's files"),
+            )
+        })?);
+        let index = index_weights(&weights, &weights_path)?;
+        Ok(Artifact {
+            dir: dir.to_path_buf(),
+            manifest,
+            programs,
+            cpu,
+            weights,
+            index,
+        })
+    }
+
+    /// The weight under `key`, with its bytes.
+    pub fn weight(&self, key: &str) -> Result<(&WeightView, &[u8])> {
+        let view = self.index.get(key).ok_or_else(|| {
+            RuntimeError::artifact(
+                self.dir.join(WEIGHTS_FILE),
+                format!("no weight `{key}`, which the program reads"),
+            )
+        })?;
+        Ok((view, &self.weights[view.range.clone()]))
+    }
+
+    /// Every weight, by key.
+    pub fn weights(&self) -> &BTreeMap<String, WeightView> {
+        &self.index
+    }
+}
+
+fn index_weights(map: &Mmap, path: &Path) -> Result<BTreeMap<String, WeightView>> {
+    let parsed = safetensors::SafeTensors::deserialize(map)
+        .map_err(|e| RuntimeError::artifact(path, format!("not a valid safetensors file: {e}")))?;
+    let base = map.as_ptr() as usize;
+    let mut out = BTreeMap::new();
+    for (key, view) in parsed.tensors() {
+        let dtype = match view.dtype() {
+            safetensors::Dtype::F32 => DType::F32,
+            safetensors::Dtype::F16 => DType::F16,
+            safetensors::Dtype::BF16 => DType::BF16,
+            safetensors::Dtype::I32 => DType::I32,
+            safetensors::Dtype::I64 => DType::I64,
+            other => {
+                return Err(RuntimeError::artifact(
+                    path,
+                    format!("weight `{key}` has dtype {other:?}"),
+                ))
+            }
+        };
+        let start = view.data().as_ptr() as usize - base;
+        out.insert(
+            key,
+            WeightView {
+                dtype,
+                shape: view.shape().to_vec(),
+                range: start..start + view.data().len(),
+            },
+        );
+    }
+    Ok(out)
+}

@@ -1,0 +1,502 @@
+//! The CPU executor: loads a role's program (native code, weights, arena, KV cache, rotary
+//! tables) once, at the bounds, and runs steps of ragged batches.
+
+use super::code::{ExecutableCode, KernelFn};
+use super::library;
+use super::target::host_supports;
+use crate::artifact::Artifact;
+use crate::error::{Result, RuntimeError};
+use crate::schema::{DType, Extent, KernelBody, Program, Rows, StepDim, Storage};
+use crate::step::{Logits, StepInputs};
+use half::{bf16, f16};
+use rayon::prelude::*;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// f32 storage aligned to 64 bytes.
+struct Aligned {
+    buf: Vec<f32>,
+    start: usize,
+    len: usize,
+}
+
+impl Aligned {
+    fn zeroed(bytes: usize) -> Self {
+        let len = bytes.div_ceil(4);
+        let buf = vec![0.0f32; len + 16];
+        let start = buf.as_ptr().align_offset(64);
+        Aligned { buf, start, len }
+    }
+    fn ptr(&mut self) -> *mut u8 {
+        self.buf[self.start..].as_mut_ptr().cast()
+    }
+    fn slice_mut(&mut self) -> &mut [f32] {
+        &mut self.buf[self.start..self.start + self.len]
+    }
+}
+
+/// A weight as the executor holds it: its mapped bytes, and an f32 copy where a library kernel
+/// needs f32 and the artifact stores another dtype.
+struct Param {
+    ptr: *const u8,
+    f32_copy: Option<Vec<f32>>,
+}
+
+impl Param {
+    fn as_f32(&self, elems: usize) -> &[f32] {
+        match &self.f32_copy {
+            Some(v) => v,
+            // SAFETY: without a copy the weight is f32 and holds `elems` elements.
+            None => unsafe { std::slice::from_raw_parts(self.ptr.cast::<f32>(), elems) },
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct SendPtrs(*const *mut u8, *const u64);
+// SAFETY: kernels called on disjoint ranges write disjoint memory (the kernel IR's contract).
+unsafe impl Send for SendPtrs {}
+unsafe impl Sync for SendPtrs {}
+
+/// A role's program, ready to run on this CPU.
+pub struct CpuExecutor {
+    artifact: Arc<Artifact>,
+    program: Program,
+    _code: Option<ExecutableCode>,
+    fns: Vec<Option<KernelFn>>,
+    params: BTreeMap<u32, Param>,
+    arena: Aligned,
+    kv: Aligned,
+    rope: Vec<Aligned>,
+    bounds: [u64; StepDim::COUNT],
+    tokens: Vec<i64>,
+    ints: BTreeMap<String, Vec<i32>>,
+    threads: usize,
+}
+
+fn to_f32(dtype: DType, bytes: &[u8]) -> Option<Vec<f32>> {
+    match dtype {
+        DType::F32 => None,
+        DType::BF16 => Some(
+            bytes
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+        ),
+        DType::F16 => Some(
+            bytes
+                .chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+        ),
+        DType::I32 | DType::I64 => None,
+    }
+}
+
+impl CpuExecutor {
+    /// Prepares `role` of `artifact`: checks the CPU target against this machine, loads the
+    /// native code, binds weights, and allocates the arena and KV cache at the bounds.
+    pub fn new(artifact: Arc<Artifact>, role: &str) -> Result<Self> {
+        let program = artifact.programs.get(role).cloned().ok_or_else(|| {
+            RuntimeError::Input(format!(
+                "the artifact has no role `{role}`; it has {:?}",
+                artifact.programs.keys().collect::<Vec<_>>()
+            ))
+        })?;
+        let module = artifact.cpu.get(role).ok_or_else(|| {
+            RuntimeError::Target(format!(
+                "the artifact has no CPU code for role `{role}`; compile it with --target cpu"
+            ))
+        })?;
+        if let Some(missing) = host_supports(&module.target) {
+            return Err(RuntimeError::Target(missing));
+        }
+        if module.entries.len() != program.kernels.len() {
+            return Err(RuntimeError::artifact(
+                &artifact.dir,
+                format!(
+                    "role {role}: {} code entries for {} kernels",
+                    module.entries.len(),
+                    program.kernels.len()
+                ),
+            ));
+        }
+        let code = if module.code.is_empty() {
+            None
+        } else {
+            Some(
+                ExecutableCode::new(&module.code).map_err(|source| RuntimeError::Io {
+                    path: artifact.dir.clone(),
+                    source,
+                })?,
+            )
+        };
+        let mut fns = Vec::new();
+        for (kernel, entry) in program.kernels.iter().zip(&module.entries) {
+            fns.push(match (entry, &code) {
+                (Some(off), Some(code)) if (*off as usize) < module.code.len() => {
+                    // SAFETY: the compiler placed this kernel's entry at `off` for this target,
+                    // checked against the host above; the code's checksum was verified.
+                    Some(unsafe { code.kernel(*off as usize) })
+                }
+                (Some(off), _) => {
+                    return Err(RuntimeError::artifact(
+                        &artifact.dir,
+                        format!("kernel {} entry {off} is outside its code", kernel.name),
+                    ))
+                }
+                (None, _) if kernel.body.is_generated_on_cpu() => {
+                    return Err(RuntimeError::artifact(
+                        &artifact.dir,
+                        format!("kernel {} has no native code", kernel.name),
+                    ))
+                }
+                (None, _) => None,
+            });
+        }
+        // Weights read by library kernels are widened to f32 once.
+        let mut library_params = std::collections::BTreeSet::new();
+        for l in &program.launches {
+            if fns[l.kernel as usize].is_none() {
+                library_params.extend(l.buffers.iter().copied());
+            }
+        }
+        let mut params = BTreeMap::new();
+        for (id, b) in program.buffers.iter().enumerate() {
+            if let Storage::Param { key } = &b.storage {
+                let (view, bytes) = artifact.weight(key)?;
+                if view.dtype != b.dtype {
+                    return Err(RuntimeError::artifact(
+                        &artifact.dir,
+                        format!(
+                            "weight `{key}` is {:?}, the program reads {:?}",
+                            view.dtype, b.dtype
+                        ),
+                    ));
+                }
+                let f32_copy = if library_params.contains(&(id as u32)) {
+                    to_f32(view.dtype, bytes)
+                } else {
+                    None
+                };
+                params.insert(
+                    id as u32,
+                    Param {
+                        ptr: bytes.as_ptr(),
+                        f32_copy,
+                    },
+                );
+            }
+        }
+        let role_entry = &artifact.manifest.roles[role];
+        let mut bounds = [0u64; StepDim::COUNT];
+        for d in StepDim::ALL {
+            bounds[d as usize] = role_entry.dims.get(d.name()).copied().unwrap_or(0);
+        }
+        let kv_elems = (program.kv.num_layers
+            * 2
+            * program.kv.page_size
+            * program.kv.kv_heads
+            * program.kv.head_dim) as usize;
+        let kv = Aligned::zeroed(bounds[StepDim::TotalNumPages as usize] as usize * kv_elems * 4);
+        let max_seq_len = artifact.manifest.runtime.max_seq_len as usize;
+        let rope = program
+            .rope_tables
+            .iter()
+            .map(|t| {
+                let half = t.inv_freq.len();
+                let mut a = Aligned::zeroed(max_seq_len * 2 * half * 4);
+                let s = a.slice_mut();
+                for pos in 0..max_seq_len {
+                    for (i, f) in t.inv_freq.iter().enumerate() {
+                        let angle = pos as f32 * f;
+                        s[pos * 2 * half + i] = angle.cos();
+                        s[pos * 2 * half + half + i] = angle.sin();
+                    }
+                }
+                a
+            })
+            .collect();
+        let arena = Aligned::zeroed(program.arena_bytes as usize);
+        Ok(CpuExecutor {
+            artifact,
+            program,
+            _code: code,
+            fns,
+            params,
+            arena,
+            kv,
+            rope,
+            bounds,
+            tokens: Vec::new(),
+            ints: BTreeMap::new(),
+            threads: rayon::current_num_threads(),
+        })
+    }
+
+    /// The program being run.
+    pub fn program(&self) -> &Program {
+        &self.program
+    }
+
+    /// The artifact.
+    pub fn artifact(&self) -> &Arc<Artifact> {
+        &self.artifact
+    }
+
+    /// The bound of each step dim.
+    pub fn bounds(&self) -> &[u64; StepDim::COUNT] {
+        &self.bounds
+    }
+
+    /// Runs one step and returns the `logits` output.
+    pub fn execute(&mut self, s: &StepInputs) -> Result<Logits> {
+        let b = s.batch_size();
+        let dims: [u64; StepDim::COUNT] = [
+            s.tokens.len() as u64,
+            b as u64,
+            s.pages_per_seq as u64,
+            self.bounds[StepDim::TotalNumPages as usize],
+            b as u64 + 1,
+        ];
+        for d in [
+            StepDim::TotalSeqLen,
+            StepDim::BatchSize,
+            StepDim::MaxNumPages,
+        ] {
+            if dims[d as usize] > self.bounds[d as usize] {
+                return Err(RuntimeError::Input(format!(
+                    "{} is {}, above the artifact's bound {}",
+                    d.name(),
+                    dims[d as usize],
+                    self.bounds[d as usize]
+                )));
+            }
+        }
+        check_step(
+            s,
+            self.program.vocab_size,
+            dims[StepDim::TotalNumPages as usize],
+            self.program.kv.page_size as usize,
+        )?;
+        self.tokens.clone_from(&s.tokens);
+        for (name, v) in [
+            ("input_row_offsets", &s.input_row_offsets),
+            ("cache_lengths", &s.cache_lengths),
+            ("kv_lookup_table", &s.kv_lookup_table),
+        ] {
+            self.ints.insert(name.into(), v.clone());
+        }
+        let batch_context: Vec<i32> = (0..b)
+            .map(|i| s.cache_lengths[i] + s.input_row_offsets[i + 1] - s.input_row_offsets[i])
+            .collect();
+        self.ints
+            .insert("batch_context_lengths".into(), batch_context);
+
+        let arena = self.arena.ptr();
+        let kv = self.kv.ptr();
+        let rope: Vec<*mut u8> = self.rope.iter_mut().map(|r| r.ptr()).collect();
+        let mut ptrs: Vec<*mut u8> = Vec::with_capacity(self.program.buffers.len());
+        for (id, buf) in self.program.buffers.iter().enumerate() {
+            ptrs.push(match &buf.storage {
+                // SAFETY: the memory plan keeps every offset inside arena_bytes.
+                Storage::Arena { offset } => unsafe { arena.add(*offset as usize) },
+                Storage::Param { .. } => self.params[&(id as u32)].ptr as *mut u8,
+                Storage::KvCache => kv,
+                Storage::RopeTable { table } => rope[*table as usize],
+                Storage::Input if buf.name == "tokens" => self.tokens.as_mut_ptr().cast(),
+                Storage::Input => self
+                    .ints
+                    .get_mut(&buf.name)
+                    .ok_or_else(|| {
+                        RuntimeError::Input(format!("no value for program input `{}`", buf.name))
+                    })?
+                    .as_mut_ptr()
+                    .cast(),
+            });
+        }
+        let mut args: Vec<*mut u8> = Vec::new();
+        for launch in &self.program.launches {
+            let kernel = &self.program.kernels[launch.kernel as usize];
+            args.clear();
+            args.extend(launch.buffers.iter().map(|&b| ptrs[b as usize]));
+            match self.fns[launch.kernel as usize] {
+                Some(f) => run_generated(f, &kernel.body, &args, &dims, self.threads),
+                None => self.run_library(&kernel.body, &launch.buffers, &args, &dims),
+            }
+        }
+        let out = self.program.outputs.get("logits").ok_or_else(|| {
+            RuntimeError::artifact(&self.artifact.dir, "the program has no `logits` output")
+        })?;
+        let buf = &self.program.buffers[*out as usize];
+        let rows = match buf.shape.first() {
+            Some(Extent::Step(d)) => dims[*d as usize] as usize,
+            Some(Extent::Fixed(n)) => *n as usize,
+            None => 1,
+        };
+        let vocab = self.program.vocab_size as usize;
+        // SAFETY: the logits buffer holds rows × vocab f32 at its arena offset.
+        let data =
+            unsafe { std::slice::from_raw_parts(ptrs[*out as usize].cast::<f32>(), rows * vocab) }
+                .to_vec();
+        Ok(Logits { rows, vocab, data })
+    }
+
+    fn run_library(
+        &self,
+        body: &KernelBody,
+        buffers: &[u32],
+        args: &[*mut u8],
+        dims: &[u64; StepDim::COUNT],
+    ) {
+        let rows_of = |r: &Rows| match r {
+            Rows::Step(d) => dims[*d as usize] as usize,
+            Rows::Fixed(n) => *n as usize,
+        };
+        // SAFETY (all slices below): buffer sizes follow from the kernel body at these dims, and
+        // the memory plan gives every output its own bytes.
+        match body {
+            KernelBody::Matmul {
+                rows, n, k, bias, ..
+            } => {
+                let (rows, n, k) = (rows_of(rows), *n as usize, *k as usize);
+                let x = unsafe { std::slice::from_raw_parts(args[0].cast::<f32>(), rows * k) };
+                let w = self.param_f32(buffers[1], args[1], n * k);
+                let b = bias.then(|| self.param_f32(buffers[2], args[2], n));
+                let out_arg = args[args.len() - 1];
+                let out =
+                    unsafe { std::slice::from_raw_parts_mut(out_arg.cast::<f32>(), rows * n) };
+                library::matmul(x, w, b, out, rows, n, k);
+            }
+            KernelBody::MoeExperts {
+                rows,
+                hidden,
+                ffn,
+                experts,
+                ..
+            } => {
+                let (rows, h, f, e) = (
+                    rows_of(rows),
+                    *hidden as usize,
+                    *ffn as usize,
+                    *experts as usize,
+                );
+                let x = unsafe { std::slice::from_raw_parts(args[0].cast::<f32>(), rows * h) };
+                let routing =
+                    unsafe { std::slice::from_raw_parts(args[1].cast::<f32>(), rows * e) };
+                let ws: Vec<(&[f32], &[f32], &[f32])> = (0..e)
+                    .map(|i| {
+                        let at = |j: usize, n: usize| {
+                            self.param_f32(buffers[2 + 3 * i + j], args[2 + 3 * i + j], n)
+                        };
+                        (at(0, f * h), at(1, f * h), at(2, h * f))
+                    })
+                    .collect();
+                let out = unsafe {
+                    std::slice::from_raw_parts_mut(args[2 + 3 * e].cast::<f32>(), rows * h)
+                };
+                library::moe_experts(x, routing, &ws, out, rows, h, f);
+            }
+            other => unreachable!("{} is generated on the CPU", other.kind()),
+        }
+    }
+
+    fn param_f32(&self, buffer: u32, ptr: *mut u8, elems: usize) -> &[f32] {
+        match self.params.get(&buffer) {
+            Some(p) => p.as_f32(elems),
+            // SAFETY: a non-weight operand of a library kernel is an f32 activation.
+            None => unsafe { std::slice::from_raw_parts(ptr.cast::<f32>(), elems) },
+        }
+    }
+
+    /// Zeroes the KV cache (pages are reassigned by the page table; stale entries are never read,
+    /// this only makes runs reproducible byte for byte).
+    pub fn reset_cache(&mut self) {
+        self.kv.slice_mut().fill(0.0);
+    }
+}
+
+fn run_generated(
+    f: KernelFn,
+    body: &KernelBody,
+    args: &[*mut u8],
+    dims: &[u64; StepDim::COUNT],
+    threads: usize,
+) {
+    let extent = body.parallel_extent(dims);
+    if extent == 0 {
+        return;
+    }
+    let p = SendPtrs(args.as_ptr().cast(), dims.as_ptr());
+    let chunks = if extent >= 8 {
+        threads.min(extent as usize) as u64
+    } else {
+        1
+    };
+    if chunks <= 1 {
+        // SAFETY: arguments follow the kernel's documented buffer order and sizes.
+        unsafe { f(p.0, p.1, 0, extent) };
+        return;
+    }
+    (0..chunks).into_par_iter().for_each(|c| {
+        let p = p;
+        let (start, end) = (extent * c / chunks, extent * (c + 1) / chunks);
+        // SAFETY: as above; the slices [start, end) are disjoint.
+        unsafe { f(p.0, p.1, start, end) };
+    });
+}
+
+/// Checks a step's inputs: offsets, lengths, token ids and page ids.
+fn check_step(s: &StepInputs, vocab: u64, pages: u64, page_size: usize) -> Result<()> {
+    let b = s.batch_size();
+    let bad = |m: String| Err(RuntimeError::Input(m));
+    if s.input_row_offsets.len() != b + 1
+        || s.input_row_offsets[0] != 0
+        || s.input_row_offsets.windows(2).any(|w| w[0] > w[1])
+    {
+        return bad(format!(
+            "input_row_offsets {:?} must be B + 1 = {} non-decreasing offsets from 0",
+            s.input_row_offsets,
+            b + 1
+        ));
+    }
+    if s.input_row_offsets[b] as usize != s.tokens.len() {
+        return bad(format!(
+            "input_row_offsets ends at {}, but there are {} tokens",
+            s.input_row_offsets[b],
+            s.tokens.len()
+        ));
+    }
+    if s.kv_lookup_table.len() != b * s.pages_per_seq {
+        return bad(format!(
+            "kv_lookup_table has {} entries, expected {b} × {}",
+            s.kv_lookup_table.len(),
+            s.pages_per_seq
+        ));
+    }
+    if let Some(t) = s.tokens.iter().find(|&&t| t < 0 || t as u64 >= vocab) {
+        return bad(format!(
+            "token id {t} is outside the vocabulary (0..{vocab})"
+        ));
+    }
+    for i in 0..b {
+        let end = s.cache_lengths[i].max(0) as usize
+            + (s.input_row_offsets[i + 1] - s.input_row_offsets[i]) as usize;
+        if s.cache_lengths[i] < 0 || end > s.pages_per_seq * page_size {
+            return bad(format!(
+                "sequence {i} reaches {end} tokens, beyond its {} pages of {page_size}",
+                s.pages_per_seq
+            ));
+        }
+        let used = end.div_ceil(page_size);
+        if let Some(p) = s.kv_lookup_table[i * s.pages_per_seq..][..used]
+            .iter()
+            .find(|&&p| p < 0 || p as u64 >= pages)
+        {
+            return bad(format!(
+                "sequence {i} uses page {p}, but the cache has {pages} pages"
+            ));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,103 @@
+//! Library kernels of the CPU executor: matmuls on the `gemm` crate, and the MoE experts built
+//! on them. Weights reach them as f32.
+
+use gemm::Parallelism;
+
+fn parallelism() -> Parallelism {
+    Parallelism::Rayon(rayon::current_num_threads())
+}
+
+/// `out[rows, n] = x[rows, k] · w[n, k]ᵀ (+ bias)`.
+pub fn matmul(
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    rows: usize,
+    n: usize,
+    k: usize,
+) {
+    debug_assert!(x.len() >= rows * k && w.len() >= n * k && out.len() >= rows * n);
+    if rows == 0 {
+        return;
+    }
+    // SAFETY: the slices hold rows·k, n·k and rows·n elements (checked above in debug builds and
+    // guaranteed by the program's buffer sizes); strides describe x row-major, wᵀ via w's rows.
+    unsafe {
+        gemm::gemm::<f32>(
+            rows,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism(),
+        );
+    }
+    if let Some(b) = bias {
+        for row in out[..rows * n].chunks_exact_mut(n) {
+            for (o, b) in row.iter_mut().zip(b) {
+                *o += b;
+            }
+        }
+    }
+}
+
+/// SwiGLU experts weighted by a dense routing matrix (see `KernelBody::MoeExperts`). Each
+/// expert's rows are gathered, run as three matmuls, and added back weighted.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_experts(
+    x: &[f32],
+    routing: &[f32],
+    experts: &[(&[f32], &[f32], &[f32])],
+    out: &mut [f32],
+    rows: usize,
+    hidden: usize,
+    ffn: usize,
+) {
+    let e_count = experts.len();
+    out[..rows * hidden].fill(0.0);
+    for (e, (gate, up, down)) in experts.iter().enumerate() {
+        let picked: Vec<usize> = (0..rows)
+            .filter(|&t| routing[t * e_count + e] != 0.0)
+            .collect();
+        if picked.is_empty() {
+            continue;
+        }
+        let m = picked.len();
+        let mut xs = Vec::with_capacity(m * hidden);
+        for &t in &picked {
+            xs.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
+        }
+        let mut g = vec![0.0; m * ffn];
+        let mut u = vec![0.0; m * ffn];
+        matmul(&xs, gate, None, &mut g, m, ffn, hidden);
+        matmul(&xs, up, None, &mut u, m, ffn, hidden);
+        for (g, u) in g.iter_mut().zip(&u) {
+            *g = *g / (1.0 + (-*g).exp()) * u;
+        }
+        let mut y = vec![0.0; m * hidden];
+        matmul(&g, down, None, &mut y, m, hidden, ffn);
+        for (i, &t) in picked.iter().enumerate() {
+            let w = routing[t * e_count + e];
+            for (o, v) in out[t * hidden..(t + 1) * hidden]
+                .iter_mut()
+                .zip(&y[i * hidden..(i + 1) * hidden])
+            {
+                *o += w * v;
+            }
+        }
+    }
+}

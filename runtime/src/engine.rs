@@ -1,0 +1,161 @@
+//! An executor with its page table: runs steps of sequences by id, and generates.
+
+use crate::artifact::Artifact;
+use crate::cpu::CpuExecutor;
+use crate::error::{Result, RuntimeError};
+use crate::kv::PageTable;
+use crate::sampling::{Sampler, SamplingParams};
+use crate::schema::StepDim;
+use crate::step::Logits;
+use std::path::Path;
+use std::sync::Arc;
+
+/// One role of an artifact, ready to run sequences.
+pub struct Engine {
+    exec: CpuExecutor,
+    pages: PageTable,
+    max_seq_len: usize,
+    max_step_tokens: usize,
+}
+
+/// Options of [`Engine::generate`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerateOptions {
+    /// Tokens to generate at most.
+    pub max_new_tokens: usize,
+    /// How tokens are chosen.
+    pub sampling: SamplingParams,
+    /// Stop at an end-of-sequence token (the manifest's `eos_token_ids`).
+    pub stop_at_eos: bool,
+}
+
+impl Engine {
+    /// Opens the artifact at `dir` and prepares `role` on the CPU.
+    pub fn open(dir: &Path, role: &str) -> Result<Self> {
+        Engine::new(Arc::new(Artifact::open(dir)?), role)
+    }
+
+    /// Prepares `role` of an opened artifact on the CPU.
+    pub fn new(artifact: Arc<Artifact>, role: &str) -> Result<Self> {
+        let exec = CpuExecutor::new(artifact.clone(), role)?;
+        let rt = &artifact.manifest.runtime;
+        let bounds = *exec.bounds();
+        let page = exec.program().kv.page_size as usize;
+        let pages = PageTable::new(
+            bounds[StepDim::TotalNumPages as usize] as usize,
+            page,
+            bounds[StepDim::MaxNumPages as usize] as usize,
+        );
+        Ok(Engine {
+            exec,
+            pages,
+            max_seq_len: rt.max_seq_len as usize,
+            max_step_tokens: bounds[StepDim::TotalSeqLen as usize] as usize,
+        })
+    }
+
+    /// The artifact.
+    pub fn artifact(&self) -> &Arc<Artifact> {
+        self.exec.artifact()
+    }
+
+    /// Vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        self.exec.program().vocab_size as usize
+    }
+
+    /// Longest context.
+    pub fn max_seq_len(&self) -> usize {
+        self.max_seq_len
+    }
+
+    /// Most token rows in one step.
+    pub fn max_step_tokens(&self) -> usize {
+        self.max_step_tokens
+    }
+
+    /// Whether the program returns logits for every token row (else one row per sequence).
+    pub fn all_logits(&self) -> bool {
+        let p = self.exec.program();
+        p.outputs.get("logits").is_some_and(|&o| {
+            p.buffers[o as usize].shape.first()
+                == Some(&crate::schema::Extent::Step(StepDim::TotalSeqLen))
+        })
+    }
+
+    /// Tokens cached for `seq`.
+    pub fn cached_len(&self, seq: u64) -> usize {
+        self.pages.len(seq)
+    }
+
+    /// One step: each `(sequence, tokens)` appends a prefill chunk or a decode token.
+    pub fn step(&mut self, chunks: &[(u64, &[i64])]) -> Result<Logits> {
+        for &(seq, tokens) in chunks {
+            let end = self.pages.len(seq) + tokens.len();
+            if end > self.max_seq_len {
+                return Err(RuntimeError::Input(format!(
+                    "sequence {seq} would reach {end} tokens; the artifact's max_seq_len is {}",
+                    self.max_seq_len
+                )));
+            }
+        }
+        let inputs = self.pages.prepare(chunks)?;
+        let logits = self.exec.execute(&inputs)?;
+        self.pages.commit(chunks);
+        Ok(logits)
+    }
+
+    /// Frees `seq`'s cache pages.
+    pub fn release(&mut self, seq: u64) {
+        self.pages.release(seq);
+    }
+
+    /// Prefills `prompt` as sequence `seq` in chunks of at most the step budget; returns the
+    /// logits of its last position.
+    pub fn prefill(&mut self, seq: u64, prompt: &[i64]) -> Result<Vec<f32>> {
+        if prompt.is_empty() {
+            return Err(RuntimeError::Input("the prompt is empty".into()));
+        }
+        if prompt.len() > self.max_seq_len {
+            return Err(RuntimeError::Input(format!(
+                "the prompt has {} tokens; the artifact's max_seq_len is {}",
+                prompt.len(),
+                self.max_seq_len
+            )));
+        }
+        let mut last = Vec::new();
+        for chunk in prompt.chunks(self.max_step_tokens.max(1)) {
+            let logits = self.step(&[(seq, chunk)])?;
+            last = logits.row(logits.rows - 1).to_vec();
+        }
+        Ok(last)
+    }
+
+    /// Generates up to `opts.max_new_tokens` tokens after `prompt`, stopping early at the end of
+    /// sequence (where asked) or when prompt and output fill max_seq_len.
+    pub fn generate(&mut self, prompt: &[i64], opts: &GenerateOptions) -> Result<Vec<i64>> {
+        let seq = u64::MAX;
+        self.release(seq);
+        let eos = self.artifact().manifest.eos_token_ids.clone();
+        let mut sampler = Sampler::new(opts.sampling.clone());
+        let result = (|| {
+            let mut logits = self.prefill(seq, prompt)?;
+            let mut out = Vec::new();
+            // The context (prompt and generated tokens) never exceeds max_seq_len.
+            while out.len() < opts.max_new_tokens && prompt.len() + out.len() < self.max_seq_len {
+                let next = sampler.sample(&logits) as i64;
+                out.push(next);
+                let full = out.len() == opts.max_new_tokens
+                    || prompt.len() + out.len() >= self.max_seq_len;
+                if full || (opts.stop_at_eos && eos.contains(&next)) {
+                    break;
+                }
+                let l = self.step(&[(seq, &[next])])?;
+                logits = l.row(l.rows - 1).to_vec();
+            }
+            Ok(out)
+        })();
+        self.release(seq);
+        result
+    }
+}

@@ -1,0 +1,94 @@
+//! `manifest.json`: what an artifact holds and how it was compiled.
+
+use super::CpuTarget;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// The manifest's name in the artifact directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// The weights' name in the artifact directory.
+pub const WEIGHTS_FILE: &str = "weights.safetensors";
+
+/// A file of the artifact with its size and checksum.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    /// Size in bytes.
+    pub bytes: u64,
+    /// Lowercase hex sha256 of the content.
+    pub sha256: String,
+}
+
+/// Batch limits the artifact was bounded for.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RuntimeSettings {
+    /// Sequences per step, per replica.
+    pub max_batch_size: u64,
+    /// Longest context.
+    pub max_seq_len: u64,
+    /// Token budget of a step, per replica.
+    pub max_batch_input_tokens: u64,
+    /// Chunked prefill.
+    pub enable_chunked_prefill: bool,
+    /// Data-parallel replicas.
+    pub data_parallel_degree: u64,
+    /// Tokens per KV page.
+    pub page_size: u64,
+    /// Pages in each role's KV cache.
+    pub kv_cache_pages: u64,
+}
+
+/// What a role's program needs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoleEntry {
+    /// The bound of each dim the role's graph uses.
+    pub dims: BTreeMap<String, u64>,
+    /// Files of this role (program, code), relative to the artifact.
+    pub program: String,
+    /// The CPU code, where the artifact targets the CPU.
+    pub cpu_code: Option<String>,
+    /// Arena bytes at the bounds.
+    pub arena_bytes: u64,
+    /// Kernels and launches.
+    pub kernels: u64,
+    /// Kernel calls per step.
+    pub launches: u64,
+}
+
+/// Targets the artifact carries code for.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Targets {
+    /// The CPU target, where compiled for the CPU.
+    #[serde(default)]
+    pub cpu: Option<CpuTarget>,
+}
+
+/// `manifest.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// The artifact format ([`super::FORMAT_VERSION`]).
+    pub format_version: u32,
+    /// The maxc version that wrote it.
+    pub maxc_version: String,
+    /// The Hugging Face architecture name.
+    pub architecture: String,
+    /// config.json as read.
+    pub config: serde_json::Value,
+    /// The dtype weights were converted to.
+    pub param_dtype: String,
+    /// Batch limits.
+    pub runtime: RuntimeSettings,
+    /// Roles by name.
+    pub roles: BTreeMap<String, RoleEntry>,
+    /// Code targets.
+    pub targets: Targets,
+    /// What the architecture's deployment config records.
+    pub export_records: BTreeMap<String, serde_json::Value>,
+    /// Beginning-of-sequence token, where the config names one.
+    #[serde(default)]
+    pub bos_token_id: Option<i64>,
+    /// End-of-sequence tokens, where the config names them.
+    #[serde(default)]
+    pub eos_token_ids: Vec<i64>,
+    /// Every other file of the artifact, by relative path.
+    pub files: BTreeMap<String, FileEntry>,
+}
