@@ -5,7 +5,7 @@ mod fuse;
 mod memory;
 
 pub use fuse::{FuseElementwise, FuseMatmulBias, FuseResidualRmsNorm};
-pub use memory::{plan_memory, MemoryPlan};
+pub use memory::{bytes_at_bounds, plan_memory, MemoryPlan, ALIGN};
 
 use crate::error::Result;
 use crate::kgraph::KGraph;
