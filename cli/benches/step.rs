@@ -52,11 +52,14 @@ fn best(reps: usize, mut f: impl FnMut() -> usize) -> (Duration, usize) {
     best
 }
 
+/// A backend's step over `(sequence, tokens)` chunks.
+type StepFn<'a> = dyn FnMut(&[(u64, &[i64])]) + 'a;
+
 /// (prefill tok/s, decode tok/s) at `batch` for a backend stepping `(seq, tokens)` chunks.
 fn measure(
     batch: usize,
     reps: usize,
-    step: &mut dyn FnMut(&[(u64, &[i64])]),
+    step: &mut StepFn<'_>,
     reset: &mut dyn FnMut(),
 ) -> (f64, f64) {
     let prompts: Vec<Vec<i64>> = (0..batch).map(prompt).collect();
@@ -79,7 +82,6 @@ fn measure(
             .map(|(i, p)| (i as u64, &p[..16]))
             .collect();
         step(&chunks);
-        let start = Instant::now();
         for d in 0..DECODE {
             let toks: Vec<[i64; 1]> = (0..batch).map(|i| [((d * 13 + i) % 1000) as i64]).collect();
             let chunks: Vec<(u64, &[i64])> = toks
@@ -89,7 +91,6 @@ fn measure(
                 .collect();
             step(&chunks);
         }
-        let _ = start;
         batch * DECODE
     });
     (prefill, n as f64 / t.as_secs_f64())

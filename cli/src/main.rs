@@ -30,6 +30,10 @@ enum Command {
     Generate(commands::generate::Args),
     /// Show an artifact's roles, dims and bounds, kernels, arena and weights.
     Inspect(commands::inspect::Args),
+    /// Write an artifact as reviewable text (manifest, plan, kernels, weights by hash).
+    Dump(commands::dump::Args),
+    /// Compare two artifacts structurally; exit 0 when identical, 1 when different, 2 on error.
+    Diff(commands::diff::Args),
 }
 
 fn main() -> ExitCode {
@@ -38,6 +42,15 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    if let Command::Diff(a) = cli.command {
+        return match commands::diff::run(a) {
+            Ok(code) => ExitCode::from(code),
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                ExitCode::from(2)
+            }
+        };
+    }
     let result = match cli.command {
         Command::Models(a) => commands::models::run(a),
         Command::Plan(a) => commands::plan::run(a),
@@ -46,6 +59,8 @@ fn main() -> ExitCode {
         Command::Run(a) => commands::run::run(a),
         Command::Generate(a) => commands::generate::run(a),
         Command::Inspect(a) => commands::inspect::run(a),
+        Command::Dump(a) => commands::dump::run(a),
+        Command::Diff(_) => unreachable!("handled above"),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

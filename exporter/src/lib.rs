@@ -3,6 +3,8 @@
 //! The same inputs give the same bytes. The artifact is built in a temporary directory beside the
 //! destination and renamed into place, so an interrupted compile leaves no artifact.
 
+pub mod diff;
+pub mod dump;
 mod write;
 
 pub use write::{compile, CompileOptions, CompileSummary, CpuMatmul, ExportError};

@@ -1,1 +1,109 @@
-//! placeholder
+//! Golden artifacts: the cases whose compiled dumps are checked in under `golden/cases/`, and
+//! the check that recompiles a case and diffs its dump against the checked-in one.
+//!
+//! After reviewing a change to the compiler's output, bless it with:
+//!
+//! ```text
+//! MAXC_BLESS=1 cargo test -p maxc-golden
+//! ```
+
+use maxc_exporter::diff::{diff_dumps, report};
+use maxc_exporter::dump::{dump, read_dump, write_dump};
+use maxc_exporter::{compile, CompileOptions, CpuMatmul};
+use maxc_graph::{DType, KvCacheParams, ModuleRuntime};
+use maxc_runtime::Artifact;
+use std::path::{Path, PathBuf};
+
+/// The command that accepts new golden output.
+pub const BLESS: &str = "MAXC_BLESS=1 cargo test -p maxc-golden";
+
+/// One golden case: a fixture model compiled with one runtime setting.
+#[derive(Clone, Debug)]
+pub struct Case {
+    /// The case's folder under `golden/cases/`.
+    pub name: String,
+    /// The fixture folder under `shared/fixtures/`.
+    pub model: &'static str,
+    /// Compile options.
+    pub options: CompileOptions,
+}
+
+fn runtime(batch: usize, len: usize, budget: usize, chunked: bool) -> ModuleRuntime {
+    let mut rt = ModuleRuntime::default();
+    rt.batch.max_batch_size = batch;
+    rt.batch.max_seq_len = len;
+    rt.batch.max_batch_input_tokens = budget;
+    rt.batch.enable_chunked_prefill = chunked;
+    rt.kv = KvCacheParams {
+        page_size: 16,
+        num_pages: None,
+    };
+    rt
+}
+
+/// Every golden case: each tiny model at two runtime settings.
+pub fn cases() -> Vec<Case> {
+    let settings = [
+        ("b8-len128", runtime(8, 128, 256, true)),
+        ("b2-len64-nochunk", runtime(2, 64, 64, false)),
+    ];
+    let mut out = Vec::new();
+    for model in ["tiny-llama", "tiny-qwen2", "tiny-mixtral", "tiny-roles"] {
+        for (label, rt) in &settings {
+            out.push(Case {
+                name: format!("{model}-cpu-{label}"),
+                model,
+                options: CompileOptions {
+                    runtime: rt.clone(),
+                    param_dtype: DType::F32,
+                    all_logits: false,
+                    cpu_matmul: CpuMatmul::Library,
+                    force: true,
+                },
+            });
+        }
+    }
+    out
+}
+
+/// The fixtures folder (`MAXC_FIXTURES`, else `../shared/fixtures` beside the checkout).
+pub fn fixtures() -> PathBuf {
+    std::env::var_os("MAXC_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"))
+}
+
+/// The checked-in dump of `case`.
+pub fn golden_dir(case: &Case) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("cases")
+        .join(&case.name)
+}
+
+/// Compiles `case` into `work` and compares its dump with the golden one. With `bless`, writes
+/// the new dump instead. Returns the readable differences (empty when identical).
+pub fn check(case: &Case, work: &Path, bless: bool) -> Result<String, String> {
+    let out = work.join(format!("{}.maxc", case.name));
+    compile(
+        &fixtures().join(case.model),
+        &out,
+        &case.options,
+        &mut |_| {},
+    )
+    .map_err(|e| format!("{}: {e}", case.name))?;
+    let artifact = Artifact::open(&out).map_err(|e| e.to_string())?;
+    let got = dump(&artifact);
+    let dir = golden_dir(case);
+    if bless {
+        let _ = std::fs::remove_dir_all(&dir);
+        write_dump(&got, &dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        return Ok(String::new());
+    }
+    let want = if dir.exists() {
+        read_dump(&dir).map_err(|e| format!("{}: {e}", dir.display()))?
+    } else {
+        Default::default()
+    };
+    let changes = diff_dumps(&want, &got, "golden", "compiled");
+    Ok(report(&changes))
+}

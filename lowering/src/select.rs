@@ -54,7 +54,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
         ..Default::default()
     };
     let mut val: BTreeMap<maxc_graph::ir::NodeIndex, ValueId> = BTreeMap::new();
-    let mut tables: Vec<Vec<f32>> = Vec::new();
+    let mut tables: Vec<(Vec<f32>, ValueId)> = Vec::new();
     for id in graph.node_ids() {
         let node = graph.node(id);
         let unsupported = |message: &str| LowerError::Unsupported {
@@ -213,20 +213,21 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                 }
             }
             Op::Rope { inv_freq } => {
-                let table = match tables.iter().position(|t| t == inv_freq) {
-                    Some(i) => i,
-                    None => {
-                        tables.push(inv_freq.clone());
-                        tables.len() - 1
-                    }
-                } as u32;
                 let d = inv_freq.len() as u64 * 2;
-                let tv = k.value(KValue {
-                    name: format!("rope_table_{table}"),
-                    dtype: DType::F32,
-                    shape: vec![Extent::Fixed(d / 2)],
-                    kind: ValueKind::RopeTable(table),
-                });
+                let tv = match tables.iter().find(|t| &t.0 == inv_freq) {
+                    Some(t) => t.1,
+                    None => {
+                        let table = tables.len() as u32;
+                        let tv = k.value(KValue {
+                            name: format!("rope_table_{table}"),
+                            dtype: DType::F32,
+                            shape: vec![Extent::Fixed(d / 2)],
+                            kind: ValueKind::RopeTable(table),
+                        });
+                        tables.push((inv_freq.clone(), tv));
+                        tv
+                    }
+                };
                 let heads = cols_of(&shape_of(&k, ops[0])) / d;
                 let out = new_value(&mut k, &node.ty, ValueKind::Temp)?;
                 k.nodes.push(KNode {
@@ -330,7 +331,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
     }
     k.rope_tables = tables
         .into_iter()
-        .map(|inv_freq| RopeTable { inv_freq })
+        .map(|(inv_freq, _)| RopeTable { inv_freq })
         .collect();
     k.validate("select_kernels")?;
     Ok(k)

@@ -158,7 +158,9 @@ fn f16_to_f32(h: u16) -> f32 {
     match exp {
         0 => sign * mant * 2f32.powi(-24),
         31 if mant == 0.0 => sign * f32::INFINITY,
-        31 => f32::from_bits(u32::from(h & 0x8000) << 16 | 0x7f80_0000 | u32::from(h & 0x3ff) << 13),
+        31 => {
+            f32::from_bits(u32::from(h & 0x8000) << 16 | 0x7f80_0000 | u32::from(h & 0x3ff) << 13)
+        }
         _ => sign * (1.0 + mant / 1024.0) * 2f32.powi(exp - 15),
     }
 }
@@ -217,7 +219,11 @@ fn gather_last_rows_zeroes_empty_sequences() {
     for b in 0..4 {
         let (lo, hi) = (offsets[b] as usize, offsets[b + 1] as usize);
         for c in 0..cols {
-            want.push(if hi > lo { f64::from(x[(hi - 1) * cols + c]) } else { 0.0 });
+            want.push(if hi > lo {
+                f64::from(x[(hi - 1) * cols + c])
+            } else {
+                0.0
+            });
         }
     }
     assert_close(&out, &want, 0.0, "gather last rows");
@@ -261,7 +267,10 @@ fn positions_follow_cache_lengths() {
 fn rms_norm_ref(x: &[f32], w: &[f32], eps: f32) -> Vec<f64> {
     let ms = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / x.len() as f64;
     let inv = 1.0 / (ms + f64::from(eps)).sqrt();
-    x.iter().zip(w).map(|(&v, &w)| f64::from(v) * inv * f64::from(w)).collect()
+    x.iter()
+        .zip(w)
+        .map(|(&v, &w)| f64::from(v) * inv * f64::from(w))
+        .collect()
 }
 
 #[test]
@@ -327,9 +336,18 @@ fn elementwise_programs_with_broadcast_and_weight_inputs() {
                 EwInstr::Add(6, 7),
             ];
             let inputs = vec![
-                EwInput { dtype: DType::F32, broadcast: false },
-                EwInput { dtype: DType::F32, broadcast: false },
-                EwInput { dtype, broadcast: true },
+                EwInput {
+                    dtype: DType::F32,
+                    broadcast: false,
+                },
+                EwInput {
+                    dtype: DType::F32,
+                    broadcast: false,
+                },
+                EwInput {
+                    dtype,
+                    broadcast: true,
+                },
             ];
             let Some(k) = Kernel::new(KernelBody::Elementwise {
                 rows: Rows::Fixed(rows as u64),
@@ -346,11 +364,15 @@ fn elementwise_programs_with_broadcast_and_weight_inputs() {
             k.run(&ptrs![a, b, bias.bytes, out], dims(0, 0, 0, 0));
             let want: Vec<f64> = (0..rows * cols)
                 .map(|i| {
-                    silu(f64::from(a[i]) * 4.0) * f64::from(b[i])
-                        + f64::from(bias.values[i % cols])
+                    silu(f64::from(a[i]) * 4.0) * f64::from(b[i]) + f64::from(bias.values[i % cols])
                 })
                 .collect();
-            assert_close(&out, &want, 2e-6, &format!("elementwise {dtype:?} cols {cols}"));
+            assert_close(
+                &out,
+                &want,
+                2e-6,
+                &format!("elementwise {dtype:?} cols {cols}"),
+            );
         }
     }
 }
@@ -362,7 +384,13 @@ fn elementwise_in_place_add() {
     let Some(k) = Kernel::new(KernelBody::Elementwise {
         rows: Rows::Step(StepDim::TotalSeqLen),
         cols: cols as u64,
-        inputs: vec![EwInput { dtype: DType::F32, broadcast: false }; 2],
+        inputs: vec![
+            EwInput {
+                dtype: DType::F32,
+                broadcast: false
+            };
+            2
+        ],
         program: vec![EwInstr::Input(0), EwInstr::Input(1), EwInstr::Add(0, 1)],
     }) else {
         return;
@@ -376,7 +404,9 @@ fn elementwise_in_place_add() {
 }
 
 fn softmax_ref(x: &[f32]) -> Vec<f64> {
-    let max = x.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
+    let max = x
+        .iter()
+        .fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
     let e: Vec<f64> = x.iter().map(|&v| (f64::from(v) - max).exp()).collect();
     let sum: f64 = e.iter().sum();
     e.iter().map(|v| v / sum).collect()
@@ -434,8 +464,9 @@ fn top_k_with_ties_and_renormalisation() {
                     return;
                 };
                 // Few distinct values so that ties are common; positive for renormalisation.
-                let mut x: Vec<f32> =
-                    (0..rows * cols).map(|_| 0.125 + rng.below(6) as f32 * 0.25).collect();
+                let mut x: Vec<f32> = (0..rows * cols)
+                    .map(|_| 0.125 + rng.below(6) as f32 * 0.25)
+                    .collect();
                 let mut out = vec![f32::NAN; rows * cols];
                 k.run(&ptrs![x, out], dims(rows, 1, 1, 1));
                 let want: Vec<f64> = x
@@ -606,15 +637,17 @@ impl Step {
             .rev()
             .find(|&b| self.offsets[b] as usize <= r && r < self.offsets[b + 1] as usize)
             .expect("row in a sequence");
-        (b, self.cache_lengths[b] as usize + r - self.offsets[b] as usize)
+        (
+            b,
+            self.cache_lengths[b] as usize + r - self.offsets[b] as usize,
+        )
     }
 
     /// Index of `(layer, which, position, kv head, 0)` of sequence `b` in the cache.
     fn index(&self, c: &Cache, b: usize, which: usize, pos: usize, kvh: usize) -> usize {
         let page = self.lookup[b * self.max_pages + pos / self.page_size] as usize;
         let slot = pos % self.page_size;
-        ((((page * c.num_layers + c.layer) * 2 + which) * self.page_size + slot) * c.kv_heads
-            + kvh)
+        ((((page * c.num_layers + c.layer) * 2 + which) * self.page_size + slot) * c.kv_heads + kvh)
             * c.head_dim
     }
 }
@@ -630,9 +663,12 @@ struct Cache {
 #[test]
 fn kv_store_then_attention_over_paged_cache() {
     let mut rng = Rng(10);
-    for (page_size, kv_heads, heads, head_dim) in
-        [(4usize, 2usize, 4usize, 8usize), (3, 1, 3, 32), (16, 2, 2, 6), (5, 2, 6, 13)]
-    {
+    for (page_size, kv_heads, heads, head_dim) in [
+        (4usize, 2usize, 4usize, 8usize),
+        (3, 1, 3, 32),
+        (16, 2, 2, 6),
+        (5, 2, 6, 13),
+    ] {
         let step = Step::new(page_size);
         let c = Cache {
             layer: 1,
@@ -745,17 +781,40 @@ fn kv_store_then_attention_over_paged_cache() {
 fn all_kinds() -> Vec<KernelBody> {
     let step = Rows::Step(StepDim::TotalSeqLen);
     vec![
-        KernelBody::Gather { rows: step, cols: 13, index: GatherIndex::Tokens, src_dtype: DType::BF16 },
+        KernelBody::Gather {
+            rows: step,
+            cols: 13,
+            index: GatherIndex::Tokens,
+            src_dtype: DType::BF16,
+        },
         KernelBody::Positions,
-        KernelBody::RmsNorm { rows: step, cols: 37, eps: 1e-6, residual: true, weight_dtype: DType::F16 },
+        KernelBody::RmsNorm {
+            rows: step,
+            cols: 37,
+            eps: 1e-6,
+            residual: true,
+            weight_dtype: DType::F16,
+        },
         KernelBody::Elementwise {
             rows: step,
             cols: 7,
-            inputs: vec![EwInput { dtype: DType::F32, broadcast: false }],
+            inputs: vec![EwInput {
+                dtype: DType::F32,
+                broadcast: false,
+            }],
             program: vec![EwInstr::Input(0), EwInstr::Silu(0)],
         },
-        KernelBody::Rope { heads: 4, head_dim: 16 },
-        KernelBody::KvStore { layer: 0, num_layers: 2, kv_heads: 2, head_dim: 8, page_size: 16 },
+        KernelBody::Rope {
+            heads: 4,
+            head_dim: 16,
+        },
+        KernelBody::KvStore {
+            layer: 0,
+            num_layers: 2,
+            kv_heads: 2,
+            head_dim: 8,
+            page_size: 16,
+        },
         KernelBody::Attention {
             layer: 1,
             num_layers: 2,
@@ -765,9 +824,23 @@ fn all_kinds() -> Vec<KernelBody> {
             page_size: 16,
             scale: 0.17,
         },
-        KernelBody::Softmax { rows: step, cols: 13 },
-        KernelBody::TopK { rows: step, cols: 13, k: 2, renormalize: true },
-        KernelBody::Matmul { rows: step, n: 13, k: 37, weight_dtype: DType::BF16, bias: true },
+        KernelBody::Softmax {
+            rows: step,
+            cols: 13,
+        },
+        KernelBody::TopK {
+            rows: step,
+            cols: 13,
+            k: 2,
+            renormalize: true,
+        },
+        KernelBody::Matmul {
+            rows: step,
+            n: 13,
+            k: 37,
+            weight_dtype: DType::BF16,
+            bias: true,
+        },
     ]
 }
 
@@ -803,11 +876,23 @@ fn errors_name_the_kernel_and_the_problem() {
     let bad_program = KernelBody::Elementwise {
         rows: Rows::Fixed(1),
         cols: 4,
-        inputs: vec![EwInput { dtype: DType::F32, broadcast: false }],
+        inputs: vec![EwInput {
+            dtype: DType::F32,
+            broadcast: false,
+        }],
         program: vec![EwInstr::Input(0), EwInstr::Add(0, 1)],
     };
     let err = compile_kernel(&bad_program, &target).expect_err("forward operand");
-    assert!(matches!(err, CpuError::Invalid { kind: "elementwise", .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            CpuError::Invalid {
+                kind: "elementwise",
+                ..
+            }
+        ),
+        "{err}"
+    );
 
     let bad_gqa = KernelBody::Attention {
         layer: 0,

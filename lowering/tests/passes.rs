@@ -18,7 +18,10 @@ fn graph(model: &str) -> (Graph, ModuleRuntime) {
         .join(model);
     let mut rt = ModuleRuntime::default();
     rt.batch.max_seq_len = 256;
-    let opts = LoadOptions { runtime: rt.clone(), ..Default::default() };
+    let opts = LoadOptions {
+        runtime: rt.clone(),
+        ..Default::default()
+    };
     let mut loaded = load_model(&dir, &Registry::builtin(), &opts).expect("fixture loads");
     (loaded.roles.pop_first().expect("a role").1.graph, rt)
 }
@@ -52,9 +55,18 @@ fn llama_fusion_merges_swiglu_and_residual_adds_into_norms() {
     assert_eq!(b["elementwise"], 4 * 4);
     // SwiGLU is one kernel per layer.
     assert_eq!(a["elementwise"], 4);
-    let swiglu = after.nodes.iter().find(|n| matches!(n.body, KernelBody::Elementwise { .. })).unwrap();
-    let KernelBody::Elementwise { program, .. } = &swiglu.body else { unreachable!() };
-    assert!(program.iter().any(|i| matches!(i, EwInstr::Silu(_))) && program.iter().any(|i| matches!(i, EwInstr::Mul(..))));
+    let swiglu = after
+        .nodes
+        .iter()
+        .find(|n| matches!(n.body, KernelBody::Elementwise { .. }))
+        .unwrap();
+    let KernelBody::Elementwise { program, .. } = &swiglu.body else {
+        unreachable!()
+    };
+    assert!(
+        program.iter().any(|i| matches!(i, EwInstr::Silu(_)))
+            && program.iter().any(|i| matches!(i, EwInstr::Mul(..)))
+    );
     // Every residual add feeds a norm: 8 norms take their residual; the first is plain.
     assert_eq!(a["rms_norm+residual"], 8);
     assert_eq!(a["rms_norm"], 1);
@@ -75,9 +87,13 @@ fn the_memory_plan_never_overlaps_live_values() {
         let (g, rt) = graph(model);
         let mut k = select_kernels(&g, "decoder/").unwrap();
         run_passes(&mut k, &default_passes()).unwrap();
-        let dims = rt.max_dims(g.input_dims().iter().map(String::as_str)).unwrap();
-        let bounds: BTreeMap<StepDim, u64> =
-            StepDim::ALL.into_iter().filter_map(|d| dims.get(d.name()).map(|&b| (d, b as u64))).collect();
+        let dims = rt
+            .max_dims(g.input_dims().iter().map(String::as_str))
+            .unwrap();
+        let bounds: BTreeMap<StepDim, u64> = StepDim::ALL
+            .into_iter()
+            .filter_map(|d| dims.get(d.name()).map(|&b| (d, b as u64)))
+            .collect();
         let plan = plan_memory(&k, &bounds).unwrap();
         // Lifetimes recomputed here: first write to last read (outputs to the end).
         let mut live: BTreeMap<usize, (usize, usize)> = BTreeMap::new();
@@ -94,10 +110,17 @@ fn the_memory_plan_never_overlaps_live_values() {
         for &v in k.outputs.values() {
             live.get_mut(&v).unwrap().1 = k.nodes.len();
         }
-        let temps: Vec<usize> = live.keys().copied().filter(|&v| k.values[v].kind == ValueKind::Temp).collect();
+        let temps: Vec<usize> = live
+            .keys()
+            .copied()
+            .filter(|&v| k.values[v].kind == ValueKind::Temp)
+            .collect();
         let range = |v: usize| {
             let o = plan.offsets[&v];
-            (o, o + bytes_at_bounds(&k.values[v].shape, k.values[v].dtype.size(), &bounds).unwrap())
+            (
+                o,
+                o + bytes_at_bounds(&k.values[v].shape, k.values[v].dtype.size(), &bounds).unwrap(),
+            )
         };
         for (i, &a) in temps.iter().enumerate() {
             let (ra, la) = (range(a), live[&a]);
@@ -106,23 +129,48 @@ fn the_memory_plan_never_overlaps_live_values() {
                 let (rb, lb) = (range(b), live[&b]);
                 let overlap_time = la.0 <= lb.1 && lb.0 <= la.1;
                 let overlap_bytes = ra.0 < rb.1 && rb.0 < ra.1;
-                assert!(!(overlap_time && overlap_bytes), "{model}: `{}` and `{}` share bytes while both live", k.values[a].name, k.values[b].name);
+                assert!(
+                    !(overlap_time && overlap_bytes),
+                    "{model}: `{}` and `{}` share bytes while both live",
+                    k.values[a].name,
+                    k.values[b].name
+                );
             }
         }
         // Reuse happens: the arena is smaller than the sum of all intermediates.
         let total: u64 = temps.iter().map(|&v| range(v).1 - range(v).0).sum();
-        assert!(plan.arena_bytes < total / 4, "{model}: arena {} of {total}", plan.arena_bytes);
+        assert!(
+            plan.arena_bytes < total / 4,
+            "{model}: arena {} of {total}",
+            plan.arena_bytes
+        );
     }
 }
 
 #[test]
 fn programs_dedupe_kernels_and_reference_weights_by_role_key() {
     let (g, rt) = graph("tiny-llama");
-    let dims = rt.max_dims(g.input_dims().iter().map(String::as_str)).unwrap();
-    let p = lower_graph(&g, &LowerOptions { bounds: dims, max_seq_len: 256 }).unwrap();
+    let dims = rt
+        .max_dims(g.input_dims().iter().map(String::as_str))
+        .unwrap();
+    let p = lower_graph(
+        &g,
+        &LowerOptions {
+            bounds: dims,
+            max_seq_len: 256,
+        },
+    )
+    .unwrap();
     assert_eq!(p.launches.len(), 61);
     assert!(p.kernels.len() < 30, "{} kernels", p.kernels.len());
-    let keys: Vec<&str> = p.buffers.iter().filter_map(|b| match &b.storage { Storage::Param { key } => Some(key.as_str()), _ => None }).collect();
+    let keys: Vec<&str> = p
+        .buffers
+        .iter()
+        .filter_map(|b| match &b.storage {
+            Storage::Param { key } => Some(key.as_str()),
+            _ => None,
+        })
+        .collect();
     assert_eq!(keys.len(), 39);
     assert!(keys.iter().all(|k| k.starts_with("decoder/")));
     assert_eq!(p.vocab_size, 1024);

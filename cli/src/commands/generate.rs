@@ -44,7 +44,8 @@ pub struct Args {
 
 /// Generates and prints the new token ids.
 pub fn run(args: Args) -> Result<()> {
-    if !(args.temperature >= 0.0) || !(args.top_p > 0.0 && args.top_p <= 1.0) {
+    let valid = args.temperature >= 0.0 && args.top_p > 0.0 && args.top_p <= 1.0;
+    if !valid {
         bail!(
             "--temperature must be >= 0 and --top-p in (0, 1]; got {} and {}",
             args.temperature,

@@ -1,6 +1,8 @@
 //! One module per `maxc` subcommand.
 
 pub mod compile;
+pub mod diff;
+pub mod dump;
 pub mod eval;
 pub mod generate;
 pub mod inspect;

@@ -1,6 +1,7 @@
 //! Causal attention over the paged KV cache with an online (flash-style) softmax.
 
-use super::builder::{check_product, check_size, KernelBuilder, Reduce};
+use super::builder::{check_product, check_size, KernelBuilder};
+use super::columns::Reduce;
 use super::math;
 use super::paged::{CacheLayout, Sequences};
 use super::CpuError;
@@ -149,7 +150,7 @@ fn attend(kb: &mut KernelBuilder, ctx: &Context, head: &Head, b: Value, p: Value
             });
             let score = kb.b.ins().fmul(dot, scale);
             let m_old = kb.get(m);
-            let m_new = kb.b.ins().fmax(m_old, score);
+            let m_new = kb.max(m_old, score);
             let d_old = kb.b.ins().fsub(m_old, m_new);
             let corr = math::exp(kb, d_old);
             let d_new = kb.b.ins().fsub(score, m_new);

@@ -11,7 +11,7 @@ const EXP_MIN: f32 = -87.3;
 const EXP_MAX: f32 = 88.37;
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
 /// ln 2 split so that `n · LN2_HI` is exact for |n| < 2^9 (Cody–Waite reduction).
-const LN2_HI: f32 = 0.693_359_375;
+const LN2_HI: f32 = 355.0 / 512.0;
 const LN2_LO: f32 = -2.121_944_4e-4;
 /// Minimax coefficients of `(e^r - 1 - r) / r²` on `[-ln2/2, ln2/2]` (Cephes `expf`),
 /// highest degree first.
@@ -35,8 +35,9 @@ pub(crate) fn exp(kb: &mut KernelBuilder, x: Value) -> Value {
     let ity = int_lanes(ty);
     let lo = kb.fconst(ty, EXP_MIN);
     let hi = kb.fconst(ty, EXP_MAX);
-    let x = kb.b.ins().fmax(x, lo);
-    let x = kb.b.ins().fmin(x, hi);
+    // NaN stays NaN: it is the propagating operand of both.
+    let x = kb.max(lo, x);
+    let x = kb.min(hi, x);
 
     let log2e = kb.fconst(ty, LOG2_E);
     let t = kb.b.ins().fmul(x, log2e);

@@ -1,6 +1,7 @@
 //! Matrix multiplication by a transposed weight: `out = x · wᵀ (+ bias)`.
 
-use super::builder::{check_size, KernelBuilder, Reduce, MEM};
+use super::builder::{check_size, KernelBuilder, MEM};
+use super::columns::Reduce;
 use super::dtype::{self, FloatType};
 use super::CpuError;
 use cranelift_codegen::ir::types::F32;

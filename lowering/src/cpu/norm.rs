@@ -1,6 +1,7 @@
 //! RMSNorm, optionally fused with the residual add before it.
 
-use super::builder::{check_size, KernelBuilder, Reduce};
+use super::builder::{check_size, KernelBuilder};
+use super::columns::Reduce;
 use super::dtype::{self, FloatType};
 use super::CpuError;
 use cranelift_codegen::ir::types::{F32, F32X4};

@@ -1,6 +1,7 @@
 //! Row softmax.
 
-use super::builder::{check_size, KernelBuilder, Reduce};
+use super::builder::{check_size, KernelBuilder};
+use super::columns::Reduce;
 use super::math;
 use super::CpuError;
 use cranelift_codegen::ir::types::F32X4;

@@ -54,6 +54,18 @@ impl Param {
 
 #[derive(Clone, Copy)]
 struct SendPtrs(*const *mut u8, *const u64);
+
+impl SendPtrs {
+    /// Calls `f` on `start..end`.
+    ///
+    /// # Safety
+    /// The pointers follow `f`'s documented buffer order and sizes; concurrent calls get
+    /// disjoint ranges.
+    unsafe fn call(self, f: KernelFn, start: u64, end: u64) {
+        // SAFETY: as the caller guarantees.
+        unsafe { f(self.0, self.1, start, end) }
+    }
+}
 // SAFETY: kernels called on disjoint ranges write disjoint memory (the kernel IR's contract).
 unsafe impl Send for SendPtrs {}
 unsafe impl Sync for SendPtrs {}
@@ -439,10 +451,9 @@ fn run_generated(
         return;
     }
     (0..chunks).into_par_iter().for_each(|c| {
-        let p = p;
         let (start, end) = (extent * c / chunks, extent * (c + 1) / chunks);
         // SAFETY: as above; the slices [start, end) are disjoint.
-        unsafe { f(p.0, p.1, start, end) };
+        unsafe { p.call(f, start, end) };
     });
 }
 
