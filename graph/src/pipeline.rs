@@ -5,6 +5,8 @@
 use crate::arch::{BuildOptions, ModelSpec};
 use crate::deployment::ModelLoadContext;
 use crate::ir::TensorType;
+use crate::arch::gguf::config_from_gguf;
+use crate::weights::gguf::GgufFile;
 use crate::weights::{load_checkpoint_weights, StateDict};
 use crate::{DType, DeploymentConfig, Error, Graph, GraphRole, ModuleRuntime, Registry, Result};
 use std::collections::{BTreeMap, BTreeSet};
@@ -46,7 +48,7 @@ pub struct RoleGraph {
 /// A checkpoint turned into graphs.
 #[derive(Debug)]
 pub struct LoadedModel {
-    /// The checkpoint folder.
+    /// The checkpoint folder or GGUF file.
     pub dir: PathBuf,
     /// config.json as read.
     pub config_json: serde_json::Value,
@@ -58,20 +60,39 @@ pub struct LoadedModel {
     pub roles: BTreeMap<GraphRole, RoleGraph>,
 }
 
-/// Reads and parses `dir/config.json`.
-pub fn read_config(
-    dir: &Path,
-    registry: &Registry,
-) -> Result<(serde_json::Value, Box<dyn ModelSpec>)> {
-    let file = dir.join("config.json");
+/// Whether `path` is a GGUF file (rather than a checkpoint folder).
+pub fn is_gguf(path: &Path) -> bool {
+    path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+/// Reads and parses the model's config: `path/config.json` for a folder, the metadata of a GGUF
+/// file.
+pub fn read_config(path: &Path, registry: &Registry) -> Result<(serde_json::Value, Box<dyn ModelSpec>)> {
+    if is_gguf(path) {
+        let gguf = GgufFile::open(path)?;
+        let json = config_from_gguf(&gguf)?;
+        let spec = registry.parse_config(path, &json)?;
+        return Ok((json, spec));
+    }
+    let file = path.join("config.json");
     let text = std::fs::read_to_string(&file).map_err(|e| Error::io(&file, e))?;
-    let json: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| Error::checkpoint(&file, format!("not valid JSON: {e}")))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::checkpoint(&file, format!("not valid JSON: {e}")))?;
     let spec = registry.parse_config(&file, &json)?;
     Ok((json, spec))
 }
 
-/// Loads the checkpoint folder `dir` and builds the graph of every requested role.
+/// The raw weights of a checkpoint folder or GGUF file.
+pub fn read_weights(path: &Path) -> Result<StateDict> {
+    if is_gguf(path) {
+        GgufFile::open(path)?.state_dict()
+    } else {
+        load_checkpoint_weights(path)
+    }
+}
+
+/// Loads the checkpoint (a folder, or a GGUF file) at `dir` and builds the graph of every
+/// requested role.
 pub fn load_model(dir: &Path, registry: &Registry, opts: &LoadOptions) -> Result<LoadedModel> {
     opts.runtime.validate()?;
     let (config_json, spec) = read_config(dir, registry)?;
@@ -101,7 +122,7 @@ pub fn load_model(dir: &Path, registry: &Registry, opts: &LoadOptions) -> Result
         .apply_runtime(&opts.runtime)?
         .apply_model_load_context(&ctx)?;
 
-    let raw = load_checkpoint_weights(dir)?;
+    let raw = read_weights(dir)?;
     let checkpoint_dtype = stored_float_dtype(&raw);
     if deployment.preserve_checkpoint_keys {
         deployment = deployment.finalize_from_checkpoint(&raw)?;

@@ -56,30 +56,96 @@ impl ModelSpec for LlamaModel {
         vec![GraphRole::Decoder]
     }
     fn deployment(&self) -> DeploymentConfig {
-        DeploymentConfig::with_hooks(Arc::new(LlamaFamilyHooks {
-            tie_word_embeddings: self.config.tie_word_embeddings,
-        }))
+        DeploymentConfig::with_hooks(Arc::new(LlamaFamilyHooks::new(&self.config)))
     }
     fn decoder(&self, role: GraphRole) -> Option<&DecoderConfig> {
         (role == GraphRole::Decoder).then_some(&self.config)
     }
 }
 
-/// Weight preparation of the Llama family: drops the rotary `inv_freq` buffers that older
-/// checkpoints saved (the graph computes them from the config), and, where embeddings are tied,
-/// a saved copy of `lm_head.weight` (the graph reads the embedding).
+/// Weight preparation of the Llama family: maps GGUF tensors to the Hugging Face layout (names,
+/// q/k un-permutation), drops the rotary `inv_freq` buffers that older checkpoints saved (the
+/// graph computes them from the config), and, where embeddings are tied, a saved copy of
+/// `lm_head.weight` (the graph reads the embedding).
 #[derive(Debug)]
 pub struct LlamaFamilyHooks {
     /// The model ties its LM head to the embedding.
     pub tie_word_embeddings: bool,
+    /// Query heads (for GGUF un-permutation).
+    pub num_heads: usize,
+    /// KV heads (for GGUF un-permutation).
+    pub num_kv_heads: usize,
+}
+
+impl LlamaFamilyHooks {
+    /// The hooks of a model with `config`.
+    pub fn new(config: &DecoderConfig) -> Self {
+        LlamaFamilyHooks {
+            tie_word_embeddings: config.tie_word_embeddings,
+            num_heads: config.num_heads,
+            num_kv_heads: config.num_kv_heads,
+        }
+    }
 }
 
 impl DeploymentHooks for LlamaFamilyHooks {
     fn prepare_weights(&self, weights: StateDict) -> Result<StateDict> {
+        let weights = if super::gguf::is_gguf_layout(&weights) {
+            super::gguf::gguf_to_hf(weights, self.num_heads, self.num_kv_heads)?
+        } else {
+            weights
+        };
         Ok(weights
             .into_iter()
             .filter(|(k, _)| !k.ends_with("rotary_emb.inv_freq"))
             .filter(|(k, _)| !(self.tie_word_embeddings && k == "lm_head.weight"))
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::arch::BuildOptions;
+    use crate::ir::Op;
+    use crate::registry::Registry;
+    use crate::GraphRole;
+    use std::path::Path;
+
+    /// A transformers 4 config: `torch_dtype`, top-level `rope_theta`, `rope_scaling` with
+    /// `type`, no `head_dim`, tied embeddings.
+    fn tf4() -> serde_json::Value {
+        serde_json::json!({
+            "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+            "rms_norm_eps": 1e-6, "vocab_size": 100, "rope_theta": 500000.0, "torch_dtype": "float16",
+            "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            "tie_word_embeddings": true, "max_position_embeddings": 131072
+        })
+    }
+
+    #[test]
+    fn transformers_4_config_with_tied_embeddings() {
+        let spec = Registry::builtin().parse_config(Path::new("config.json"), &tf4()).unwrap();
+        let c = spec.decoder(GraphRole::Decoder).unwrap();
+        assert_eq!((c.head_dim, c.num_kv_heads, c.rope.theta), (16, 1, 500000.0));
+        assert_eq!(c.checkpoint_dtype, Some(crate::DType::F16));
+        assert!(matches!(c.rope.scaling, crate::arch::rope::RopeScaling::Llama3 { .. }));
+        let g = spec.build(GraphRole::Decoder, &BuildOptions::default()).unwrap();
+        let params = g.params();
+        assert!(!params.contains_key("lm_head.weight"));
+        // The LM head reads the embedding table.
+        let head = g.find("lm_head").unwrap();
+        let table = g.operands(head)[1];
+        assert_eq!(g.node(table).name, "model.embed_tokens.weight");
+        assert_eq!(g.node(table).op, Op::Param);
+    }
+
+    #[test]
+    fn head_dim_null_is_derived() {
+        let mut cfg = tf4();
+        cfg["head_dim"] = serde_json::Value::Null;
+        let spec = Registry::builtin().parse_config(Path::new("config.json"), &cfg).unwrap();
+        assert_eq!(spec.decoder(GraphRole::Decoder).unwrap().head_dim, 16);
     }
 }

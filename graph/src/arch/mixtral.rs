@@ -51,9 +51,7 @@ impl ModelSpec for MixtralModel {
         vec![GraphRole::Decoder]
     }
     fn deployment(&self) -> DeploymentConfig {
-        DeploymentConfig::with_hooks(Arc::new(LlamaFamilyHooks {
-            tie_word_embeddings: self.config.tie_word_embeddings,
-        }))
+        DeploymentConfig::with_hooks(Arc::new(LlamaFamilyHooks::new(&self.config)))
     }
     fn decoder(&self, role: GraphRole) -> Option<&DecoderConfig> {
         (role == GraphRole::Decoder).then_some(&self.config)

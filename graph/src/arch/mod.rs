@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod decoder;
+pub mod gguf;
 pub mod llama;
 pub mod llama_with_draft;
 pub mod mixtral;

@@ -1,6 +1,7 @@
 //! The weight pipeline's data: [`WeightTensor`] (memory-mapped or owned bytes of one dtype) and
 //! [`StateDict`] (weights by key, sorted), plus the safetensors reader and writer.
 
+pub mod gguf;
 mod safetensors_io;
 
 pub use safetensors_io::{load_checkpoint_weights, read_safetensors_file, write_safetensors};

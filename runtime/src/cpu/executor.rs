@@ -440,11 +440,8 @@ fn run_generated(
         return;
     }
     let p = SendPtrs(args.as_ptr().cast(), dims.as_ptr());
-    let chunks = if extent >= 8 {
-        threads.min(extent as usize) as u64
-    } else {
-        1
-    };
+    // Splitting costs a few microseconds: only worth it for kernels with real work.
+    let chunks = if body.work(dims) >= 1 << 16 { threads.min(extent as usize) as u64 } else { 1 };
     if chunks <= 1 {
         // SAFETY: arguments follow the kernel's documented buffer order and sizes.
         unsafe { f(p.0, p.1, 0, extent) };

@@ -3,8 +3,13 @@
 
 use gemm::Parallelism;
 
-fn parallelism() -> Parallelism {
-    Parallelism::Rayon(rayon::current_num_threads())
+/// Threads for a matmul of `macs` multiply-adds: small ones run on the calling thread.
+fn parallelism(macs: usize) -> Parallelism {
+    if macs < 1 << 21 {
+        Parallelism::None
+    } else {
+        Parallelism::Rayon(rayon::current_num_threads())
+    }
 }
 
 /// `out[rows, n] = x[rows, k] · w[n, k]ᵀ (+ bias)`.
@@ -43,7 +48,7 @@ pub fn matmul(
             false,
             false,
             false,
-            parallelism(),
+            parallelism(rows * n * k),
         );
     }
     if let Some(b) = bias {

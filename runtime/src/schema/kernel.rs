@@ -303,6 +303,32 @@ impl KernelBody {
         }
     }
 
+    /// A rough count of the elements the kernel touches at these step sizes, to decide whether
+    /// splitting its parallel range across threads pays.
+    pub fn work(&self, dims: &[u64; StepDim::COUNT]) -> u64 {
+        let t = dims[StepDim::TotalSeqLen as usize];
+        let width = match self {
+            KernelBody::Gather { cols, .. }
+            | KernelBody::RmsNorm { cols, .. }
+            | KernelBody::Elementwise { cols, .. }
+            | KernelBody::Softmax { cols, .. }
+            | KernelBody::TopK { cols, .. } => *cols,
+            KernelBody::Positions => t / dims[StepDim::BatchSize as usize].max(1),
+            KernelBody::Rope { heads, head_dim } => heads * head_dim,
+            KernelBody::KvStore { kv_heads, head_dim, .. } => 2 * kv_heads * head_dim,
+            // Each row reads its whole context: assume a page's worth at least.
+            KernelBody::Attention { heads, head_dim, page_size, .. } => heads * head_dim * page_size,
+            KernelBody::Matmul { rows, k, .. } => {
+                k * match rows {
+                    Rows::Step(d) => dims[*d as usize],
+                    Rows::Fixed(n) => *n,
+                }
+            }
+            KernelBody::MoeExperts { hidden, ffn, .. } => hidden * ffn * t,
+        };
+        self.parallel_extent(dims).saturating_mul(width)
+    }
+
     /// Whether the CPU backend runs this kernel as generated native code (otherwise as a
     /// library kernel of the runtime).
     pub fn is_generated_on_cpu(&self) -> bool {

@@ -1,0 +1,362 @@
+//! A GGUF (v2, v3) reader: metadata, tensor infos, and tensors dequantized exactly with the
+//! formulas of the format (F32, F16, BF16 kept as stored; Q8_0, Q4_0, Q4_1 to f32). Every read
+//! is bounds-checked; a truncated file, an unknown tensor type or tensor data past the end of
+//! the file is an error naming the file and what was being read.
+
+use super::{StateDict, WeightTensor};
+use crate::{DType, Error, Result};
+use half::f16;
+use memmap2::Mmap;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// A metadata value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GgufValue {
+    /// Unsigned integer (u8, u16, u32, u64).
+    U64(u64),
+    /// Signed integer (i8, i16, i32, i64).
+    I64(i64),
+    /// Float (f32, f64).
+    F64(f64),
+    /// Boolean.
+    Bool(bool),
+    /// UTF-8 string.
+    String(String),
+    /// Array of values.
+    Array(Vec<GgufValue>),
+}
+
+impl GgufValue {
+    /// As a non-negative integer.
+    pub fn as_u64(&self) -> Option<u64> {
+        match self {
+            GgufValue::U64(v) => Some(*v),
+            GgufValue::I64(v) => u64::try_from(*v).ok(),
+            _ => None,
+        }
+    }
+    /// As a float.
+    pub fn as_f64(&self) -> Option<f64> {
+        match self {
+            GgufValue::F64(v) => Some(*v),
+            GgufValue::U64(v) => Some(*v as f64),
+            GgufValue::I64(v) => Some(*v as f64),
+            _ => None,
+        }
+    }
+    /// As a string.
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            GgufValue::String(s) => Some(s),
+            _ => None,
+        }
+    }
+    /// As an array.
+    pub fn as_array(&self) -> Option<&[GgufValue]> {
+        match self {
+            GgufValue::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+}
+
+/// Tensor storage types maxc reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GgmlType {
+    /// f32.
+    F32,
+    /// f16.
+    F16,
+    /// bf16.
+    BF16,
+    /// Blocks of 32: f16 scale, 32 × i8.
+    Q8_0,
+    /// Blocks of 32: f16 scale, 16 bytes of 4-bit values offset by 8.
+    Q4_0,
+    /// Blocks of 32: f16 scale, f16 minimum, 16 bytes of 4-bit values.
+    Q4_1,
+}
+
+impl GgmlType {
+    fn from_id(id: u32) -> Option<Self> {
+        Some(match id {
+            0 => GgmlType::F32,
+            1 => GgmlType::F16,
+            2 => GgmlType::Q4_0,
+            3 => GgmlType::Q4_1,
+            8 => GgmlType::Q8_0,
+            30 => GgmlType::BF16,
+            _ => return None,
+        })
+    }
+
+    /// (elements per block, bytes per block).
+    fn block(self) -> (u64, u64) {
+        match self {
+            GgmlType::F32 => (1, 4),
+            GgmlType::F16 | GgmlType::BF16 => (1, 2),
+            GgmlType::Q8_0 => (32, 34),
+            GgmlType::Q4_0 => (32, 18),
+            GgmlType::Q4_1 => (32, 20),
+        }
+    }
+}
+
+/// One tensor's header.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GgufTensorInfo {
+    /// The GGUF name (`blk.0.attn_q.weight`).
+    pub name: String,
+    /// Dims, fastest first (GGUF order); the row-major shape is the reverse.
+    pub dims: Vec<u64>,
+    /// Storage type.
+    pub ggml_type: GgmlType,
+    /// Offset from the start of the data section.
+    pub offset: u64,
+}
+
+impl GgufTensorInfo {
+    /// The row-major shape (outermost first).
+    pub fn shape(&self) -> Vec<usize> {
+        self.dims.iter().rev().map(|&d| d as usize).collect()
+    }
+}
+
+/// An opened GGUF file.
+pub struct GgufFile {
+    /// The file.
+    pub path: PathBuf,
+    /// Format version.
+    pub version: u32,
+    /// Metadata by key.
+    pub metadata: BTreeMap<String, GgufValue>,
+    /// Tensor headers, in file order.
+    pub tensors: Vec<GgufTensorInfo>,
+    map: Arc<Mmap>,
+    data_start: usize,
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+    path: &'a Path,
+}
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&[u8]> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len()).ok_or_else(|| {
+            Error::checkpoint(self.path, format!("truncated: {what} needs {n} bytes at offset {}, the file has {}", self.pos, self.bytes.len()))
+        })?;
+        let s = &self.bytes[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+    fn u32(&mut self, what: &str) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.take(4, what)?.try_into().expect("4 bytes")))
+    }
+    fn u64(&mut self, what: &str) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8, what)?.try_into().expect("8 bytes")))
+    }
+    /// A count of items each at least `min_size` bytes, checked against what is left.
+    fn count(&mut self, min_size: usize, what: &str) -> Result<usize> {
+        let n = self.u64(what)?;
+        let left = (self.bytes.len() - self.pos) as u64;
+        if n.saturating_mul(min_size as u64) > left {
+            return Err(Error::checkpoint(self.path, format!("truncated or corrupt: {what} is {n}, more than the {left} bytes left can hold")));
+        }
+        Ok(n as usize)
+    }
+    fn string(&mut self, what: &str) -> Result<String> {
+        let n = self.count(1, what)?;
+        let b = self.take(n, what)?;
+        String::from_utf8(b.to_vec()).map_err(|_| Error::checkpoint(self.path, format!("{what}: not UTF-8")))
+    }
+    fn value(&mut self, ty: u32, what: &str, depth: usize) -> Result<GgufValue> {
+        Ok(match ty {
+            0 => GgufValue::U64(self.take(1, what)?[0] as u64),
+            1 => GgufValue::I64(self.take(1, what)?[0] as i8 as i64),
+            2 => GgufValue::U64(u16::from_le_bytes(self.take(2, what)?.try_into().expect("2")) as u64),
+            3 => GgufValue::I64(i16::from_le_bytes(self.take(2, what)?.try_into().expect("2")) as i64),
+            4 => GgufValue::U64(self.u32(what)? as u64),
+            5 => GgufValue::I64(self.u32(what)? as i32 as i64),
+            6 => GgufValue::F64(f32::from_le_bytes(self.take(4, what)?.try_into().expect("4")) as f64),
+            7 => GgufValue::Bool(self.take(1, what)?[0] != 0),
+            8 => GgufValue::String(self.string(what)?),
+            9 => {
+                if depth > 4 {
+                    return Err(Error::checkpoint(self.path, format!("{what}: arrays nested too deep")));
+                }
+                let inner = self.u32(what)?;
+                let n = self.count(1, what)?;
+                let mut items = Vec::with_capacity(n.min(1 << 20));
+                for _ in 0..n {
+                    items.push(self.value(inner, what, depth + 1)?);
+                }
+                GgufValue::Array(items)
+            }
+            10 => GgufValue::U64(self.u64(what)?),
+            11 => GgufValue::I64(self.u64(what)? as i64),
+            12 => GgufValue::F64(f64::from_le_bytes(self.take(8, what)?.try_into().expect("8"))),
+            other => return Err(Error::checkpoint(self.path, format!("{what}: unknown value type {other}"))),
+        })
+    }
+}
+
+impl GgufFile {
+    /// Opens and parses `path` (memory-mapped; tensors are read on demand).
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: read-only map; the file is not expected to change while maxc reads it.
+        let map = Arc::new(unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?);
+        Self::parse(path, map)
+    }
+
+    fn parse(path: &Path, map: Arc<Mmap>) -> Result<Self> {
+        let mut r = Reader { bytes: &map, pos: 0, path };
+        if r.take(4, "the magic")? != b"GGUF" {
+            return Err(Error::checkpoint(path, "not a GGUF file (no GGUF magic)"));
+        }
+        let version = r.u32("the version")?;
+        if !(2..=3).contains(&version) {
+            return Err(Error::checkpoint(path, format!("GGUF version {version}; maxc reads versions 2 and 3")));
+        }
+        let n_tensors = r.count(24, "the tensor count")?;
+        let n_kv = r.count(12, "the metadata count")?;
+        let mut metadata = BTreeMap::new();
+        for i in 0..n_kv {
+            let key = r.string(&format!("metadata key {i}"))?;
+            let ty = r.u32(&format!("metadata `{key}`"))?;
+            let v = r.value(ty, &format!("metadata `{key}`"), 0)?;
+            metadata.insert(key, v);
+        }
+        let mut tensors = Vec::with_capacity(n_tensors);
+        for i in 0..n_tensors {
+            let name = r.string(&format!("tensor {i}'s name"))?;
+            let what = format!("tensor `{name}`");
+            let n_dims = r.u32(&what)? as usize;
+            if n_dims == 0 || n_dims > 4 {
+                return Err(Error::checkpoint(path, format!("{what} has {n_dims} dims; expected 1 to 4")));
+            }
+            let dims = (0..n_dims).map(|_| r.u64(&what)).collect::<Result<Vec<_>>>()?;
+            let type_id = r.u32(&what)?;
+            let ggml_type = GgmlType::from_id(type_id).ok_or_else(|| {
+                Error::checkpoint(path, format!("{what} has tensor type {type_id}; maxc reads F32 (0), F16 (1), Q4_0 (2), Q4_1 (3), Q8_0 (8), BF16 (30)"))
+            })?;
+            let offset = r.u64(&what)?;
+            tensors.push(GgufTensorInfo { name, dims, ggml_type, offset });
+        }
+        let align = metadata.get("general.alignment").and_then(GgufValue::as_u64).unwrap_or(32).max(1) as usize;
+        let data_start = r.pos.div_ceil(align) * align;
+        let file = GgufFile { path: path.to_path_buf(), version, metadata, tensors, map, data_start };
+        for t in &file.tensors {
+            file.tensor_bytes(t)?;
+        }
+        Ok(file)
+    }
+
+    /// A metadata value.
+    pub fn get(&self, key: &str) -> Option<&GgufValue> {
+        self.metadata.get(key)
+    }
+
+    /// The stored bytes of `t`, checked to lie inside the file.
+    pub fn tensor_bytes(&self, t: &GgufTensorInfo) -> Result<&[u8]> {
+        let elems = t.dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        let (block_elems, block_bytes) = t.ggml_type.block();
+        let bytes = elems
+            .filter(|e| e % block_elems == 0)
+            .and_then(|e| (e / block_elems).checked_mul(block_bytes))
+            .ok_or_else(|| Error::checkpoint(&self.path, format!("tensor `{}` dims {:?} do not fit its type {:?}", t.name, t.dims, t.ggml_type)))?;
+        let start = (self.data_start as u64).checked_add(t.offset);
+        let end = start.and_then(|s| s.checked_add(bytes));
+        match (start, end) {
+            (Some(s), Some(e)) if e <= self.map.len() as u64 => Ok(&self.map[s as usize..e as usize]),
+            _ => Err(Error::checkpoint(
+                &self.path,
+                format!(
+                    "tensor `{}` data runs past the end of the file: needs {bytes} bytes at offset {}, the file has {}",
+                    t.name,
+                    self.data_start as u64 + t.offset,
+                    self.map.len()
+                ),
+            )),
+        }
+    }
+
+    /// Every tensor under its GGUF name: F32, F16 and BF16 as stored, quantized types
+    /// dequantized to f32.
+    pub fn state_dict(&self) -> Result<StateDict> {
+        let mut out = StateDict::new();
+        for t in &self.tensors {
+            let bytes = self.tensor_bytes(t)?;
+            let shape = t.shape();
+            let w = match t.ggml_type {
+                GgmlType::F32 => WeightTensor::from_bytes(DType::F32, shape, bytes.to_vec())?,
+                GgmlType::F16 => WeightTensor::from_bytes(DType::F16, shape, bytes.to_vec())?,
+                GgmlType::BF16 => WeightTensor::from_bytes(DType::BF16, shape, bytes.to_vec())?,
+                q => WeightTensor::from_f32(shape, &dequantize(q, bytes)),
+            };
+            out.insert(t.name.clone(), w);
+        }
+        Ok(out)
+    }
+}
+
+/// Dequantizes blocks of `q` to f32 with the format's formulas: Q8_0 `d·q`; Q4_0 `d·(q − 8)`;
+/// Q4_1 `d·q + m`; low nibbles are a block's first 16 elements, high nibbles its last 16.
+pub fn dequantize(q: GgmlType, bytes: &[u8]) -> Vec<f32> {
+    let (n, size) = q.block();
+    let mut out = Vec::with_capacity(bytes.len() / size as usize * n as usize);
+    let half = |b: &[u8], at: usize| f16::from_le_bytes([b[at], b[at + 1]]).to_f32();
+    for block in bytes.chunks_exact(size as usize) {
+        match q {
+            GgmlType::Q8_0 => {
+                let d = half(block, 0);
+                out.extend(block[2..34].iter().map(|&v| v as i8 as f32 * d));
+            }
+            GgmlType::Q4_0 => {
+                let d = half(block, 0);
+                let qs = &block[2..18];
+                out.extend(qs.iter().map(|&v| ((v & 0x0F) as i32 - 8) as f32 * d));
+                out.extend(qs.iter().map(|&v| ((v >> 4) as i32 - 8) as f32 * d));
+            }
+            GgmlType::Q4_1 => {
+                let (d, m) = (half(block, 0), half(block, 2));
+                let qs = &block[4..20];
+                out.extend(qs.iter().map(|&v| (v & 0x0F) as f32 * d + m));
+                out.extend(qs.iter().map(|&v| (v >> 4) as f32 * d + m));
+            }
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => unreachable!("not a block type"),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_formulas() {
+        let d = f16::from_f32(0.5).to_le_bytes();
+        let m = f16::from_f32(-1.0).to_le_bytes();
+        // Q8_0: d · q.
+        let mut b = d.to_vec();
+        b.extend((0..32).map(|i| (i as i8 - 16) as u8));
+        let y = dequantize(GgmlType::Q8_0, &b);
+        assert_eq!((y[0], y[31]), (-8.0, 7.5));
+        // Q4_0: low nibbles first, offset 8.
+        let mut b = d.to_vec();
+        b.extend((0..16).map(|i| (i as u8) | (15 - i as u8) << 4));
+        let y = dequantize(GgmlType::Q4_0, &b);
+        assert_eq!((y[0], y[15], y[16], y[31]), (-4.0, 3.5, 3.5, -4.0));
+        // Q4_1: d · q + m.
+        let mut b = d.to_vec();
+        b.extend(m);
+        b.extend((0..16).map(|i| (i as u8) | 3 << 4));
+        let y = dequantize(GgmlType::Q4_1, &b);
+        assert_eq!((y[0], y[15], y[16]), (-1.0, 6.5, 0.5));
+    }
+}

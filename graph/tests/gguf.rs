@@ -1,0 +1,103 @@
+//! GGUF reading on small files written here: dequantization through the whole reader, and the
+//! errors for truncated files, unknown tensor types and tensor data past the end.
+
+use half::f16;
+use maxc_graph::weights::gguf::GgufFile;
+use std::path::Path;
+
+/// A minimal GGUF v3 writer: string metadata, then tensors `(name, dims, type id, data)`.
+fn write_gguf(path: &Path, meta: &[(&str, &str)], tensors: &[(&str, Vec<u64>, u32, Vec<u8>)], data_cut: usize) {
+    let mut b = b"GGUF".to_vec();
+    b.extend(3u32.to_le_bytes());
+    b.extend((tensors.len() as u64).to_le_bytes());
+    b.extend((meta.len() as u64).to_le_bytes());
+    let s = |b: &mut Vec<u8>, t: &str| {
+        b.extend((t.len() as u64).to_le_bytes());
+        b.extend(t.as_bytes());
+    };
+    for (k, v) in meta {
+        s(&mut b, k);
+        b.extend(8u32.to_le_bytes());
+        s(&mut b, v);
+    }
+    let mut offset = 0u64;
+    for (name, dims, ty, data) in tensors {
+        s(&mut b, name);
+        b.extend((dims.len() as u32).to_le_bytes());
+        for d in dims {
+            b.extend(d.to_le_bytes());
+        }
+        b.extend(ty.to_le_bytes());
+        b.extend(offset.to_le_bytes());
+        offset += (data.len() as u64).div_ceil(32) * 32;
+    }
+    while b.len() % 32 != 0 {
+        b.push(0);
+    }
+    for (_, _, _, data) in tensors {
+        b.extend(data);
+        while b.len() % 32 != 0 {
+            b.push(0);
+        }
+    }
+    b.truncate(b.len() - data_cut);
+    std::fs::write(path, b).unwrap();
+}
+
+fn q8_0_block(d: f32, start: i8) -> Vec<u8> {
+    let mut b = f16::from_f32(d).to_le_bytes().to_vec();
+    b.extend((0..32).map(|i| start.wrapping_add(i) as u8));
+    b
+}
+
+#[test]
+fn tensors_are_read_and_dequantized() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.gguf");
+    let f16s: Vec<u8> = [1.5f32, -2.0, 0.25, 8.0].iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect();
+    let mut q = q8_0_block(0.5, -16);
+    q.extend(q8_0_block(0.25, 0));
+    write_gguf(&path, &[("general.architecture", "llama")], &[("a", vec![2, 2], 1, f16s), ("q", vec![32, 2], 8, q)], 0);
+    let g = GgufFile::open(&path).unwrap();
+    assert_eq!(g.get("general.architecture").and_then(|v| v.as_str()), Some("llama"));
+    let sd = g.state_dict().unwrap();
+    let a = sd.get("a").unwrap();
+    assert_eq!(a.shape, vec![2, 2]);
+    assert_eq!(a.to_f32("a").unwrap(), vec![1.5, -2.0, 0.25, 8.0]);
+    let q = sd.get("q").unwrap();
+    assert_eq!(q.shape, vec![2, 32]); // GGUF dims are fastest first
+    let v = q.to_f32("q").unwrap();
+    assert_eq!((v[0], v[31], v[32], v[63]), (-8.0, 7.5, 0.0, 7.75));
+}
+
+#[test]
+fn a_truncated_file_names_what_was_being_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cut.gguf");
+    write_gguf(&path, &[("general.architecture", "llama"), ("general.name", "tiny")], &[], 0);
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..60]).unwrap();
+    let e = GgufFile::open(&path).err().expect("truncated").to_string();
+    assert!(e.contains("cut.gguf") && e.contains("truncated") && e.contains("general"), "{e}");
+    std::fs::write(&path, b"GGU").unwrap();
+    let e = GgufFile::open(&path).err().expect("no magic").to_string();
+    assert!(e.contains("cut.gguf"), "{e}");
+}
+
+#[test]
+fn an_unknown_tensor_type_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.gguf");
+    write_gguf(&path, &[], &[("blk.0.attn_q.weight", vec![256, 4], 12, vec![0; 576])], 0);
+    let e = GgufFile::open(&path).err().expect("Q4_K is not read").to_string();
+    assert!(e.contains("blk.0.attn_q.weight") && e.contains("tensor type 12"), "{e}");
+}
+
+#[test]
+fn tensor_data_past_the_end_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("p.gguf");
+    write_gguf(&path, &[], &[("x", vec![32, 4], 0, vec![0; 512])], 100);
+    let e = GgufFile::open(&path).err().expect("data is cut").to_string();
+    assert!(e.contains("`x`") && e.contains("past the end"), "{e}");
+}
