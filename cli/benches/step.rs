@@ -241,6 +241,52 @@ fn main() {
             );
         }
     }
+    smollm2_bench(&tmp);
     matmul_bench();
     let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// SmolLM2-135M (the default model) at batch 1: prefill of 128 tokens and decode, f32 and bf16.
+fn smollm2_bench(tmp: &Path) {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = std::process::Command::new("bash")
+        .arg("scripts/fetch-smollm2.sh")
+        .current_dir(&root)
+        .output();
+    let Some(gguf) = out
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| root.join(String::from_utf8_lossy(&o.stdout).trim()))
+    else {
+        println!("\nSmolLM2: skipped (scripts/fetch-smollm2.sh failed)");
+        return;
+    };
+    println!("\nSmolLM2-135M, batch 1, prompt {PROMPT} tokens, {DECODE} decode steps; tokens/s (best of 3)");
+    println!("{:<28} {:>12} {:>12}", "weights", "prefill", "decode");
+    for dtype in [DType::F32, DType::BF16] {
+        let dir = tmp.join(format!("smollm2-{dtype}.maxc"));
+        let mut rt = runtime();
+        rt.batch.max_batch_size = 1;
+        rt.batch.max_batch_input_tokens = PROMPT;
+        let opts = CompileOptions {
+            runtime: rt,
+            param_dtype: dtype,
+            all_logits: false,
+            cpu_matmul: CpuMatmul::Library,
+            force: true,
+        };
+        compile(&gguf, &dir, &opts, &mut |_| {}).expect("compile SmolLM2");
+        let mut engine = Engine::open(&dir, "decoder").expect("artifact");
+        let engine = std::cell::RefCell::new(&mut engine);
+        let (p, d) = measure(
+            1,
+            3,
+            &mut |c| {
+                engine.borrow_mut().step(c).expect("step");
+            },
+            &mut || engine.borrow_mut().release(0),
+        );
+        println!("{:<28} {p:>12.1} {d:>12.1}", dtype.to_string());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

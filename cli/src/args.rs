@@ -4,6 +4,9 @@ use anyhow::{bail, Context, Result};
 use maxc_graph::arch::ModelSpec;
 use maxc_graph::{BatchProcessorRuntime, GraphRole, KvCacheParams, ModuleRuntime};
 
+/// The longest default context.
+pub const DEFAULT_MAX_SEQ_LEN: usize = 2048;
+
 /// A positive integer flag value; zero and negatives are refused with the value shown.
 pub fn positive(s: &str) -> Result<usize, String> {
     match s.trim().parse::<i64>() {
@@ -20,7 +23,7 @@ pub struct RuntimeArgs {
     #[arg(long, default_value = "8", value_parser = positive, allow_negative_numbers = true)]
     pub max_batch_size: usize,
     /// Longest context (prompt plus generated tokens) [default: the model's
-    /// max_position_embeddings, else 4096].
+    /// max_position_embeddings, at most 2048, so that the default KV cache stays small].
     #[arg(long, value_parser = positive, allow_negative_numbers = true)]
     pub max_seq_len: Option<usize>,
     /// Token budget of one step, per replica.
@@ -49,7 +52,11 @@ impl RuntimeArgs {
         ModuleRuntime {
             batch: BatchProcessorRuntime {
                 max_batch_size: self.max_batch_size,
-                max_seq_len: self.max_seq_len.or(model_len).unwrap_or(4096),
+                max_seq_len: self.max_seq_len.unwrap_or_else(|| {
+                    model_len
+                        .unwrap_or(DEFAULT_MAX_SEQ_LEN)
+                        .min(DEFAULT_MAX_SEQ_LEN)
+                }),
                 max_batch_input_tokens: self.max_batch_input_tokens,
                 enable_chunked_prefill: !self.no_chunked_prefill,
                 data_parallel_degree: self.data_parallel_degree,

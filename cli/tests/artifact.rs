@@ -267,11 +267,19 @@ fn an_interrupted_compile_leaves_no_artifact() {
 fn diff(a: &Path, b: &Path) -> (i32, serde_json::Value) {
     let o = maxc(&["diff", a.to_str().unwrap(), b.to_str().unwrap(), "--json"]);
     let code = o.status.code().expect("exit code");
-    (code, serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null))
+    (
+        code,
+        serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null),
+    )
 }
 
 fn changed_files(v: &serde_json::Value) -> Vec<String> {
-    v["changes"].as_array().unwrap().iter().map(|c| c["file"].as_str().unwrap().to_string()).collect()
+    v["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["file"].as_str().unwrap().to_string())
+        .collect()
 }
 
 #[test]
@@ -290,9 +298,16 @@ fn diff_reports_exactly_what_a_setting_changes() {
     assert_eq!(code, 1);
     assert_eq!(changed_files(&v), vec!["decoder/plan.txt", "manifest.json"]);
     let plan = v["changes"][0]["diff"].as_str().unwrap();
-    for line in plan.lines().filter(|l| (l.starts_with('-') || l.starts_with('+')) && !l.starts_with("---") && !l.starts_with("+++")) {
+    for line in plan.lines().filter(|l| {
+        (l.starts_with('-') || l.starts_with('+')) && !l.starts_with("---") && !l.starts_with("+++")
+    }) {
         let body = &line[1..];
-        assert!(body.starts_with("arena_bytes") || body.starts_with("dim ") || body.contains(" arena @"), "unexpected plan change: {line}");
+        assert!(
+            body.starts_with("arena_bytes")
+                || body.starts_with("dim ")
+                || body.contains(" arena @"),
+            "unexpected plan change: {line}"
+        );
     }
 
     // bf16 weights: the weights and the kernels that read them.
@@ -301,10 +316,26 @@ fn diff_reports_exactly_what_a_setting_changes() {
     let (code, v) = diff(&a, &bf16);
     assert_eq!(code, 1);
     let files = changed_files(&v);
-    assert!(files.contains(&"weights.txt".to_string()) && files.contains(&"manifest.json".to_string()), "{files:?}");
-    assert!(files.iter().any(|f| f.starts_with("decoder/kernels/") && f.contains("matmul")), "{files:?}");
-    assert!(files.iter().any(|f| f.starts_with("decoder/kernels/") && f.contains("rms_norm")), "{files:?}");
-    assert!(!files.iter().any(|f| f.contains("attention")), "attention reads no weight: {files:?}");
+    assert!(
+        files.contains(&"weights.txt".to_string()) && files.contains(&"manifest.json".to_string()),
+        "{files:?}"
+    );
+    assert!(
+        files
+            .iter()
+            .any(|f| f.starts_with("decoder/kernels/") && f.contains("matmul")),
+        "{files:?}"
+    );
+    assert!(
+        files
+            .iter()
+            .any(|f| f.starts_with("decoder/kernels/") && f.contains("rms_norm")),
+        "{files:?}"
+    );
+    assert!(
+        !files.iter().any(|f| f.contains("attention")),
+        "attention reads no weight: {files:?}"
+    );
 
     // A corrupted artifact is an error naming the file: exit 2.
     std::fs::write(b.join("decoder/program.bin"), b"garbage").unwrap();

@@ -24,8 +24,16 @@ fn fixture() -> PathBuf {
 
 /// The GGUF, fetched by the project script (a no-op when present and intact).
 fn gguf() -> PathBuf {
-    let out = Command::new("bash").arg("scripts/fetch-smollm2.sh").current_dir(root()).output().expect("bash runs");
-    assert!(out.status.success(), "fetch-smollm2.sh failed: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new("bash")
+        .arg("scripts/fetch-smollm2.sh")
+        .current_dir(root())
+        .output()
+        .expect("bash runs");
+    assert!(
+        out.status.success(),
+        "fetch-smollm2.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     root().join(String::from_utf8(out.stdout).unwrap().trim())
 }
 
@@ -38,8 +46,17 @@ fn artifact() -> &'static PathBuf {
         rt.batch.max_batch_size = 2;
         rt.batch.max_seq_len = 128;
         rt.batch.max_batch_input_tokens = 128;
-        rt.kv = KvCacheParams { page_size: 16, num_pages: None };
-        let opts = CompileOptions { runtime: rt, param_dtype: DType::F32, all_logits: false, cpu_matmul: CpuMatmul::Library, force: false };
+        rt.kv = KvCacheParams {
+            page_size: 16,
+            num_pages: None,
+        };
+        let opts = CompileOptions {
+            runtime: rt,
+            param_dtype: DType::F32,
+            all_logits: false,
+            cpu_matmul: CpuMatmul::Library,
+            force: false,
+        };
         compile(&gguf(), &out, &opts, &mut |_| {}).expect("SmolLM2 compiles");
         (tmp, out)
     })
@@ -59,7 +76,11 @@ fn last_position_logits_match_the_fixture() {
         let want = r.get(&format!("p{i}.last")).unwrap().to_f32("l").unwrap();
         let got = engine.prefill(i, &tokens).unwrap();
         engine.release(i);
-        let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+        let d = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
         assert!(d < 2e-3, "prompt {i}: max |logit diff| {d}");
     }
 }
@@ -71,11 +92,25 @@ fn greedy_generation_matches_the_fixture() {
     for i in 0..3 {
         let tokens = r.get(&format!("p{i}.tokens")).unwrap().to_i64("t").unwrap();
         let greedy = r.get(&format!("p{i}.greedy")).unwrap().to_i64("g").unwrap();
-        let margin = r.get(&format!("p{i}.greedy_margin")).unwrap().to_f32("m").unwrap();
-        let opts = GenerateOptions { max_new_tokens: greedy.len(), sampling: Default::default(), stop_at_eos: false };
+        let margin = r
+            .get(&format!("p{i}.greedy_margin"))
+            .unwrap()
+            .to_f32("m")
+            .unwrap();
+        let opts = GenerateOptions {
+            max_new_tokens: greedy.len(),
+            sampling: Default::default(),
+            stop_at_eos: false,
+        };
         let got = engine.generate(&tokens, &opts).unwrap();
-        let sure = margin.iter().position(|&m| m <= 1e-2).unwrap_or(greedy.len());
-        assert!(sure >= 4, "prompt {i}: the fixture is fragile from step {sure}");
+        let sure = margin
+            .iter()
+            .position(|&m| m <= 1e-2)
+            .unwrap_or(greedy.len());
+        assert!(
+            sure >= 4,
+            "prompt {i}: the fixture is fragile from step {sure}"
+        );
         assert_eq!(got[..sure], greedy[..sure], "prompt {i}");
     }
 }
@@ -87,8 +122,16 @@ fn a_wrong_download_is_refused() {
     let mut bytes = std::fs::read(gguf()).unwrap();
     bytes[1 << 20] ^= 1;
     std::fs::write(&bad, bytes).unwrap();
-    let out = Command::new("bash").args(["scripts/fetch-smollm2.sh", "--check"]).arg(&bad).current_dir(root()).output().unwrap();
+    let out = Command::new("bash")
+        .args(["scripts/fetch-smollm2.sh", "--check"])
+        .arg(&bad)
+        .current_dir(root())
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("model.gguf") && err.contains("b179c952"), "{err}");
+    assert!(
+        err.contains("model.gguf") && err.contains("b179c952"),
+        "{err}"
+    );
 }

@@ -17,6 +17,7 @@ pub mod interp;
 pub mod ir;
 pub mod pipeline;
 pub mod registry;
+pub mod tokenizer;
 pub mod weights;
 
 pub use bounds::{BatchProcessorRuntime, KvCacheParams, ModuleRuntime};

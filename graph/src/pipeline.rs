@@ -2,10 +2,10 @@
 //! (memory-mapped) -> finalize from raw keys where asked -> `prepare_weights` -> per role: select
 //! by prefix and strip it -> convert to the parameter dtype -> bind strictly to the graph.
 
+use crate::arch::gguf::config_from_gguf;
 use crate::arch::{BuildOptions, ModelSpec};
 use crate::deployment::ModelLoadContext;
 use crate::ir::TensorType;
-use crate::arch::gguf::config_from_gguf;
 use crate::weights::gguf::GgufFile;
 use crate::weights::{load_checkpoint_weights, StateDict};
 use crate::{DType, DeploymentConfig, Error, Graph, GraphRole, ModuleRuntime, Registry, Result};
@@ -62,12 +62,18 @@ pub struct LoadedModel {
 
 /// Whether `path` is a GGUF file (rather than a checkpoint folder).
 pub fn is_gguf(path: &Path) -> bool {
-    path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    path.is_file()
+        && path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
 }
 
 /// Reads and parses the model's config: `path/config.json` for a folder, the metadata of a GGUF
 /// file.
-pub fn read_config(path: &Path, registry: &Registry) -> Result<(serde_json::Value, Box<dyn ModelSpec>)> {
+pub fn read_config(
+    path: &Path,
+    registry: &Registry,
+) -> Result<(serde_json::Value, Box<dyn ModelSpec>)> {
     if is_gguf(path) {
         let gguf = GgufFile::open(path)?;
         let json = config_from_gguf(&gguf)?;
@@ -76,8 +82,8 @@ pub fn read_config(path: &Path, registry: &Registry) -> Result<(serde_json::Valu
     }
     let file = path.join("config.json");
     let text = std::fs::read_to_string(&file).map_err(|e| Error::io(&file, e))?;
-    let json: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| Error::checkpoint(&file, format!("not valid JSON: {e}")))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::checkpoint(&file, format!("not valid JSON: {e}")))?;
     let spec = registry.parse_config(&file, &json)?;
     Ok((json, spec))
 }

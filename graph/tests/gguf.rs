@@ -6,7 +6,12 @@ use maxc_graph::weights::gguf::GgufFile;
 use std::path::Path;
 
 /// A minimal GGUF v3 writer: string metadata, then tensors `(name, dims, type id, data)`.
-fn write_gguf(path: &Path, meta: &[(&str, &str)], tensors: &[(&str, Vec<u64>, u32, Vec<u8>)], data_cut: usize) {
+fn write_gguf(
+    path: &Path,
+    meta: &[(&str, &str)],
+    tensors: &[(&str, Vec<u64>, u32, Vec<u8>)],
+    data_cut: usize,
+) {
     let mut b = b"GGUF".to_vec();
     b.extend(3u32.to_le_bytes());
     b.extend((tensors.len() as u64).to_le_bytes());
@@ -31,12 +36,12 @@ fn write_gguf(path: &Path, meta: &[(&str, &str)], tensors: &[(&str, Vec<u64>, u3
         b.extend(offset.to_le_bytes());
         offset += (data.len() as u64).div_ceil(32) * 32;
     }
-    while b.len() % 32 != 0 {
+    while !b.len().is_multiple_of(32) {
         b.push(0);
     }
     for (_, _, _, data) in tensors {
         b.extend(data);
-        while b.len() % 32 != 0 {
+        while !b.len().is_multiple_of(32) {
             b.push(0);
         }
     }
@@ -54,12 +59,23 @@ fn q8_0_block(d: f32, start: i8) -> Vec<u8> {
 fn tensors_are_read_and_dequantized() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("m.gguf");
-    let f16s: Vec<u8> = [1.5f32, -2.0, 0.25, 8.0].iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect();
+    let f16s: Vec<u8> = [1.5f32, -2.0, 0.25, 8.0]
+        .iter()
+        .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+        .collect();
     let mut q = q8_0_block(0.5, -16);
     q.extend(q8_0_block(0.25, 0));
-    write_gguf(&path, &[("general.architecture", "llama")], &[("a", vec![2, 2], 1, f16s), ("q", vec![32, 2], 8, q)], 0);
+    write_gguf(
+        &path,
+        &[("general.architecture", "llama")],
+        &[("a", vec![2, 2], 1, f16s), ("q", vec![32, 2], 8, q)],
+        0,
+    );
     let g = GgufFile::open(&path).unwrap();
-    assert_eq!(g.get("general.architecture").and_then(|v| v.as_str()), Some("llama"));
+    assert_eq!(
+        g.get("general.architecture").and_then(|v| v.as_str()),
+        Some("llama")
+    );
     let sd = g.state_dict().unwrap();
     let a = sd.get("a").unwrap();
     assert_eq!(a.shape, vec![2, 2]);
@@ -74,11 +90,19 @@ fn tensors_are_read_and_dequantized() {
 fn a_truncated_file_names_what_was_being_read() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("cut.gguf");
-    write_gguf(&path, &[("general.architecture", "llama"), ("general.name", "tiny")], &[], 0);
+    write_gguf(
+        &path,
+        &[("general.architecture", "llama"), ("general.name", "tiny")],
+        &[],
+        0,
+    );
     let bytes = std::fs::read(&path).unwrap();
     std::fs::write(&path, &bytes[..60]).unwrap();
     let e = GgufFile::open(&path).err().expect("truncated").to_string();
-    assert!(e.contains("cut.gguf") && e.contains("truncated") && e.contains("general"), "{e}");
+    assert!(
+        e.contains("cut.gguf") && e.contains("truncated") && e.contains("general"),
+        "{e}"
+    );
     std::fs::write(&path, b"GGU").unwrap();
     let e = GgufFile::open(&path).err().expect("no magic").to_string();
     assert!(e.contains("cut.gguf"), "{e}");
@@ -88,9 +112,20 @@ fn a_truncated_file_names_what_was_being_read() {
 fn an_unknown_tensor_type_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.gguf");
-    write_gguf(&path, &[], &[("blk.0.attn_q.weight", vec![256, 4], 12, vec![0; 576])], 0);
-    let e = GgufFile::open(&path).err().expect("Q4_K is not read").to_string();
-    assert!(e.contains("blk.0.attn_q.weight") && e.contains("tensor type 12"), "{e}");
+    write_gguf(
+        &path,
+        &[],
+        &[("blk.0.attn_q.weight", vec![256, 4], 12, vec![0; 576])],
+        0,
+    );
+    let e = GgufFile::open(&path)
+        .err()
+        .expect("Q4_K is not read")
+        .to_string();
+    assert!(
+        e.contains("blk.0.attn_q.weight") && e.contains("tensor type 12"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -98,6 +133,9 @@ fn tensor_data_past_the_end_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("p.gguf");
     write_gguf(&path, &[], &[("x", vec![32, 4], 0, vec![0; 512])], 100);
-    let e = GgufFile::open(&path).err().expect("data is cut").to_string();
+    let e = GgufFile::open(&path)
+        .err()
+        .expect("data is cut")
+        .to_string();
     assert!(e.contains("`x`") && e.contains("past the end"), "{e}");
 }

@@ -3,6 +3,7 @@
 //! `maxc compile`.
 
 pub mod artifact;
+pub mod chat;
 pub mod cpu;
 pub mod engine;
 pub mod error;
@@ -10,6 +11,7 @@ pub mod kv;
 pub mod sampling;
 pub mod schema;
 pub mod step;
+pub mod tokenizer;
 
 pub use artifact::Artifact;
 pub use engine::Engine;

@@ -10,44 +10,99 @@ use serde_json::{json, Map, Value};
 /// The Hugging Face style config of a GGUF file's model (`general.architecture` = `llama`).
 pub fn config_from_gguf(gguf: &GgufFile) -> Result<Value> {
     let path = &gguf.path;
-    let arch = gguf.get("general.architecture").and_then(GgufValue::as_str).ok_or_else(|| {
-        Error::config(path, "general.architecture", "missing; expected the model's architecture (llama)")
-    })?;
+    let arch = gguf
+        .get("general.architecture")
+        .and_then(GgufValue::as_str)
+        .ok_or_else(|| {
+            Error::config(
+                path,
+                "general.architecture",
+                "missing; expected the model's architecture (llama)",
+            )
+        })?;
     if arch != "llama" {
-        return Err(Error::config(path, "general.architecture", format!("`{arch}` is not supported; expected llama")));
+        return Err(Error::config(
+            path,
+            "general.architecture",
+            format!("`{arch}` is not supported; expected llama"),
+        ));
     }
-    let num = |key: &str| gguf.get(&format!("{arch}.{key}")).and_then(GgufValue::as_u64);
-    let float = |key: &str| gguf.get(&format!("{arch}.{key}")).and_then(GgufValue::as_f64);
-    let need = |key: &str| num(key).ok_or_else(|| Error::config(path, format!("{arch}.{key}"), "missing; expected a positive integer"));
+    let num = |key: &str| {
+        gguf.get(&format!("{arch}.{key}"))
+            .and_then(GgufValue::as_u64)
+    };
+    let float = |key: &str| {
+        gguf.get(&format!("{arch}.{key}"))
+            .and_then(GgufValue::as_f64)
+    };
+    let need = |key: &str| {
+        num(key).ok_or_else(|| {
+            Error::config(
+                path,
+                format!("{arch}.{key}"),
+                "missing; expected a positive integer",
+            )
+        })
+    };
     let heads = need("attention.head_count")?;
     let hidden = need("embedding_length")?;
     let vocab = match num("vocab_size") {
         Some(v) => v,
-        None => gguf.get("tokenizer.ggml.tokens").and_then(GgufValue::as_array).map(|t| t.len() as u64).ok_or_else(|| {
-            Error::config(path, format!("{arch}.vocab_size"), "missing, and there is no tokenizer.ggml.tokens to count")
-        })?,
+        None => gguf
+            .get("tokenizer.ggml.tokens")
+            .and_then(GgufValue::as_array)
+            .map(|t| t.len() as u64)
+            .ok_or_else(|| {
+                Error::config(
+                    path,
+                    format!("{arch}.vocab_size"),
+                    "missing, and there is no tokenizer.ggml.tokens to count",
+                )
+            })?,
     };
     let mut cfg = Map::new();
     cfg.insert("architectures".into(), json!(["LlamaForCausalLM"]));
     cfg.insert("model_type".into(), json!("llama"));
     cfg.insert("hidden_size".into(), json!(hidden));
-    cfg.insert("intermediate_size".into(), json!(need("feed_forward_length")?));
+    cfg.insert(
+        "intermediate_size".into(),
+        json!(need("feed_forward_length")?),
+    );
     cfg.insert("num_hidden_layers".into(), json!(need("block_count")?));
     cfg.insert("num_attention_heads".into(), json!(heads));
-    cfg.insert("num_key_value_heads".into(), json!(num("attention.head_count_kv").unwrap_or(heads)));
+    cfg.insert(
+        "num_key_value_heads".into(),
+        json!(num("attention.head_count_kv").unwrap_or(heads)),
+    );
     if let Some(d) = num("attention.key_length").or(num("rope.dimension_count")) {
         cfg.insert("head_dim".into(), json!(d));
     }
-    cfg.insert("rms_norm_eps".into(), json!(float("attention.layer_norm_rms_epsilon").unwrap_or(1e-5)));
-    cfg.insert("rope_theta".into(), json!(float("rope.freq_base").unwrap_or(10000.0)));
-    match gguf.get(&format!("{arch}.rope.scaling.type")).and_then(GgufValue::as_str) {
+    cfg.insert(
+        "rms_norm_eps".into(),
+        json!(float("attention.layer_norm_rms_epsilon").unwrap_or(1e-5)),
+    );
+    cfg.insert(
+        "rope_theta".into(),
+        json!(float("rope.freq_base").unwrap_or(10000.0)),
+    );
+    match gguf
+        .get(&format!("{arch}.rope.scaling.type"))
+        .and_then(GgufValue::as_str)
+    {
         None | Some("none") => {}
         Some("linear") => {
             let factor = float("rope.scaling.factor").unwrap_or(1.0);
-            cfg.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": factor}));
+            cfg.insert(
+                "rope_scaling".into(),
+                json!({"rope_type": "linear", "factor": factor}),
+            );
         }
         Some(other) => {
-            return Err(Error::config(path, format!("{arch}.rope.scaling.type"), format!("`{other}` is not supported; expected none or linear")))
+            return Err(Error::config(
+                path,
+                format!("{arch}.rope.scaling.type"),
+                format!("`{other}` is not supported; expected none or linear"),
+            ))
         }
     }
     cfg.insert("vocab_size".into(), json!(vocab));
@@ -56,7 +111,10 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<Value> {
     }
     let tied = !gguf.tensors.iter().any(|t| t.name == "output.weight");
     cfg.insert("tie_word_embeddings".into(), json!(tied));
-    for (key, field) in [("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")] {
+    for (key, field) in [
+        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
+        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+    ] {
         if let Some(id) = gguf.get(key).and_then(GgufValue::as_u64) {
             cfg.insert(field.into(), json!(id));
         }
@@ -99,8 +157,11 @@ pub fn hf_name(gguf: &str) -> Option<String> {
 /// `h·D + 2j + i` holds the Hugging Face row `h·D + i·D/2 + j`.
 pub fn unpermute_rows(w: &WeightTensor, heads: usize, key: &str) -> Result<WeightTensor> {
     let rows = *w.shape.first().unwrap_or(&0);
-    if heads == 0 || rows % (2 * heads) != 0 {
-        return Err(Error::WeightDtype { key: key.into(), message: format!("{rows} rows do not split into {heads} heads of even size") });
+    if heads == 0 || !rows.is_multiple_of(2 * heads) {
+        return Err(Error::WeightDtype {
+            key: key.into(),
+            message: format!("{rows} rows do not split into {heads} heads of even size"),
+        });
     }
     let d = rows / heads;
     let row_bytes = w.bytes().len() / rows;
@@ -110,7 +171,8 @@ pub fn unpermute_rows(w: &WeightTensor, heads: usize, key: &str) -> Result<Weigh
         for i in 0..2 {
             for j in 0..d / 2 {
                 let (hf, gg) = (h * d + i * (d / 2) + j, h * d + 2 * j + i);
-                out[hf * row_bytes..(hf + 1) * row_bytes].copy_from_slice(&src[gg * row_bytes..(gg + 1) * row_bytes]);
+                out[hf * row_bytes..(hf + 1) * row_bytes]
+                    .copy_from_slice(&src[gg * row_bytes..(gg + 1) * row_bytes]);
             }
         }
     }
@@ -150,9 +212,18 @@ mod tests {
 
     #[test]
     fn names_map_to_the_hugging_face_layout() {
-        assert_eq!(hf_name("blk.12.attn_output.weight").unwrap(), "model.layers.12.self_attn.o_proj.weight");
-        assert_eq!(hf_name("blk.0.ffn_norm.weight").unwrap(), "model.layers.0.post_attention_layernorm.weight");
-        assert_eq!(hf_name("token_embd.weight").unwrap(), "model.embed_tokens.weight");
+        assert_eq!(
+            hf_name("blk.12.attn_output.weight").unwrap(),
+            "model.layers.12.self_attn.o_proj.weight"
+        );
+        assert_eq!(
+            hf_name("blk.0.ffn_norm.weight").unwrap(),
+            "model.layers.0.post_attention_layernorm.weight"
+        );
+        assert_eq!(
+            hf_name("token_embd.weight").unwrap(),
+            "model.embed_tokens.weight"
+        );
         assert_eq!(hf_name("rope_freqs.weight"), None);
     }
 
@@ -167,7 +238,8 @@ mod tests {
                 for j in 0..d / 2 {
                     let src = h * d + i * (d / 2) + j; // (h, i, j) in the HF layout
                     let dst = h * d + j * 2 + i; // (h, j, i) after swapaxes
-                    permuted[dst * cols..(dst + 1) * cols].copy_from_slice(&hf[src * cols..(src + 1) * cols]);
+                    permuted[dst * cols..(dst + 1) * cols]
+                        .copy_from_slice(&hf[src * cols..(src + 1) * cols]);
                 }
             }
         }

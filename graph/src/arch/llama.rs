@@ -126,12 +126,22 @@ mod tests {
 
     #[test]
     fn transformers_4_config_with_tied_embeddings() {
-        let spec = Registry::builtin().parse_config(Path::new("config.json"), &tf4()).unwrap();
+        let spec = Registry::builtin()
+            .parse_config(Path::new("config.json"), &tf4())
+            .unwrap();
         let c = spec.decoder(GraphRole::Decoder).unwrap();
-        assert_eq!((c.head_dim, c.num_kv_heads, c.rope.theta), (16, 1, 500000.0));
+        assert_eq!(
+            (c.head_dim, c.num_kv_heads, c.rope.theta),
+            (16, 1, 500000.0)
+        );
         assert_eq!(c.checkpoint_dtype, Some(crate::DType::F16));
-        assert!(matches!(c.rope.scaling, crate::arch::rope::RopeScaling::Llama3 { .. }));
-        let g = spec.build(GraphRole::Decoder, &BuildOptions::default()).unwrap();
+        assert!(matches!(
+            c.rope.scaling,
+            crate::arch::rope::RopeScaling::Llama3 { .. }
+        ));
+        let g = spec
+            .build(GraphRole::Decoder, &BuildOptions::default())
+            .unwrap();
         let params = g.params();
         assert!(!params.contains_key("lm_head.weight"));
         // The LM head reads the embedding table.
@@ -145,7 +155,9 @@ mod tests {
     fn head_dim_null_is_derived() {
         let mut cfg = tf4();
         cfg["head_dim"] = serde_json::Value::Null;
-        let spec = Registry::builtin().parse_config(Path::new("config.json"), &cfg).unwrap();
+        let spec = Registry::builtin()
+            .parse_config(Path::new("config.json"), &cfg)
+            .unwrap();
         assert_eq!(spec.decoder(GraphRole::Decoder).unwrap().head_dim, 16);
     }
 }

@@ -146,47 +146,77 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     fn take(&mut self, n: usize, what: &str) -> Result<&[u8]> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len()).ok_or_else(|| {
-            Error::checkpoint(self.path, format!("truncated: {what} needs {n} bytes at offset {}, the file has {}", self.pos, self.bytes.len()))
-        })?;
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.bytes.len())
+            .ok_or_else(|| {
+                Error::checkpoint(
+                    self.path,
+                    format!(
+                        "truncated: {what} needs {n} bytes at offset {}, the file has {}",
+                        self.pos,
+                        self.bytes.len()
+                    ),
+                )
+            })?;
         let s = &self.bytes[self.pos..end];
         self.pos = end;
         Ok(s)
     }
     fn u32(&mut self, what: &str) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.take(4, what)?.try_into().expect("4 bytes")))
+        Ok(u32::from_le_bytes(
+            self.take(4, what)?.try_into().expect("4 bytes"),
+        ))
     }
     fn u64(&mut self, what: &str) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.take(8, what)?.try_into().expect("8 bytes")))
+        Ok(u64::from_le_bytes(
+            self.take(8, what)?.try_into().expect("8 bytes"),
+        ))
     }
     /// A count of items each at least `min_size` bytes, checked against what is left.
     fn count(&mut self, min_size: usize, what: &str) -> Result<usize> {
         let n = self.u64(what)?;
         let left = (self.bytes.len() - self.pos) as u64;
         if n.saturating_mul(min_size as u64) > left {
-            return Err(Error::checkpoint(self.path, format!("truncated or corrupt: {what} is {n}, more than the {left} bytes left can hold")));
+            return Err(Error::checkpoint(
+                self.path,
+                format!(
+                    "truncated or corrupt: {what} is {n}, more than the {left} bytes left can hold"
+                ),
+            ));
         }
         Ok(n as usize)
     }
     fn string(&mut self, what: &str) -> Result<String> {
         let n = self.count(1, what)?;
         let b = self.take(n, what)?;
-        String::from_utf8(b.to_vec()).map_err(|_| Error::checkpoint(self.path, format!("{what}: not UTF-8")))
+        String::from_utf8(b.to_vec())
+            .map_err(|_| Error::checkpoint(self.path, format!("{what}: not UTF-8")))
     }
     fn value(&mut self, ty: u32, what: &str, depth: usize) -> Result<GgufValue> {
         Ok(match ty {
             0 => GgufValue::U64(self.take(1, what)?[0] as u64),
             1 => GgufValue::I64(self.take(1, what)?[0] as i8 as i64),
-            2 => GgufValue::U64(u16::from_le_bytes(self.take(2, what)?.try_into().expect("2")) as u64),
-            3 => GgufValue::I64(i16::from_le_bytes(self.take(2, what)?.try_into().expect("2")) as i64),
+            2 => GgufValue::U64(
+                u16::from_le_bytes(self.take(2, what)?.try_into().expect("2")) as u64,
+            ),
+            3 => GgufValue::I64(
+                i16::from_le_bytes(self.take(2, what)?.try_into().expect("2")) as i64,
+            ),
             4 => GgufValue::U64(self.u32(what)? as u64),
             5 => GgufValue::I64(self.u32(what)? as i32 as i64),
-            6 => GgufValue::F64(f32::from_le_bytes(self.take(4, what)?.try_into().expect("4")) as f64),
+            6 => GgufValue::F64(
+                f32::from_le_bytes(self.take(4, what)?.try_into().expect("4")) as f64,
+            ),
             7 => GgufValue::Bool(self.take(1, what)?[0] != 0),
             8 => GgufValue::String(self.string(what)?),
             9 => {
                 if depth > 4 {
-                    return Err(Error::checkpoint(self.path, format!("{what}: arrays nested too deep")));
+                    return Err(Error::checkpoint(
+                        self.path,
+                        format!("{what}: arrays nested too deep"),
+                    ));
                 }
                 let inner = self.u32(what)?;
                 let n = self.count(1, what)?;
@@ -198,8 +228,15 @@ impl Reader<'_> {
             }
             10 => GgufValue::U64(self.u64(what)?),
             11 => GgufValue::I64(self.u64(what)? as i64),
-            12 => GgufValue::F64(f64::from_le_bytes(self.take(8, what)?.try_into().expect("8"))),
-            other => return Err(Error::checkpoint(self.path, format!("{what}: unknown value type {other}"))),
+            12 => GgufValue::F64(f64::from_le_bytes(
+                self.take(8, what)?.try_into().expect("8"),
+            )),
+            other => {
+                return Err(Error::checkpoint(
+                    self.path,
+                    format!("{what}: unknown value type {other}"),
+                ))
+            }
         })
     }
 }
@@ -214,13 +251,20 @@ impl GgufFile {
     }
 
     fn parse(path: &Path, map: Arc<Mmap>) -> Result<Self> {
-        let mut r = Reader { bytes: &map, pos: 0, path };
+        let mut r = Reader {
+            bytes: &map,
+            pos: 0,
+            path,
+        };
         if r.take(4, "the magic")? != b"GGUF" {
             return Err(Error::checkpoint(path, "not a GGUF file (no GGUF magic)"));
         }
         let version = r.u32("the version")?;
         if !(2..=3).contains(&version) {
-            return Err(Error::checkpoint(path, format!("GGUF version {version}; maxc reads versions 2 and 3")));
+            return Err(Error::checkpoint(
+                path,
+                format!("GGUF version {version}; maxc reads versions 2 and 3"),
+            ));
         }
         let n_tensors = r.count(24, "the tensor count")?;
         let n_kv = r.count(12, "the metadata count")?;
@@ -237,19 +281,40 @@ impl GgufFile {
             let what = format!("tensor `{name}`");
             let n_dims = r.u32(&what)? as usize;
             if n_dims == 0 || n_dims > 4 {
-                return Err(Error::checkpoint(path, format!("{what} has {n_dims} dims; expected 1 to 4")));
+                return Err(Error::checkpoint(
+                    path,
+                    format!("{what} has {n_dims} dims; expected 1 to 4"),
+                ));
             }
-            let dims = (0..n_dims).map(|_| r.u64(&what)).collect::<Result<Vec<_>>>()?;
+            let dims = (0..n_dims)
+                .map(|_| r.u64(&what))
+                .collect::<Result<Vec<_>>>()?;
             let type_id = r.u32(&what)?;
             let ggml_type = GgmlType::from_id(type_id).ok_or_else(|| {
                 Error::checkpoint(path, format!("{what} has tensor type {type_id}; maxc reads F32 (0), F16 (1), Q4_0 (2), Q4_1 (3), Q8_0 (8), BF16 (30)"))
             })?;
             let offset = r.u64(&what)?;
-            tensors.push(GgufTensorInfo { name, dims, ggml_type, offset });
+            tensors.push(GgufTensorInfo {
+                name,
+                dims,
+                ggml_type,
+                offset,
+            });
         }
-        let align = metadata.get("general.alignment").and_then(GgufValue::as_u64).unwrap_or(32).max(1) as usize;
+        let align = metadata
+            .get("general.alignment")
+            .and_then(GgufValue::as_u64)
+            .unwrap_or(32)
+            .max(1) as usize;
         let data_start = r.pos.div_ceil(align) * align;
-        let file = GgufFile { path: path.to_path_buf(), version, metadata, tensors, map, data_start };
+        let file = GgufFile {
+            path: path.to_path_buf(),
+            version,
+            metadata,
+            tensors,
+            map,
+            data_start,
+        };
         for t in &file.tensors {
             file.tensor_bytes(t)?;
         }
@@ -268,7 +333,15 @@ impl GgufFile {
         let bytes = elems
             .filter(|e| e % block_elems == 0)
             .and_then(|e| (e / block_elems).checked_mul(block_bytes))
-            .ok_or_else(|| Error::checkpoint(&self.path, format!("tensor `{}` dims {:?} do not fit its type {:?}", t.name, t.dims, t.ggml_type)))?;
+            .ok_or_else(|| {
+                Error::checkpoint(
+                    &self.path,
+                    format!(
+                        "tensor `{}` dims {:?} do not fit its type {:?}",
+                        t.name, t.dims, t.ggml_type
+                    ),
+                )
+            })?;
         let start = (self.data_start as u64).checked_add(t.offset);
         let end = start.and_then(|s| s.checked_add(bytes));
         match (start, end) {

@@ -441,7 +441,11 @@ fn run_generated(
     }
     let p = SendPtrs(args.as_ptr().cast(), dims.as_ptr());
     // Splitting costs a few microseconds: only worth it for kernels with real work.
-    let chunks = if body.work(dims) >= 1 << 16 { threads.min(extent as usize) as u64 } else { 1 };
+    let chunks = if body.work(dims) >= 1 << 16 {
+        threads.min(extent as usize) as u64
+    } else {
+        1
+    };
     if chunks <= 1 {
         // SAFETY: arguments follow the kernel's documented buffer order and sizes.
         unsafe { f(p.0, p.1, 0, extent) };

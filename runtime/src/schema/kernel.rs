@@ -315,9 +315,16 @@ impl KernelBody {
             | KernelBody::TopK { cols, .. } => *cols,
             KernelBody::Positions => t / dims[StepDim::BatchSize as usize].max(1),
             KernelBody::Rope { heads, head_dim } => heads * head_dim,
-            KernelBody::KvStore { kv_heads, head_dim, .. } => 2 * kv_heads * head_dim,
+            KernelBody::KvStore {
+                kv_heads, head_dim, ..
+            } => 2 * kv_heads * head_dim,
             // Each row reads its whole context: assume a page's worth at least.
-            KernelBody::Attention { heads, head_dim, page_size, .. } => heads * head_dim * page_size,
+            KernelBody::Attention {
+                heads,
+                head_dim,
+                page_size,
+                ..
+            } => heads * head_dim * page_size,
             KernelBody::Matmul { rows, k, .. } => {
                 k * match rows {
                     Rows::Step(d) => dims[*d as usize],
