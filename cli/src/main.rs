@@ -30,6 +30,8 @@ enum Command {
     Generate(commands::generate::Args),
     /// Show an artifact's roles, dims and bounds, kernels, arena and weights.
     Inspect(commands::inspect::Args),
+    /// Tokenize a text with an artifact's tokenizer.
+    Tokenize(commands::tokenize::Args),
     /// Write an artifact as reviewable text (manifest, plan, kernels, weights by hash).
     Dump(commands::dump::Args),
     /// Compare two artifacts structurally; exit 0 when identical, 1 when different, 2 on error.
@@ -60,6 +62,7 @@ fn main() -> ExitCode {
         Command::Generate(a) => commands::generate::run(a),
         Command::Inspect(a) => commands::inspect::run(a),
         Command::Dump(a) => commands::dump::run(a),
+        Command::Tokenize(a) => commands::tokenize::run(a),
         Command::Diff(_) => unreachable!("handled above"),
     };
     match result {

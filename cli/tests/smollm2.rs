@@ -135,3 +135,43 @@ fn a_wrong_download_is_refused() {
         "{err}"
     );
 }
+
+fn maxc(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_maxc"))
+        .args(args)
+        .output()
+        .expect("maxc runs")
+}
+
+#[test]
+fn chat_and_tokenize_through_the_cli() {
+    let a = artifact().to_str().unwrap().to_string();
+    let out = maxc(&[
+        "generate",
+        &a,
+        "--chat",
+        "What is the capital of France?",
+        "--max-new-tokens",
+        "24",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("Paris"), "{text}");
+    assert!(
+        !text.contains("<|im_end|>"),
+        "generation stops at EOS: {text}"
+    );
+
+    let cases: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture().join("tokenizer_cases.json")).unwrap())
+            .unwrap();
+    for case in cases["cases"].as_array().unwrap().iter().take(8) {
+        let out = maxc(&["tokenize", &a, case["text"].as_str().unwrap(), "--json"]);
+        let got: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(got["ids"], case["ids"], "{}", case["text"]);
+    }
+}

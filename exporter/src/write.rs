@@ -1,6 +1,6 @@
 //! The compile driver and the artifact writer.
 
-use maxc_graph::pipeline::{load_model, LoadOptions};
+use maxc_graph::pipeline::{load_model, read_tokenizer, LoadOptions};
 use maxc_graph::weights::{write_safetensors, StateDict};
 use maxc_graph::{DType, ModuleRuntime, Registry};
 use maxc_lowering::cpu::{compile_kernel, CpuTarget as LowerTarget};
@@ -8,7 +8,7 @@ use maxc_lowering::{lower_graph, LowerOptions};
 use maxc_runtime::artifact::sha256_hex;
 use maxc_runtime::schema::{
     bincode_config, CpuModule, CpuTarget, FileEntry, KernelBody, Manifest, RoleEntry,
-    RuntimeSettings, Targets, FORMAT_VERSION, MANIFEST_FILE, WEIGHTS_FILE,
+    RuntimeSettings, Targets, FORMAT_VERSION, MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -304,15 +304,16 @@ fn write_dir(
         },
     );
     total += wbytes.len() as u64;
-    let tok = model.join("tokenizer.json");
-    if tok.is_file() {
-        let bytes = std::fs::read(&tok).map_err(io(&tok))?;
-        std::fs::write(tmp.join("tokenizer.json"), &bytes).map_err(io(tmp))?;
+    let tokenizer = read_tokenizer(model)?;
+    if let Some(json) = &tokenizer.json {
+        let bytes = json.as_bytes();
+        let path = tmp.join(TOKENIZER_FILE);
+        std::fs::write(&path, bytes).map_err(io(&path))?;
         entries.insert(
-            "tokenizer.json".into(),
+            TOKENIZER_FILE.into(),
             FileEntry {
                 bytes: bytes.len() as u64,
-                sha256: sha256_hex(&bytes),
+                sha256: sha256_hex(bytes),
             },
         );
         total += bytes.len() as u64;
@@ -342,6 +343,7 @@ fn write_dir(
             .first()
             .copied(),
         eos_token_ids: token_ids(&loaded.config_json, "eos_token_id"),
+        chat_template: tokenizer.chat_template,
         files: entries,
     };
     let mut text = serde_json::to_string_pretty(&manifest)

@@ -60,6 +60,57 @@ pub struct LoadedModel {
     pub roles: BTreeMap<GraphRole, RoleGraph>,
 }
 
+/// A checkpoint's tokenizer: `tokenizer.json` text and the chat template, where it has them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TokenizerFiles {
+    /// A Hugging Face `tokenizer.json`.
+    pub json: Option<String>,
+    /// A Jinja chat template.
+    pub chat_template: Option<String>,
+}
+
+/// The tokenizer of a checkpoint: a folder's `tokenizer.json` and `tokenizer_config.json`'s
+/// `chat_template`; for a GGUF file, a `tokenizer.json` built from its metadata and its
+/// `tokenizer.chat_template`.
+pub fn read_tokenizer(path: &Path) -> Result<TokenizerFiles> {
+    if is_gguf(path) {
+        let gguf = GgufFile::open(path)?;
+        if gguf.get("tokenizer.ggml.model").is_none() {
+            return Ok(TokenizerFiles::default());
+        }
+        return Ok(TokenizerFiles {
+            json: Some(crate::tokenizer::tokenizer_json_from_gguf(&gguf)?),
+            chat_template: crate::tokenizer::chat_template_from_gguf(&gguf),
+        });
+    }
+    let json_path = path.join("tokenizer.json");
+    let json = match json_path.is_file() {
+        true => Some(std::fs::read_to_string(&json_path).map_err(|e| Error::io(&json_path, e))?),
+        false => None,
+    };
+    let config_path = path.join("tokenizer_config.json");
+    let chat_template = if config_path.is_file() {
+        let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::checkpoint(&config_path, format!("not valid JSON: {e}")))?;
+        match v.get("chat_template") {
+            Some(serde_json::Value::String(t)) => Some(t.clone()),
+            // A list of named templates: the one named `default`.
+            Some(serde_json::Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|t| t.get("template")?.as_str().map(String::from)),
+            _ => None,
+        }
+    } else {
+        None
+    };
+    Ok(TokenizerFiles {
+        json,
+        chat_template,
+    })
+}
+
 /// Whether `path` is a GGUF file (rather than a checkpoint folder).
 pub fn is_gguf(path: &Path) -> bool {
     path.is_file()

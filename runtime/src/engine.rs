@@ -134,6 +134,16 @@ impl Engine {
     /// Generates up to `opts.max_new_tokens` tokens after `prompt`, stopping early at the end of
     /// sequence (where asked) or when prompt and output fill max_seq_len.
     pub fn generate(&mut self, prompt: &[i64], opts: &GenerateOptions) -> Result<Vec<i64>> {
+        self.generate_with(prompt, opts, |_| {})
+    }
+
+    /// [`Engine::generate`], calling `on_token` with each token as it is chosen.
+    pub fn generate_with(
+        &mut self,
+        prompt: &[i64],
+        opts: &GenerateOptions,
+        mut on_token: impl FnMut(i64),
+    ) -> Result<Vec<i64>> {
         let seq = u64::MAX;
         self.release(seq);
         let eos = self.artifact().manifest.eos_token_ids.clone();
@@ -145,6 +155,7 @@ impl Engine {
             while out.len() < opts.max_new_tokens && prompt.len() + out.len() < self.max_seq_len {
                 let next = sampler.sample(&logits) as i64;
                 out.push(next);
+                on_token(next);
                 let full = out.len() == opts.max_new_tokens
                     || prompt.len() + out.len() >= self.max_seq_len;
                 if full || (opts.stop_at_eos && eos.contains(&next)) {

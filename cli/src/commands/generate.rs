@@ -1,26 +1,35 @@
-//! `maxc generate ARTIFACT --tokens ... --max-new-tokens N`: generation from a compiled artifact.
+//! `maxc generate ARTIFACT (--tokens ... | --prompt TEXT | --chat TEXT)`: generation from a
+//! compiled artifact, the text streamed as it is generated.
 
 use crate::args::parse_tokens;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
+use maxc_runtime::chat::ChatMessage;
 use maxc_runtime::engine::GenerateOptions;
 use maxc_runtime::sampling::SamplingParams;
 use maxc_runtime::Engine;
+use std::io::Write;
 use std::path::PathBuf;
 
 /// Arguments of `maxc generate`.
 #[derive(clap::Args, Debug)]
-#[command(group(clap::ArgGroup::new("input").required(true).args(["tokens", "prompt"])))]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["tokens", "prompt", "chat"])))]
 pub struct Args {
     /// The artifact directory.
     artifact: PathBuf,
     /// The prompt's token ids, comma separated.
     #[arg(long)]
     tokens: Option<String>,
-    /// The prompt as text (needs a tokenizer in the artifact).
+    /// The prompt as text, tokenized with the artifact's tokenizer.
     #[arg(long)]
     prompt: Option<String>,
+    /// A user message, rendered with the artifact's chat template.
+    #[arg(long)]
+    chat: Option<String>,
+    /// A system message for --chat (the template's default otherwise).
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
     /// Tokens to generate at most.
-    #[arg(long, default_value = "32")]
+    #[arg(long, default_value = "64")]
     max_new_tokens: usize,
     /// Sampling temperature; 0 is greedy.
     #[arg(long, default_value = "0")]
@@ -37,12 +46,12 @@ pub struct Args {
     /// The role to run.
     #[arg(long, default_value = "decoder")]
     role: String,
-    /// Print the generated ids as JSON.
+    /// Print the prompt and generated ids (and text) as JSON.
     #[arg(long)]
     json: bool,
 }
 
-/// Generates and prints the new token ids.
+/// Generates, streaming text (or ids) to stdout.
 pub fn run(args: Args) -> Result<()> {
     let valid = args.temperature >= 0.0 && args.top_p > 0.0 && args.top_p <= 1.0;
     if !valid {
@@ -52,14 +61,42 @@ pub fn run(args: Args) -> Result<()> {
             args.top_p
         );
     }
-    let tokens = match (&args.tokens, &args.prompt) {
-        (Some(t), _) => parse_tokens(t)?,
-        (None, Some(_)) => {
-            bail!("--prompt needs a tokenizer, which this maxc does not load yet; pass --tokens")
-        }
-        (None, None) => bail!("pass --tokens or --prompt"),
-    };
     let mut engine = Engine::open(&args.artifact, &args.role)?;
+    let artifact = engine.artifact().clone();
+    let tokenizer = artifact.tokenizer()?;
+    let need_tokenizer = || {
+        tokenizer.as_ref().with_context(|| {
+            format!(
+                "{} has no tokenizer.json; pass --tokens",
+                args.artifact.display()
+            )
+        })
+    };
+    let prompt: Vec<i64> = match (&args.tokens, &args.prompt, &args.chat) {
+        (Some(t), _, _) => parse_tokens(t)?,
+        (None, Some(text), _) => need_tokenizer()?
+            .encode(text, true)?
+            .into_iter()
+            .map(i64::from)
+            .collect(),
+        (None, None, Some(user)) => {
+            let tok = need_tokenizer()?;
+            let template = artifact
+                .chat_template(tok)?
+                .with_context(|| format!("{} has no chat template", args.artifact.display()))?;
+            let mut messages = Vec::new();
+            if let Some(system) = &args.system {
+                messages.push(ChatMessage::new("system", system.as_str()));
+            }
+            messages.push(ChatMessage::new("user", user.as_str()));
+            let text = template.render(&messages, true)?;
+            tok.encode(&text, false)?
+                .into_iter()
+                .map(i64::from)
+                .collect()
+        }
+        (None, None, None) => bail!("pass --tokens, --prompt or --chat"),
+    };
     let opts = GenerateOptions {
         max_new_tokens: args.max_new_tokens,
         sampling: SamplingParams {
@@ -69,15 +106,50 @@ pub fn run(args: Args) -> Result<()> {
         },
         stop_at_eos: !args.ignore_eos,
     };
-    let out = engine.generate(&tokens, &opts)?;
-    if args.json {
+    let eos = artifact.manifest.eos_token_ids.clone();
+    let stream_text = !args.json && args.tokens.is_none() && tokenizer.is_some();
+    let mut stream = tokenizer.as_ref().map(|t| t.decode_stream(true));
+    let mut stdout = std::io::stdout();
+    let mut stream_err = None;
+    let out = engine.generate_with(&prompt, &opts, |id| {
+        if !stream_text || eos.contains(&id) {
+            return;
+        }
+        if let Some(s) = stream.as_mut() {
+            match s.push(id as u32) {
+                Ok(Some(piece)) => {
+                    let _ = write!(stdout, "{piece}");
+                    let _ = stdout.flush();
+                }
+                Ok(None) => {}
+                Err(e) => stream_err = Some(e),
+            }
+        }
+    })?;
+    if let Some(e) = stream_err {
+        return Err(e.into());
+    }
+    if stream_text {
+        if let Some(Ok(Some(rest))) = stream.as_mut().map(|s| s.flush()) {
+            print!("{rest}");
+        }
+        println!();
+    } else if args.json {
+        // Text where the tokenizer can decode the ids (a test tokenizer may not cover them).
+        let ids: Vec<u32> = out.iter().map(|&i| i as u32).collect();
+        let text = tokenizer.as_ref().and_then(|t| t.decode(&ids, true).ok());
         println!(
             "{}",
-            serde_json::json!({"prompt": tokens, "generated": out})
+            serde_json::json!({"prompt": prompt, "generated": out, "text": text})
         );
     } else {
-        let ids: Vec<String> = out.iter().map(|t| t.to_string()).collect();
-        println!("{}", ids.join(","));
+        println!(
+            "{}",
+            out.iter()
+                .map(|t| t.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        );
     }
     Ok(())
 }

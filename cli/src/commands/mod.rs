@@ -9,3 +9,4 @@ pub mod inspect;
 pub mod models;
 pub mod plan;
 pub mod run;
+pub mod tokenize;

@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 
 /// The manifest's name in the artifact directory.
 pub const MANIFEST_FILE: &str = "manifest.json";
+/// The tokenizer's name in the artifact directory.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
 /// The weights' name in the artifact directory.
 pub const WEIGHTS_FILE: &str = "weights.safetensors";
 
@@ -89,6 +91,10 @@ pub struct Manifest {
     /// End-of-sequence tokens, where the config names them.
     #[serde(default)]
     pub eos_token_ids: Vec<i64>,
+    /// The chat template (Jinja), where the checkpoint has one. Added after format 1's first
+    /// artifacts: absent in older manifests.
+    #[serde(default)]
+    pub chat_template: Option<String>,
     /// Every other file of the artifact, by relative path.
     pub files: BTreeMap<String, FileEntry>,
 }

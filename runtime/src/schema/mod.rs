@@ -9,7 +9,8 @@ use std::collections::BTreeMap;
 
 pub use kernel::{EwInput, EwInstr, GatherIndex, KernelBody, Rows, StepDim};
 pub use manifest::{
-    FileEntry, Manifest, RoleEntry, RuntimeSettings, Targets, MANIFEST_FILE, WEIGHTS_FILE,
+    FileEntry, Manifest, RoleEntry, RuntimeSettings, Targets, MANIFEST_FILE, TOKENIZER_FILE,
+    WEIGHTS_FILE,
 };
 
 /// The artifact format this runtime reads and the exporter writes.
