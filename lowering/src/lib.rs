@@ -2,6 +2,7 @@
 //! named fusion passes, the memory plan, and the backends that turn the kernel IR into code.
 
 pub mod cpu;
+pub mod cuda;
 pub mod error;
 pub mod kgraph;
 pub mod passes;

@@ -345,3 +345,32 @@ impl KernelBody {
         )
     }
 }
+
+/// One dimension of a CUDA launch grid, computed per step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum GridExtent {
+    /// A constant number of blocks.
+    Fixed(u64),
+    /// `ceil(rows / by)` blocks, with `rows` a step dim or constant (at least one block is not
+    /// guaranteed: zero rows launch nothing).
+    CeilDiv {
+        /// What is divided.
+        rows: Rows,
+        /// Items per block.
+        by: u64,
+    },
+}
+
+/// How a CUDA kernel is launched. Kernel parameters are the kernel's buffers as device
+/// pointers, in the order its [`KernelBody`] variant documents, followed by the step dims as
+/// five `unsigned long long` values in [`StepDim`] slot order. Every kernel guards its indices
+/// against those dims.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct CudaLaunch {
+    /// Blocks in x, y, z.
+    pub grid: [GridExtent; 3],
+    /// Threads per block in x, y, z.
+    pub block: [u32; 3],
+    /// Dynamic shared memory per block, in bytes.
+    pub shared_bytes: u32,
+}
