@@ -2,6 +2,7 @@
 
 mod args;
 mod commands;
+mod report;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

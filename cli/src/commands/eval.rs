@@ -4,7 +4,6 @@ use crate::args::parse_tokens;
 use anyhow::{Context, Result};
 use maxc_graph::interp::{Interpreter, Session};
 use maxc_graph::pipeline::{load_model, LoadOptions};
-use maxc_graph::weights::{write_safetensors, StateDict, WeightTensor};
 use maxc_graph::{BatchProcessorRuntime, GraphRole, KvCacheParams, ModuleRuntime, Registry};
 use std::path::PathBuf;
 
@@ -55,30 +54,11 @@ pub fn run(args: Args) -> Result<()> {
     let pages = tokens.len().div_ceil(page_size);
     let mut session = Session::new(&interp, pages, pages);
     let logits = session.step(&[(0, &tokens)])?;
-    let last = logits.row(tokens.len() - 1);
-    let mut top: Vec<(usize, f32)> = last.iter().copied().enumerate().collect();
-    top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    println!(
-        "{} tokens, vocab {}; last position's top 5:",
+    crate::report::logits(
         tokens.len(),
-        interp.vocab_size()
-    );
-    for (id, logit) in top.iter().take(5) {
-        println!("  {id:>8}  {logit:.5}");
-    }
-    if let Some(path) = &args.dump_logits {
-        let mut out = StateDict::new();
-        out.insert(
-            "logits",
-            WeightTensor::from_f32(logits.shape.clone(), &logits.data),
-        );
-        write_safetensors(path, &out, None)?;
-        println!(
-            "logits [{}, {}] written to {}",
-            logits.shape[0],
-            logits.shape[1],
-            path.display()
-        );
-    }
+        interp.vocab_size(),
+        &logits.data,
+        args.dump_logits.as_deref(),
+    )?;
     Ok(())
 }

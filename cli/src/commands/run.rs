@@ -2,7 +2,6 @@
 
 use crate::args::parse_tokens;
 use anyhow::Result;
-use maxc_graph::weights::{write_safetensors, StateDict, WeightTensor};
 use maxc_runtime::Engine;
 use std::path::PathBuf;
 
@@ -53,29 +52,11 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     let logits = prompt_logits(&mut engine, &tokens)?;
-    let vocab = engine.vocab_size();
-    let last = &logits[(tokens.len() - 1) * vocab..];
-    let mut top: Vec<(usize, f32)> = last.iter().copied().enumerate().collect();
-    top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    println!(
-        "{} tokens, vocab {vocab}; last position's top 5:",
-        tokens.len()
-    );
-    for (id, logit) in top.iter().take(5) {
-        println!("  {id:>8}  {logit:.5}");
-    }
-    if let Some(path) = &args.dump_logits {
-        let mut out = StateDict::new();
-        out.insert(
-            "logits",
-            WeightTensor::from_f32(vec![tokens.len(), vocab], &logits),
-        );
-        write_safetensors(path, &out, None)?;
-        println!(
-            "logits [{}, {vocab}] written to {}",
-            tokens.len(),
-            path.display()
-        );
-    }
+    crate::report::logits(
+        tokens.len(),
+        engine.vocab_size(),
+        &logits,
+        args.dump_logits.as_deref(),
+    )?;
     Ok(())
 }

@@ -36,43 +36,12 @@ impl CpuTarget {
 
     /// Whether the machine running this code has the target's architecture and every feature.
     pub fn host_supports(&self) -> bool {
-        self.arch == std::env::consts::ARCH && self.features.iter().all(|f| host_has(f))
+        let target = maxc_runtime::schema::CpuTarget {
+            arch: self.arch.clone(),
+            features: self.features.clone(),
+        };
+        maxc_runtime::cpu::target::host_supports(&target).is_none()
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn host_has(feature: &str) -> bool {
-    match feature {
-        "sse3" => std::arch::is_x86_feature_detected!("sse3"),
-        "ssse3" => std::arch::is_x86_feature_detected!("ssse3"),
-        "sse4.1" => std::arch::is_x86_feature_detected!("sse4.1"),
-        "sse4.2" => std::arch::is_x86_feature_detected!("sse4.2"),
-        "popcnt" => std::arch::is_x86_feature_detected!("popcnt"),
-        "avx" => std::arch::is_x86_feature_detected!("avx"),
-        "avx2" => std::arch::is_x86_feature_detected!("avx2"),
-        "fma" => std::arch::is_x86_feature_detected!("fma"),
-        "bmi1" => std::arch::is_x86_feature_detected!("bmi1"),
-        "bmi2" => std::arch::is_x86_feature_detected!("bmi2"),
-        "lzcnt" => std::arch::is_x86_feature_detected!("lzcnt"),
-        "cmpxchg16b" => std::arch::is_x86_feature_detected!("cmpxchg16b"),
-        _ => false,
-    }
-}
-
-#[cfg(target_arch = "aarch64")]
-fn host_has(feature: &str) -> bool {
-    match feature {
-        "neon" => std::arch::is_aarch64_feature_detected!("neon"),
-        "lse" => std::arch::is_aarch64_feature_detected!("lse"),
-        "fp16" => std::arch::is_aarch64_feature_detected!("fp16"),
-        "dotprod" => std::arch::is_aarch64_feature_detected!("dotprod"),
-        _ => false,
-    }
-}
-
-#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-fn host_has(_feature: &str) -> bool {
-    false
 }
 
 /// The Cranelift ISA for `target`, with explicit settings so output does not depend on the host.

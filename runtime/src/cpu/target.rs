@@ -42,6 +42,7 @@ fn has_feature(f: &str) -> bool {
         "bmi1" => std::arch::is_x86_feature_detected!("bmi1"),
         "bmi2" => std::arch::is_x86_feature_detected!("bmi2"),
         "lzcnt" => std::arch::is_x86_feature_detected!("lzcnt"),
+        "cmpxchg16b" => std::arch::is_x86_feature_detected!("cmpxchg16b"),
         _ => false,
     }
 }
@@ -50,6 +51,9 @@ fn has_feature(f: &str) -> bool {
 fn has_feature(f: &str) -> bool {
     match f {
         "neon" => std::arch::is_aarch64_feature_detected!("neon"),
+        "lse" => std::arch::is_aarch64_feature_detected!("lse"),
+        "fp16" => std::arch::is_aarch64_feature_detected!("fp16"),
+        "dotprod" => std::arch::is_aarch64_feature_detected!("dotprod"),
         _ => false,
     }
 }

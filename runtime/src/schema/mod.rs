@@ -7,7 +7,9 @@ pub mod manifest;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-pub use kernel::{CudaLaunch, EwInput, EwInstr, GatherIndex, GridExtent, KernelBody, Rows, StepDim};
+pub use kernel::{
+    CudaLaunch, EwInput, EwInstr, GatherIndex, GridExtent, KernelBody, Rows, StepDim,
+};
 pub use manifest::{
     FileEntry, Manifest, RoleEntry, RuntimeSettings, Targets, MANIFEST_FILE, TOKENIZER_FILE,
     WEIGHTS_FILE,
