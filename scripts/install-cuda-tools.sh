@@ -6,12 +6,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dest=.tools/cuda
-version=12.9.*
-if [ ! -f "$dest/.installed" ]; then
+# Exact versions: PTX bytes depend on the NVRTC build.
+nvrtc=12.9.86 runtime=12.9.79 nvcc=12.9.86
+marker="$dest/.installed-$nvrtc-$runtime-$nvcc"
+if [ ! -f "$marker" ]; then
   rm -rf "$dest"
   python3 -m pip install --quiet --no-deps --target "$dest" \
-    "nvidia-cuda-nvrtc-cu12==$version" "nvidia-cuda-runtime-cu12==$version" "nvidia-cuda-nvcc-cu12==$version" >&2
-  touch "$dest/.installed"
+    "nvidia-cuda-nvrtc-cu12==$nvrtc" "nvidia-cuda-runtime-cu12==$runtime" "nvidia-cuda-nvcc-cu12==$nvcc" >&2
+  touch "$marker"
 fi
 root=$(cd "$dest/nvidia" && pwd)
 nvrtc_lib=$(dirname "$(find "$root/cuda_nvrtc" -name 'libnvrtc.so*' | head -n1)")

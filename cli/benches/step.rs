@@ -197,6 +197,8 @@ fn main() {
             all_logits: false,
             cpu_matmul: mm,
             force: true,
+            cpu: true,
+            cuda_arch: None,
         };
         compile(&model, &out, &opts, &mut |_| {}).expect("compile");
         artifacts.push((label, out));
@@ -274,6 +276,8 @@ fn smollm2_bench(tmp: &Path) {
             all_logits: false,
             cpu_matmul: CpuMatmul::Library,
             force: true,
+            cpu: true,
+            cuda_arch: None,
         };
         compile(&gguf, &dir, &opts, &mut |_| {}).expect("compile SmolLM2");
         let mut engine = Engine::open(&dir, "decoder").expect("artifact");

@@ -343,3 +343,84 @@ fn diff_reports_exactly_what_a_setting_changes() {
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("decoder/program.bin"));
 }
+
+/// Whether NVRTC is installed; fails where `MAXC_REQUIRE_NVRTC=1` (CI) says it must be.
+fn nvrtc_ready() -> bool {
+    match maxc_lowering::cuda::nvrtc_status() {
+        Ok(_) => true,
+        Err(e) if std::env::var("MAXC_REQUIRE_NVRTC").as_deref() == Ok("1") => panic!("{e}"),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            false
+        }
+    }
+}
+
+#[test]
+fn cuda_kernels_compile_with_nvrtc_assemble_with_ptxas_and_are_deterministic() {
+    if !nvrtc_ready() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for model in ["tiny-llama", "tiny-qwen2", "tiny-mixtral"] {
+        let (a, b) = (
+            tmp.path().join(format!("{model}-a.maxc")),
+            tmp.path().join(format!("{model}-b.maxc")),
+        );
+        compile(model, &a, &["--target", "cuda", "--dtype", "bf16"]);
+        compile(model, &b, &["--target", "cuda", "--dtype", "bf16"]);
+        let ptx = std::fs::read(a.join("decoder/module.ptx")).unwrap();
+        assert_eq!(
+            ptx,
+            std::fs::read(b.join("decoder/module.ptx")).unwrap(),
+            "{model}: PTX differs between compiles"
+        );
+        let o = maxc(&["inspect", a.to_str().unwrap(), "--json"]);
+        let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(r["targets"]["cuda"]["arch"], "sm_90");
+        assert!(
+            r["targets"]["cpu"].is_null(),
+            "--target cuda emits no CPU code"
+        );
+        let kernels = r["roles"]["decoder"]["kernels"].as_array().unwrap();
+        for k in kernels {
+            let regs = k["cuda"]["registers"].as_u64().unwrap_or(0);
+            assert!(regs > 0, "{model}: {} has no ptxas report: {k}", k["name"]);
+        }
+        let source = std::fs::read_to_string(a.join("decoder/kernels.cu")).unwrap();
+        assert!(
+            source.contains("mma.sync"),
+            "{model}: bf16 matmuls use tensor-core mma"
+        );
+        // The CPU executor refuses a CUDA-only artifact, naming what to do.
+        let e = err_of(&run(&a, "1,2,3"));
+        assert!(
+            e.contains("no CPU code") && e.contains("--target cpu"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn running_on_cuda_without_a_gpu_is_a_clear_error() {
+    let has_driver = ["libcuda.so.1", "libcuda.so"].iter().any(|n| {
+        std::path::Path::new("/usr/lib/x86_64-linux-gnu")
+            .join(n)
+            .exists()
+    });
+    if has_driver {
+        return; // a GPU machine: the GPU check script covers --device cuda there
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let a = fresh(tmp.path(), "cpu-only.maxc");
+    let o = maxc(&[
+        "run",
+        a.to_str().unwrap(),
+        "--tokens",
+        "1,2",
+        "--device",
+        "cuda",
+    ]);
+    let e = err_of(&o);
+    assert!(e.contains("CUDA") && e.contains("--device cpu"), "{e}");
+}

@@ -177,6 +177,8 @@ fn artifact_dir(model: &str, dtype: DType, all_logits: bool) -> PathBuf {
             all_logits,
             cpu_matmul: CpuMatmul::Library,
             force: false,
+            cpu: true,
+            cuda_arch: None,
         };
         compile(&fixtures().join(model), &out, &opts, &mut |_| {}).expect("compiles");
     }

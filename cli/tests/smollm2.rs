@@ -61,6 +61,8 @@ fn artifact() -> &'static PathBuf {
             all_logits: false,
             cpu_matmul: CpuMatmul::Library,
             force: false,
+            cpu: true,
+            cuda_arch: None,
         };
         compile(&gguf(), &out, &opts, &mut |_| {}).expect("SmolLM2 compiles");
         (tmp, out)

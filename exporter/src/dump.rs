@@ -67,8 +67,21 @@ pub fn dump(artifact: &Artifact) -> Dump {
                 }
                 None => t.push_str("cpu library\n"),
             }
+            if let Some(c) = artifact.cuda.get(role).and_then(|c| c.kernels.get(i)) {
+                let _ = writeln!(
+                    t,
+                    "cuda {}: launch {:?}, {} registers, spills {}/{} B, shared {} B",
+                    c.name, c.launch, c.registers, c.spill_stores, c.spill_loads, c.shared_bytes
+                );
+            }
             let _ = writeln!(t, "\n{:#?}", k.body);
             out.insert(format!("{role}/kernels/{}.txt", k.name), t);
+        }
+    }
+    for role in artifact.cuda.keys() {
+        let name = format!("{role}/kernels.cu");
+        if let Ok(text) = std::fs::read_to_string(artifact.dir.join(&name)) {
+            out.insert(name, text);
         }
     }
     let mut w = String::new();

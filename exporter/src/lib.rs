@@ -3,6 +3,7 @@
 //! The same inputs give the same bytes. The artifact is built in a temporary directory beside the
 //! destination and renamed into place, so an interrupted compile leaves no artifact.
 
+mod cuda;
 pub mod diff;
 pub mod dump;
 mod write;

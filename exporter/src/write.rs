@@ -1,5 +1,6 @@
 //! The compile driver and the artifact writer.
 
+use crate::cuda;
 use maxc_graph::pipeline::{load_model, read_tokenizer, LoadOptions};
 use maxc_graph::weights::{write_safetensors, StateDict};
 use maxc_graph::{DType, ModuleRuntime, Registry};
@@ -69,6 +70,10 @@ pub struct CompileOptions {
     pub cpu_matmul: CpuMatmul,
     /// Replace an existing artifact.
     pub force: bool,
+    /// Generate CPU code.
+    pub cpu: bool,
+    /// Generate CUDA code for this SM (`sm_90`); needs NVRTC.
+    pub cuda_arch: Option<String>,
 }
 
 /// What a compile produced.
@@ -107,6 +112,11 @@ pub fn compile(
         features: sorted(&target.features),
     };
 
+    let cuda_target = match &opts.cuda_arch {
+        Some(arch) => Some(cuda::check_tools(arch)?),
+        None => None,
+    };
+    let mut cuda_info = None;
     let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
     let mut roles = BTreeMap::new();
     let mut weights = StateDict::new();
@@ -121,45 +131,48 @@ pub fn compile(
             max_seq_len: opts.runtime.batch.max_seq_len,
         };
         let program = lower_graph(&rg.graph, &lower)?;
-        let mut code = Vec::new();
-        let mut entries = Vec::new();
-        let total = program.kernels.len();
-        for (i, k) in program.kernels.iter().enumerate() {
-            let generate = k.body.is_generated_on_cpu()
-                || (opts.cpu_matmul == CpuMatmul::Generated
-                    && matches!(k.body, KernelBody::Matmul { .. }));
-            if !generate {
-                entries.push(None);
-                continue;
-            }
-            progress(&format!("role {role}: kernel {}/{total} {}", i + 1, k.name));
-            let bytes = compile_kernel(&k.body, &target).map_err(|e| {
-                ExportError::Lower(maxc_lowering::LowerError::Codegen {
-                    kernel: k.name.clone(),
-                    message: e.to_string(),
-                })
-            })?;
-            while code.len() % 64 != 0 {
-                code.push(0);
-            }
-            entries.push(Some(code.len() as u64));
-            code.extend_from_slice(&bytes);
-        }
-        let module = CpuModule {
-            target: schema_target.clone(),
-            code,
-            entries,
-        };
         let program_file = format!("{role}/program.bin");
-        let code_file = format!("{role}/cpu.bin");
         files.insert(program_file.clone(), encode(&program)?);
-        files.insert(code_file.clone(), encode(&module)?);
+        let cpu_code = match opts.cpu {
+            false => None,
+            true => {
+                let module = cpu_module(
+                    role.name(),
+                    &program,
+                    &target,
+                    schema_target.clone(),
+                    opts.cpu_matmul,
+                    progress,
+                )?;
+                let file = format!("{role}/cpu.bin");
+                files.insert(file.clone(), encode(&module)?);
+                Some(file)
+            }
+        };
+        let cuda_code = match &cuda_target {
+            None => None,
+            Some(t) => {
+                progress(&format!(
+                    "role {role}: {} CUDA kernels through NVRTC ({})",
+                    program.kernels.len(),
+                    t.arch
+                ));
+                let (module, source, ptx) = cuda::cuda_module(&program, t)?;
+                cuda_info = Some(module.target.clone());
+                files.insert(format!("{role}/kernels.cu"), source.into_bytes());
+                files.insert(format!("{role}/module.ptx"), ptx.into_bytes());
+                let file = format!("{role}/cuda.bin");
+                files.insert(file.clone(), encode(&module)?);
+                Some(file)
+            }
+        };
         roles.insert(
             role.to_string(),
             RoleEntry {
                 dims: dims.iter().map(|(k, v)| (k.clone(), *v as u64)).collect(),
                 program: program_file,
-                cpu_code: Some(code_file),
+                cpu_code,
+                cuda_code,
                 arena_bytes: program.arena_bytes,
                 kernels: program.kernels.len() as u64,
                 launches: program.launches.len() as u64,
@@ -193,7 +206,10 @@ pub fn compile(
         &files,
         &weights,
         roles,
-        &schema_target,
+        Targets {
+            cpu: opts.cpu.then(|| schema_target.clone()),
+            cuda: cuda_info,
+        },
         progress,
     );
     let bytes = match result {
@@ -237,6 +253,43 @@ fn remove_stale_partials(parent: &Path, name: &str) {
     }
 }
 
+/// A role's native CPU code: every kernel that runs generated on the CPU, in one blob.
+fn cpu_module(
+    role: &str,
+    program: &maxc_runtime::schema::Program,
+    target: &LowerTarget,
+    schema_target: CpuTarget,
+    matmul: CpuMatmul,
+    progress: &mut dyn FnMut(&str),
+) -> Result<CpuModule, ExportError> {
+    let mut code = Vec::new();
+    let mut entries = Vec::new();
+    let total = program.kernels.len();
+    for (i, k) in program.kernels.iter().enumerate() {
+        let generate = k.body.is_generated_on_cpu()
+            || (matmul == CpuMatmul::Generated && matches!(k.body, KernelBody::Matmul { .. }));
+        if !generate {
+            entries.push(None);
+            continue;
+        }
+        progress(&format!("role {role}: kernel {}/{total} {}", i + 1, k.name));
+        let bytes = compile_kernel(&k.body, target).map_err(|e| {
+            ExportError::Lower(maxc_lowering::LowerError::Codegen {
+                kernel: k.name.clone(),
+                message: e.to_string(),
+            })
+        })?;
+        code.resize(code.len().next_multiple_of(64), 0);
+        entries.push(Some(code.len() as u64));
+        code.extend_from_slice(&bytes);
+    }
+    Ok(CpuModule {
+        target: schema_target,
+        code,
+        entries,
+    })
+}
+
 fn sorted(v: &[String]) -> Vec<String> {
     let mut v = v.to_vec();
     v.sort();
@@ -268,7 +321,7 @@ fn write_dir(
     files: &BTreeMap<String, Vec<u8>>,
     weights: &StateDict,
     roles: BTreeMap<String, RoleEntry>,
-    target: &CpuTarget,
+    targets: Targets,
     progress: &mut dyn FnMut(&str),
 ) -> Result<u64, ExportError> {
     if tmp.exists() {
@@ -335,9 +388,7 @@ fn write_dir(
             kv_cache_pages: opts.runtime.kv.total_pages(b) as u64,
         },
         roles,
-        targets: Targets {
-            cpu: Some(target.clone()),
-        },
+        targets,
         export_records: loaded.deployment.export_records(&opts.runtime),
         bos_token_id: token_ids(&loaded.config_json, "bos_token_id")
             .first()

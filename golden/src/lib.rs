@@ -28,6 +28,13 @@ pub struct Case {
     pub options: CompileOptions,
 }
 
+impl Case {
+    /// Whether compiling the case needs NVRTC (CUDA target).
+    pub fn needs_nvrtc(&self) -> bool {
+        self.options.cuda_arch.is_some()
+    }
+}
+
 fn runtime(batch: usize, len: usize, budget: usize, chunked: bool) -> ModuleRuntime {
     let mut rt = ModuleRuntime::default();
     rt.batch.max_batch_size = batch;
@@ -41,7 +48,8 @@ fn runtime(batch: usize, len: usize, budget: usize, chunked: bool) -> ModuleRunt
     rt
 }
 
-/// Every golden case: each tiny model at two runtime settings.
+/// Every golden case: each tiny model at two runtime settings on the CPU, and once for CUDA
+/// (sm_90, bf16 weights, so the tensor-core matmuls are covered).
 pub fn cases() -> Vec<Case> {
     let settings = [
         ("b8-len128", runtime(8, 128, 256, true)),
@@ -59,9 +67,26 @@ pub fn cases() -> Vec<Case> {
                     all_logits: false,
                     cpu_matmul: CpuMatmul::Library,
                     force: true,
+                    cpu: true,
+                    cuda_arch: None,
                 },
             });
         }
+    }
+    for model in ["tiny-llama", "tiny-qwen2", "tiny-mixtral", "tiny-roles"] {
+        out.push(Case {
+            name: format!("{model}-cuda-sm90-bf16-b8-len128"),
+            model,
+            options: CompileOptions {
+                runtime: settings[0].1.clone(),
+                param_dtype: DType::BF16,
+                all_logits: false,
+                cpu_matmul: CpuMatmul::Library,
+                force: true,
+                cpu: false,
+                cuda_arch: Some("sm_90".into()),
+            },
+        });
     }
     out
 }

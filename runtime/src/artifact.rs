@@ -4,7 +4,7 @@
 
 use crate::error::{Result, RuntimeError};
 use crate::schema::{
-    bincode_config, CpuModule, DType, Manifest, Program, FORMAT_VERSION, MANIFEST_FILE,
+    bincode_config, CpuModule, CudaModule, DType, Manifest, Program, FORMAT_VERSION, MANIFEST_FILE,
     WEIGHTS_FILE,
 };
 use memmap2::Mmap;
@@ -42,6 +42,8 @@ pub struct Artifact {
     pub programs: BTreeMap<String, Program>,
     /// Native CPU code by role.
     pub cpu: BTreeMap<String, CpuModule>,
+    /// CUDA kernel entries by role (the PTX is `ROLE/module.ptx`).
+    pub cuda: BTreeMap<String, CudaModule>,
     weights: Arc<Mmap>,
     index: BTreeMap<String, WeightView>,
 }
@@ -139,6 +141,7 @@ impl Artifact {
         }
         let mut programs = BTreeMap::new();
         let mut cpu = BTreeMap::new();
+        let mut cuda = BTreeMap::new();
         for (role, entry) in &manifest.roles {
             let bytes = take(&maps, &entry.program, &manifest_path)?;
             let (program, _): (Program, usize) =
@@ -162,6 +165,19 @@ impl Artifact {
                 })?;
                 cpu.insert(role.clone(), module);
             }
+            if let Some(code) = &entry.cuda_code {
+                let (module, _): (CudaModule, usize) = bincode::serde::decode_from_slice(
+                    take(&maps, code, &manifest_path)?,
+                    bincode_config(),
+                )
+                .map_err(|e| {
+                    RuntimeError::artifact(
+                        dir.join(code),
+                        format!("cannot decode the CUDA entries: {e}"),
+                    )
+                })?;
+                cuda.insert(role.clone(), module);
+            }
         }
         let weights_path = dir.join(WEIGHTS_FILE);
         let weights = Arc::new(maps.remove(WEIGHTS_FILE).ok_or_else(|| {
@@ -176,6 +192,7 @@ impl Artifact {
             manifest,
             programs,
             cpu,
+            cuda,
             weights,
             index,
         })

@@ -2,6 +2,7 @@
 
 use crate::artifact::Artifact;
 use crate::cpu::CpuExecutor;
+use crate::cuda::CudaExecutor;
 use crate::error::{Result, RuntimeError};
 use crate::kv::PageTable;
 use crate::sampling::{Sampler, SamplingParams};
@@ -10,9 +11,62 @@ use crate::step::Logits;
 use std::path::Path;
 use std::sync::Arc;
 
+/// Where an engine runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Device {
+    /// The CPU executor (native code from the artifact).
+    #[default]
+    Cpu,
+    /// The CUDA executor (PTX from the artifact), on GPU 0.
+    Cuda,
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda),
+            other => Err(format!("unknown device `{other}` (expected cpu or cuda)")),
+        }
+    }
+}
+
+enum Executor {
+    Cpu(CpuExecutor),
+    Cuda(CudaExecutor),
+}
+
+impl Executor {
+    fn execute(&mut self, s: &crate::step::StepInputs) -> Result<Logits> {
+        match self {
+            Executor::Cpu(e) => e.execute(s),
+            Executor::Cuda(e) => e.execute(s),
+        }
+    }
+    fn program(&self) -> &crate::schema::Program {
+        match self {
+            Executor::Cpu(e) => e.program(),
+            Executor::Cuda(e) => e.program(),
+        }
+    }
+    fn bounds(&self) -> &[u64; StepDim::COUNT] {
+        match self {
+            Executor::Cpu(e) => e.bounds(),
+            Executor::Cuda(e) => e.bounds(),
+        }
+    }
+    fn artifact(&self) -> &Arc<Artifact> {
+        match self {
+            Executor::Cpu(e) => e.artifact(),
+            Executor::Cuda(e) => e.artifact(),
+        }
+    }
+}
+
 /// One role of an artifact, ready to run sequences.
 pub struct Engine {
-    exec: CpuExecutor,
+    exec: Executor,
     pages: PageTable,
     max_seq_len: usize,
     max_step_tokens: usize,
@@ -32,12 +86,20 @@ pub struct GenerateOptions {
 impl Engine {
     /// Opens the artifact at `dir` and prepares `role` on the CPU.
     pub fn open(dir: &Path, role: &str) -> Result<Self> {
-        Engine::new(Arc::new(Artifact::open(dir)?), role)
+        Engine::open_on(dir, role, Device::Cpu)
     }
 
-    /// Prepares `role` of an opened artifact on the CPU.
-    pub fn new(artifact: Arc<Artifact>, role: &str) -> Result<Self> {
-        let exec = CpuExecutor::new(artifact.clone(), role)?;
+    /// Opens the artifact at `dir` and prepares `role` on `device`.
+    pub fn open_on(dir: &Path, role: &str, device: Device) -> Result<Self> {
+        Engine::new(Arc::new(Artifact::open(dir)?), role, device)
+    }
+
+    /// Prepares `role` of an opened artifact on `device`.
+    pub fn new(artifact: Arc<Artifact>, role: &str, device: Device) -> Result<Self> {
+        let exec = match device {
+            Device::Cpu => Executor::Cpu(CpuExecutor::new(artifact.clone(), role)?),
+            Device::Cuda => Executor::Cuda(CudaExecutor::new(artifact.clone(), role)?),
+        };
         let rt = &artifact.manifest.runtime;
         let bounds = *exec.bounds();
         let page = exec.program().kv.page_size as usize;

@@ -5,6 +5,7 @@
 pub mod artifact;
 pub mod chat;
 pub mod cpu;
+pub mod cuda;
 pub mod engine;
 pub mod error;
 pub mod kv;

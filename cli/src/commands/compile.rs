@@ -1,7 +1,7 @@
 //! `maxc compile MODEL --out DIR`: compiles a checkpoint into an artifact.
 
 use crate::args::RuntimeArgs;
-use anyhow::{bail, Result};
+use anyhow::Result;
 use maxc_exporter::{compile, CompileOptions, CpuMatmul};
 use maxc_graph::pipeline::read_config;
 use maxc_graph::{DType, Registry};
@@ -16,9 +16,12 @@ pub struct Args {
     /// The artifact directory to write (conventionally NAME.maxc).
     #[arg(long)]
     pub out: PathBuf,
-    /// Code target.
-    #[arg(long, default_value = "cpu")]
+    /// Code targets: `cpu` (Cranelift), `cuda` (CUDA C through NVRTC to PTX) or `all`.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda", "all"])]
     pub target: String,
+    /// The GPU architecture CUDA code is compiled and checked for.
+    #[arg(long, default_value = "sm_90")]
+    pub cuda_arch: String,
     /// The dtype weights are stored in.
     #[arg(long, default_value = "f32")]
     pub dtype: DType,
@@ -40,12 +43,6 @@ pub struct Args {
 
 /// Compiles, showing each stage with its elapsed time on stderr.
 pub fn run(args: Args) -> Result<()> {
-    if args.target != "cpu" {
-        bail!(
-            "--target {}: this maxc compiles for `cpu` (the CUDA backend is not built yet)",
-            args.target
-        );
-    }
     let (_, spec) = read_config(&args.model, &Registry::builtin())?;
     let opts = CompileOptions {
         runtime: args.runtime.runtime(spec.as_ref()),
@@ -57,6 +54,8 @@ pub fn run(args: Args) -> Result<()> {
             CpuMatmul::Library
         },
         force: args.force,
+        cpu: args.target != "cuda",
+        cuda_arch: (args.target != "cpu").then(|| args.cuda_arch.clone()),
     };
     let start = Instant::now();
     let quiet = args.quiet;

@@ -46,6 +46,9 @@ pub struct Args {
     /// The role to run.
     #[arg(long, default_value = "decoder")]
     role: String,
+    /// Where to run: `cpu`, or `cuda` (GPU 0; the artifact needs --target cuda or all).
+    #[arg(long, default_value = "cpu")]
+    device: maxc_runtime::engine::Device,
     /// Print the prompt and generated ids (and text) as JSON.
     #[arg(long)]
     json: bool,
@@ -61,7 +64,7 @@ pub fn run(args: Args) -> Result<()> {
             args.top_p
         );
     }
-    let mut engine = Engine::open(&args.artifact, &args.role)?;
+    let mut engine = Engine::open_on(&args.artifact, &args.role, args.device)?;
     let artifact = engine.artifact().clone();
     let tokenizer = artifact.tokenizer()?;
     let need_tokenizer = || {

@@ -48,6 +48,13 @@ pub fn report(a: &Artifact) -> Value {
                     "cpu": if entry.is_some() { "generated" } else { "library" },
                     "code_bytes": bytes,
                     "launches": launches.get(&(i as u32)).copied().unwrap_or(0),
+                    "cuda": a.cuda.get(role).and_then(|c| c.kernels.get(i)).map(|c| json!({
+                        "registers": c.registers,
+                        "spill_stores": c.spill_stores,
+                        "spill_loads": c.spill_loads,
+                        "shared_bytes": c.shared_bytes,
+                        "block": c.launch.block,
+                    })),
                 })
             })
             .collect();
@@ -105,6 +112,12 @@ pub fn run(args: Args) -> Result<()> {
         "architecture  {}  weights {}",
         m.architecture, m.param_dtype
     );
+    if let Some(cuda) = &m.targets.cuda {
+        println!(
+            "cuda target   {} (PTX from NVRTC {})",
+            cuda.arch, cuda.nvrtc_version
+        );
+    }
     if let Some(cpu) = &m.targets.cpu {
         println!("cpu target    {} [{}]", cpu.arch, cpu.features.join(", "));
     }
@@ -132,8 +145,15 @@ pub fn run(args: Args) -> Result<()> {
                 .as_u64()
                 .map(|b| format!("{b} B"))
                 .unwrap_or_else(|| "-".into());
+            let cuda = match k["cuda"].as_object() {
+                Some(c) => format!(
+                    "  cuda: {} regs, spills {}/{} B, smem {} B",
+                    c["registers"], c["spill_stores"], c["spill_loads"], c["shared_bytes"]
+                ),
+                None => String::new(),
+            };
             println!(
-                "    {:<24} {:<12} {:<9} {:>8}  x{}",
+                "    {:<24} {:<12} {:<9} {:>8}  x{}{cuda}",
                 k["name"].as_str().unwrap_or(""),
                 k["kind"].as_str().unwrap_or(""),
                 k["cpu"].as_str().unwrap_or(""),

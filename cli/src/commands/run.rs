@@ -16,6 +16,9 @@ pub struct Args {
     /// The role to run.
     #[arg(long, default_value = "decoder")]
     role: String,
+    /// Where to run: `cpu`, or `cuda` (GPU 0; the artifact needs --target cuda or all).
+    #[arg(long, default_value = "cpu")]
+    device: maxc_runtime::engine::Device,
     /// Write the logits of every position to this safetensors file (`logits`, f32 [n, vocab]).
     #[arg(long)]
     dump_logits: Option<PathBuf>,
@@ -43,7 +46,7 @@ pub fn prompt_logits(engine: &mut Engine, tokens: &[i64]) -> Result<Vec<f32>> {
 /// Runs the prompt and prints the last position's top tokens.
 pub fn run(args: Args) -> Result<()> {
     let tokens = parse_tokens(&args.tokens)?;
-    let mut engine = Engine::open(&args.artifact, &args.role)?;
+    let mut engine = Engine::open_on(&args.artifact, &args.role, args.device)?;
     if tokens.len() > engine.max_seq_len() {
         anyhow::bail!(
             "the prompt has {} tokens; the artifact's max_seq_len is {}",

@@ -459,7 +459,7 @@ fn run_generated(
 }
 
 /// Checks a step's inputs: offsets, lengths, token ids and page ids.
-fn check_step(s: &StepInputs, vocab: u64, pages: u64, page_size: usize) -> Result<()> {
+pub(crate) fn check_step(s: &StepInputs, vocab: u64, pages: u64, page_size: usize) -> Result<()> {
     let b = s.batch_size();
     let bad = |m: String| Err(RuntimeError::Input(m));
     if s.input_row_offsets.len() != b + 1

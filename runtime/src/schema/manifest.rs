@@ -48,6 +48,10 @@ pub struct RoleEntry {
     pub program: String,
     /// The CPU code, where the artifact targets the CPU.
     pub cpu_code: Option<String>,
+    /// The CUDA kernel entries (`cuda.bin`), where the artifact targets CUDA; `kernels.cu` and
+    /// `module.ptx` sit beside it. Absent in CPU-only manifests.
+    #[serde(default)]
+    pub cuda_code: Option<String>,
     /// Arena bytes at the bounds.
     pub arena_bytes: u64,
     /// Kernels and launches.
@@ -62,6 +66,9 @@ pub struct Targets {
     /// The CPU target, where compiled for the CPU.
     #[serde(default)]
     pub cpu: Option<CpuTarget>,
+    /// The CUDA target, where compiled for CUDA. Absent in CPU-only manifests.
+    #[serde(default)]
+    pub cuda: Option<super::CudaTarget>,
 }
 
 /// `manifest.json`.

@@ -183,6 +183,41 @@ pub struct CpuModule {
     pub entries: Vec<Option<u64>>,
 }
 
+/// A role's CUDA code: the PTX module (in `module.ptx` beside it) and each kernel's entry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CudaModule {
+    /// The target the PTX was compiled for.
+    pub target: CudaTarget,
+    /// Per kernel of the program, in the same order.
+    pub kernels: Vec<CudaKernelEntry>,
+}
+
+/// A CUDA kernel: its function name in the PTX, launch configuration and ptxas resources.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CudaKernelEntry {
+    /// The `extern "C" __global__` function's name.
+    pub name: String,
+    /// How it is launched.
+    pub launch: CudaLaunch,
+    /// Registers per thread (ptxas, for the target's SM).
+    pub registers: u32,
+    /// Bytes of register spill stores.
+    pub spill_stores: u32,
+    /// Bytes of register spill loads.
+    pub spill_loads: u32,
+    /// Static shared memory, in bytes.
+    pub shared_bytes: u32,
+}
+
+/// A CUDA code-generation target.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct CudaTarget {
+    /// The SM the PTX was checked against (`sm_90`); the PTX is for its virtual arch.
+    pub arch: String,
+    /// NVRTC's version, `major.minor`.
+    pub nvrtc_version: String,
+}
+
 /// A CPU code-generation target: architecture and the instruction-set features the code uses.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct CpuTarget {

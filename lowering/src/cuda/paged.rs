@@ -1,0 +1,178 @@
+//! The step's sequence bookkeeping and the paged KV cache: token positions, the sequence and
+//! position of a token row, cache addressing, and the KV store kernel.
+
+use super::source::{self, fill, ull, Buf, Ctx};
+use super::{CudaError, Emitted};
+use maxc_runtime::schema::{CudaLaunch, GridExtent, Rows, StepDim};
+
+/// One layer's view of the paged cache `[pages, num_layers, 2, page_size, kv_heads, head_dim]`.
+pub(crate) struct CacheLayout {
+    /// The layer's slot.
+    pub layer: u64,
+    /// Layers in the cache.
+    pub num_layers: u64,
+    /// KV heads.
+    pub kv_heads: u64,
+    /// Elements per head.
+    pub head_dim: u64,
+    /// Tokens per page.
+    pub page_size: u64,
+}
+
+impl CacheLayout {
+    /// Checks the fields of a KV store or attention kernel.
+    pub fn new(
+        cx: Ctx,
+        layer: u64,
+        num_layers: u64,
+        kv_heads: u64,
+        head_dim: u64,
+        page_size: u64,
+    ) -> Result<Self, CudaError> {
+        let num_layers = cx.size("num_layers", num_layers)?;
+        let kv_heads = cx.size("kv_heads", kv_heads)?;
+        let head_dim = cx.size("head_dim", head_dim)?;
+        let page_size = cx.size("page_size", page_size)?;
+        if layer >= num_layers {
+            return Err(cx.invalid(format!(
+                "`layer` is {layer}, expected below `num_layers` = {num_layers}"
+            )));
+        }
+        cx.product(
+            "floats per cache page (num_layers × 2 × page_size × kv_heads × head_dim)",
+            &[num_layers, 2, page_size, kv_heads, head_dim],
+        )?;
+        Ok(CacheLayout {
+            layer,
+            num_layers,
+            kv_heads,
+            head_dim,
+            page_size,
+        })
+    }
+
+    /// f32 values per token slot (all KV heads).
+    pub fn slot_floats(&self) -> u64 {
+        self.kv_heads * self.head_dim
+    }
+
+    /// The C expression of the first float of `slot` in the keys (`which` = 0) or values (1)
+    /// of this layer in cache page `page` (both `maxc_u64` expressions).
+    pub fn slot_ptr(&self, page: &str, slot: &str, which: u64) -> String {
+        format!(
+            "kv_cache + ((({page} * {nl} + {layer}) * 2ULL + {which}ULL) * {ps} + {slot}) * {sf}",
+            nl = ull(self.num_layers),
+            layer = ull(self.layer),
+            ps = ull(self.page_size),
+            sf = ull(self.slot_floats()),
+        )
+    }
+}
+
+/// C statements locating token row `r` (a `maxc_u64` in scope, below `total_seq_len`): the
+/// sequence `b` holding it and its position `p = cache_lengths[b] + r - input_row_offsets[b]`
+/// (`long long`). Returns from the kernel when the step has no sequences or fewer than
+/// `batch_size + 1` row offsets.
+pub(crate) const LOCATE_ROW: &str = r#"    if (batch_size == 0 || batch_size >= input_row_offsets_len) return;
+    const maxc_u64 b = maxc_sequence_of(input_row_offsets, batch_size, r);
+    const long long p = (long long)cache_lengths[b] + ((long long)r - (long long)input_row_offsets[b]);
+"#;
+
+/// C statements giving `page` (a `maxc_u64`) for position `pos` (a non-negative `long long`)
+/// of sequence `b` from `kv_lookup_table[b, pos / page_size]`, with `slot = pos % page_size`;
+/// `on_bad` (a statement) runs when the page index or the page is out of the step's bounds.
+pub(crate) fn page_lookup(cache: &CacheLayout, pos: &str, on_bad: &str, indent: &str) -> String {
+    fill(
+        r#"${I}const maxc_u64 page_index = (maxc_u64)${POS} / ${PS};
+${I}const maxc_u64 slot = (maxc_u64)${POS} % ${PS};
+${I}if (page_index >= max_num_pages) ${BAD}
+${I}const int page_entry = kv_lookup_table[b * max_num_pages + page_index];
+${I}if (page_entry < 0 || (maxc_u64)page_entry >= total_num_pages) ${BAD}
+${I}const maxc_u64 page = (maxc_u64)page_entry;
+"#,
+        &[
+            ("I", indent.to_string()),
+            ("POS", pos.to_string()),
+            ("PS", ull(cache.page_size)),
+            ("BAD", on_bad.to_string()),
+        ],
+    )
+}
+
+/// Emits [`maxc_runtime::schema::KernelBody::Positions`]: one block per sequence
+/// `b < batch_size`, threads striding over its rows `input_row_offsets[b]..[b + 1]` (clipped to
+/// `total_seq_len`), writing `cache_lengths[b] + r - input_row_offsets[b]`.
+pub(crate) fn emit_positions(cx: Ctx) -> Result<Emitted, CudaError> {
+    let threads = 128;
+    let body = r#"
+    const maxc_u64 b = blockIdx.x;
+    if (b >= batch_size || b + 1 >= input_row_offsets_len) return;
+    const long long lo = input_row_offsets[b];
+    const long long hi = input_row_offsets[b + 1];
+    const long long base = (long long)cache_lengths[b] - lo;
+    for (long long r = lo + (long long)threadIdx.x; r < hi; r += blockDim.x)
+        if (r >= 0 && (maxc_u64)r < total_seq_len) out[r] = base + r;
+"#;
+    let bufs = [
+        Buf::input("int", "input_row_offsets"),
+        Buf::input("int", "cache_lengths"),
+        Buf::output("long long", "out"),
+    ];
+    let launch = CudaLaunch {
+        grid: [
+            source::per_row(Rows::Step(StepDim::BatchSize)),
+            GridExtent::Fixed(1),
+            GridExtent::Fixed(1),
+        ],
+        block: [threads, 1, 1],
+        shared_bytes: 0,
+    };
+    Ok((source::kernel(cx.name, threads, &bufs, body), launch))
+}
+
+/// Emits [`maxc_runtime::schema::KernelBody::KvStore`]: one block per token row
+/// `r < total_seq_len`; the row's sequence and position give its page (through
+/// `kv_lookup_table`, skipped when out of bounds) and slot, and threads copy the row's keys
+/// and values (all KV heads) there.
+pub(crate) fn emit_kv_store(cx: Ctx, cache: &CacheLayout) -> Result<Emitted, CudaError> {
+    let floats = cache.slot_floats();
+    let threads = source::row_threads(floats, 256);
+    let body = fill(
+        r#"
+    const maxc_u64 r = blockIdx.x;
+    if (r >= total_seq_len) return;
+${LOCATE}    if (p < 0) return;
+${PAGE}    float* k_dst = ${K_DST};
+    float* v_dst = ${V_DST};
+    for (maxc_u64 c = threadIdx.x; c < ${SLOT}; c += blockDim.x) {
+        k_dst[c] = k[r * ${SLOT} + c];
+        v_dst[c] = v[r * ${SLOT} + c];
+    }
+"#,
+        &[
+            ("LOCATE", LOCATE_ROW.to_string()),
+            ("PAGE", page_lookup(cache, "p", "return;", "    ")),
+            ("K_DST", cache.slot_ptr("page", "slot", 0)),
+            ("V_DST", cache.slot_ptr("page", "slot", 1)),
+            ("SLOT", ull(floats)),
+        ],
+    );
+    let bufs = [
+        Buf::input("float", "k"),
+        Buf::input("float", "v"),
+        Buf::output("float", "kv_cache"),
+        Buf::input("int", "kv_lookup_table"),
+        Buf::input("int", "cache_lengths"),
+        Buf::input("int", "input_row_offsets"),
+    ];
+    let launch = CudaLaunch {
+        grid: [
+            source::per_row(Rows::Step(StepDim::TotalSeqLen)),
+            GridExtent::Fixed(1),
+            GridExtent::Fixed(1),
+        ],
+        block: [threads, 1, 1],
+        shared_bytes: 0,
+    };
+    Ok((source::kernel(cx.name, threads, &bufs, &body), launch))
+}

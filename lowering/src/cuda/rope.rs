@@ -1,0 +1,62 @@
+//! Rotary position embedding (rotate-half layout).
+
+use super::source::{self, fill, ull, Buf, Ctx};
+use super::{CudaError, Emitted};
+use maxc_runtime::schema::{CudaLaunch, GridExtent, Rows, StepDim};
+
+/// Emits [`maxc_runtime::schema::KernelBody::Rope`]: one block per token row
+/// `r < total_seq_len`; its position selects the table row `[2, head_dim/2]` (cos, then sin),
+/// and threads stride over the `heads × head_dim/2` pairs `(x[i], x[i + h])`.
+pub(crate) fn emit(cx: Ctx, heads: u64, head_dim: u64) -> Result<Emitted, CudaError> {
+    let heads = cx.size("heads", heads)?;
+    let head_dim = cx.size("head_dim", head_dim)?;
+    if head_dim % 2 != 0 {
+        return Err(cx.invalid(format!("`head_dim` is {head_dim}, expected an even number")));
+    }
+    cx.product("row width (heads × head_dim)", &[heads, head_dim])?;
+    let half = head_dim / 2;
+    let threads = source::row_threads(heads * half, 256);
+    let body = fill(
+        r#"
+    const maxc_u64 r = blockIdx.x;
+    if (r >= total_seq_len) return;
+    const maxc_u64 pos = (maxc_u64)positions[r];
+    const float* cos_row = table + pos * ${HEAD_DIM};
+    const float* sin_row = cos_row + ${HALF};
+    for (maxc_u64 i = threadIdx.x; i < ${PAIRS}; i += blockDim.x) {
+        const maxc_u64 h = i / ${HALF};
+        const maxc_u64 j = i % ${HALF};
+        const maxc_u64 lo = r * ${WIDTH} + h * ${HEAD_DIM} + j;
+        const maxc_u64 hi = lo + ${HALF};
+        const float x1 = x[lo];
+        const float x2 = x[hi];
+        const float c = cos_row[j];
+        const float s = sin_row[j];
+        out[lo] = x1 * c - x2 * s;
+        out[hi] = x2 * c + x1 * s;
+    }
+"#,
+        &[
+            ("HEAD_DIM", ull(head_dim)),
+            ("HALF", ull(half)),
+            ("PAIRS", ull(heads * half)),
+            ("WIDTH", ull(heads * head_dim)),
+        ],
+    );
+    let bufs = [
+        Buf::input("float", "x"),
+        Buf::input("long long", "positions"),
+        Buf::input("float", "table"),
+        Buf::output("float", "out"),
+    ];
+    let launch = CudaLaunch {
+        grid: [
+            source::per_row(Rows::Step(StepDim::TotalSeqLen)),
+            GridExtent::Fixed(1),
+            GridExtent::Fixed(1),
+        ],
+        block: [threads, 1, 1],
+        shared_bytes: 0,
+    };
+    Ok((source::kernel(cx.name, threads, &bufs, &body), launch))
+}

@@ -1,0 +1,342 @@
+//! Loads the PTX, allocates the arena, KV cache, rotary tables, weights and step inputs on the
+//! device once at the bounds, and runs steps with the same interface as the CPU executor.
+
+use crate::artifact::Artifact;
+use crate::error::{Result, RuntimeError};
+use crate::schema::{CudaModule, Extent, GridExtent, Program, Rows, StepDim, Storage};
+use crate::step::{Logits, StepInputs};
+use cudarc::driver::result;
+use cudarc::driver::sys::{CUdeviceptr, CUfunction, CUmodule};
+use cudarc::driver::{CudaContext, CudaStream};
+use std::ffi::{c_void, CString};
+use std::sync::Arc;
+
+/// `Ok` where this machine has a CUDA driver library and a device; otherwise what is missing.
+/// Checked before any cudarc call, since cudarc panics when the driver library is absent.
+pub fn cuda_available() -> Result<()> {
+    let names = ["libcuda.so.1", "libcuda.so", "nvcuda.dll"];
+    // SAFETY: opening the driver library runs its initializers only, as cudarc would.
+    let found = names
+        .iter()
+        .any(|n| unsafe { libloading::Library::new(*n) }.is_ok());
+    if !found {
+        return Err(RuntimeError::Target(
+            "no CUDA driver on this machine (libcuda.so.1 does not load): run on a machine with an NVIDIA GPU and driver, or use --device cpu".into(),
+        ));
+    }
+    result::init()
+        .map_err(|e| RuntimeError::Target(format!("the CUDA driver does not initialize: {e}")))?;
+    let count = result::device::get_count()
+        .map_err(|e| RuntimeError::Target(format!("cannot count CUDA devices: {e}")))?;
+    if count == 0 {
+        return Err(RuntimeError::Target(
+            "the CUDA driver sees no device; use --device cpu".into(),
+        ));
+    }
+    Ok(())
+}
+
+fn driver(what: &str) -> impl FnOnce(result::DriverError) -> RuntimeError + '_ {
+    move |e| RuntimeError::Target(format!("CUDA {what}: {e}"))
+}
+
+/// Device memory freed on drop.
+struct DeviceBuf {
+    ptr: CUdeviceptr,
+}
+
+impl DeviceBuf {
+    fn zeroed(bytes: usize, stream: &CudaStream) -> Result<Self> {
+        // SAFETY: a fresh allocation of at least one byte, zeroed before use.
+        unsafe {
+            let ptr = result::malloc_sync(bytes.max(1)).map_err(driver("allocation"))?;
+            result::memset_d8_async(ptr, 0, bytes.max(1), stream.cu_stream())
+                .map_err(driver("memset"))?;
+            Ok(DeviceBuf { ptr })
+        }
+    }
+
+    fn upload(bytes: &[u8], stream: &CudaStream) -> Result<Self> {
+        let b = DeviceBuf::zeroed(bytes.len(), stream)?;
+        // SAFETY: the allocation holds `bytes.len()` bytes; the host slice outlives the
+        // stream synchronization that follows every upload batch.
+        unsafe { result::memcpy_htod_async(b.ptr, bytes, stream.cu_stream()) }
+            .map_err(driver("upload"))?;
+        Ok(b)
+    }
+}
+
+impl Drop for DeviceBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated by malloc_sync, freed once; the executor synchronizes after steps.
+        let _ = unsafe { result::free_sync(self.ptr) };
+    }
+}
+
+/// A role's program on the GPU.
+pub struct CudaExecutor {
+    artifact: Arc<Artifact>,
+    program: Program,
+    module: CudaModule,
+    _ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    _cu_module: CUmodule,
+    funcs: Vec<CUfunction>,
+    bufs: Vec<u64>,
+    _memory: Vec<DeviceBuf>,
+    inputs: std::collections::BTreeMap<String, (u64, usize)>,
+    bounds: [u64; StepDim::COUNT],
+}
+
+impl CudaExecutor {
+    /// Prepares `role` of `artifact` on GPU 0.
+    pub fn new(artifact: Arc<Artifact>, role: &str) -> Result<Self> {
+        cuda_available()?;
+        let program = artifact
+            .programs
+            .get(role)
+            .cloned()
+            .ok_or_else(|| RuntimeError::Input(format!("the artifact has no role `{role}`")))?;
+        let module = artifact.cuda.get(role).cloned().ok_or_else(|| {
+            RuntimeError::Target(format!("the artifact has no CUDA code for role `{role}`; compile it with --target cuda or all"))
+        })?;
+        let ctx = CudaContext::new(0).map_err(driver("context"))?;
+        let stream = ctx.default_stream();
+        let ptx_path = artifact.dir.join(format!("{role}/module.ptx"));
+        let ptx = std::fs::read_to_string(&ptx_path).map_err(|source| RuntimeError::Io {
+            path: ptx_path.clone(),
+            source,
+        })?;
+        let ptx =
+            CString::new(ptx).map_err(|_| RuntimeError::artifact(&ptx_path, "holds a NUL byte"))?;
+        // SAFETY: a NUL-terminated PTX image, checked by the artifact's checksum.
+        let cu_module = unsafe { result::module::load_data(ptx.as_ptr().cast::<c_void>()) }
+            .map_err(driver("PTX load (is the GPU older than the PTX's arch?)"))?;
+        let mut funcs = Vec::new();
+        for k in &module.kernels {
+            let name = CString::new(k.name.clone())
+                .map_err(|_| RuntimeError::artifact(&ptx_path, "kernel name with NUL"))?;
+            // SAFETY: the module is loaded; the name is the kernel's PTX entry.
+            funcs.push(
+                unsafe { result::module::get_function(cu_module, name) }
+                    .map_err(driver(&k.name))?,
+            );
+        }
+        let role_entry = &artifact.manifest.roles[role];
+        let mut bounds = [0u64; StepDim::COUNT];
+        for d in StepDim::ALL {
+            bounds[d as usize] = role_entry.dims.get(d.name()).copied().unwrap_or(0);
+        }
+        let extent = |e: &Extent| match e {
+            Extent::Fixed(n) => *n,
+            Extent::Step(d) => bounds[*d as usize],
+        };
+        let max_seq_len = artifact.manifest.runtime.max_seq_len as usize;
+        let mut memory = Vec::new();
+        let arena = DeviceBuf::zeroed(program.arena_bytes as usize, &stream)?;
+        let kv_elems = (program.kv.num_layers
+            * 2
+            * program.kv.page_size
+            * program.kv.kv_heads
+            * program.kv.head_dim) as usize;
+        let kv = DeviceBuf::zeroed(
+            bounds[StepDim::TotalNumPages as usize] as usize * kv_elems * 4,
+            &stream,
+        )?;
+        let mut rope = Vec::new();
+        for t in &program.rope_tables {
+            let half = t.inv_freq.len();
+            let mut table = vec![0f32; max_seq_len * 2 * half];
+            for pos in 0..max_seq_len {
+                for (i, f) in t.inv_freq.iter().enumerate() {
+                    let angle = pos as f32 * f;
+                    table[pos * 2 * half + i] = angle.cos();
+                    table[pos * 2 * half + half + i] = angle.sin();
+                }
+            }
+            let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_le_bytes()).collect();
+            rope.push(DeviceBuf::upload(&bytes, &stream)?);
+        }
+        let mut bufs = Vec::with_capacity(program.buffers.len());
+        let mut inputs = std::collections::BTreeMap::new();
+        let mut params: std::collections::BTreeMap<String, u64> = std::collections::BTreeMap::new();
+        for b in &program.buffers {
+            bufs.push(match &b.storage {
+                Storage::Arena { offset } => arena.ptr + offset,
+                Storage::KvCache => kv.ptr,
+                Storage::RopeTable { table } => rope[*table as usize].ptr,
+                Storage::Param { key } => match params.get(key) {
+                    Some(&p) => p,
+                    None => {
+                        let (_, bytes) = artifact.weight(key)?;
+                        let d = DeviceBuf::upload(bytes, &stream)?;
+                        let p = d.ptr;
+                        memory.push(d);
+                        params.insert(key.clone(), p);
+                        p
+                    }
+                },
+                Storage::Input => {
+                    let bytes =
+                        b.shape.iter().map(extent).product::<u64>() as usize * b.dtype.size();
+                    let d = DeviceBuf::zeroed(bytes, &stream)?;
+                    let p = d.ptr;
+                    memory.push(d);
+                    inputs.insert(b.name.clone(), (p, bytes));
+                    p
+                }
+            });
+        }
+        memory.push(arena);
+        memory.push(kv);
+        memory.extend(rope);
+        stream.synchronize().map_err(driver("upload"))?;
+        Ok(CudaExecutor {
+            artifact,
+            program,
+            module,
+            _ctx: ctx,
+            stream,
+            _cu_module: cu_module,
+            funcs,
+            bufs,
+            _memory: memory,
+            inputs,
+            bounds,
+        })
+    }
+
+    /// The program being run.
+    pub fn program(&self) -> &Program {
+        &self.program
+    }
+
+    /// The artifact.
+    pub fn artifact(&self) -> &Arc<Artifact> {
+        &self.artifact
+    }
+
+    /// The bound of each step dim.
+    pub fn bounds(&self) -> &[u64; StepDim::COUNT] {
+        &self.bounds
+    }
+
+    fn upload_input<T>(&self, name: &str, values: &[T]) -> Result<()> {
+        let Some(&(ptr, cap)) = self.inputs.get(name) else {
+            return Ok(());
+        };
+        let bytes = std::mem::size_of_val(values);
+        if bytes > cap {
+            return Err(RuntimeError::Input(format!(
+                "input `{name}` needs {bytes} bytes, above its bound of {cap}"
+            )));
+        }
+        // SAFETY: `ptr` holds `cap` >= `bytes` bytes; the host values outlive the synchronize
+        // at the end of the step.
+        unsafe { result::memcpy_htod_async(ptr, values, self.stream.cu_stream()) }
+            .map_err(driver(name))
+    }
+
+    /// Runs one step and returns the `logits` output.
+    pub fn execute(&mut self, s: &StepInputs) -> Result<Logits> {
+        let b = s.batch_size();
+        let dims: [u64; StepDim::COUNT] = [
+            s.tokens.len() as u64,
+            b as u64,
+            s.pages_per_seq as u64,
+            self.bounds[StepDim::TotalNumPages as usize],
+            b as u64 + 1,
+        ];
+        for d in [
+            StepDim::TotalSeqLen,
+            StepDim::BatchSize,
+            StepDim::MaxNumPages,
+        ] {
+            if dims[d as usize] > self.bounds[d as usize] {
+                return Err(RuntimeError::Input(format!(
+                    "{} is {}, above the artifact's bound {}",
+                    d.name(),
+                    dims[d as usize],
+                    self.bounds[d as usize]
+                )));
+            }
+        }
+        crate::cpu::executor::check_step(
+            s,
+            self.program.vocab_size,
+            dims[StepDim::TotalNumPages as usize],
+            self.program.kv.page_size as usize,
+        )?;
+        let batch_context: Vec<i32> = (0..b)
+            .map(|i| s.cache_lengths[i] + s.input_row_offsets[i + 1] - s.input_row_offsets[i])
+            .collect();
+        self.upload_input("tokens", &s.tokens)?;
+        self.upload_input("input_row_offsets", &s.input_row_offsets)?;
+        self.upload_input("cache_lengths", &s.cache_lengths)?;
+        self.upload_input("kv_lookup_table", &s.kv_lookup_table)?;
+        self.upload_input("batch_context_lengths", &batch_context)?;
+        let rows = |r: &Rows| match r {
+            Rows::Step(d) => dims[*d as usize],
+            Rows::Fixed(n) => *n,
+        };
+        for launch in &self.program.launches {
+            let k = &self.module.kernels[launch.kernel as usize];
+            let grid: Vec<u64> = k
+                .launch
+                .grid
+                .iter()
+                .map(|g| match g {
+                    GridExtent::Fixed(n) => *n,
+                    GridExtent::CeilDiv { rows: r, by } => rows(r).div_ceil((*by).max(1)),
+                })
+                .collect();
+            if grid.contains(&0) {
+                continue;
+            }
+            let mut values: Vec<u64> = launch
+                .buffers
+                .iter()
+                .map(|&b| self.bufs[b as usize])
+                .collect();
+            values.extend_from_slice(&dims);
+            let mut params: Vec<*mut c_void> = values
+                .iter_mut()
+                .map(|v| (v as *mut u64).cast::<c_void>())
+                .collect();
+            let [bx, by, bz] = k.launch.block;
+            // SAFETY: parameters follow the CUDA launch contract (buffers, then the five dims),
+            // each a pointer to a live u64; grid and block come from the compiler.
+            unsafe {
+                result::launch_kernel(
+                    self.funcs[launch.kernel as usize],
+                    (grid[0] as u32, grid[1] as u32, grid[2] as u32),
+                    (bx, by, bz),
+                    k.launch.shared_bytes,
+                    self.stream.cu_stream(),
+                    &mut params,
+                )
+            }
+            .map_err(driver(&k.name))?;
+        }
+        let out = *self
+            .program
+            .outputs
+            .get("logits")
+            .ok_or_else(|| RuntimeError::artifact(&self.artifact.dir, "no `logits` output"))?;
+        let buf = &self.program.buffers[out as usize];
+        let rows = match buf.shape.first() {
+            Some(Extent::Step(d)) => dims[*d as usize] as usize,
+            Some(Extent::Fixed(n)) => *n as usize,
+            None => 1,
+        };
+        let vocab = self.program.vocab_size as usize;
+        let mut data = vec![0f32; rows * vocab];
+        // SAFETY: the logits buffer holds rows × vocab f32; synchronize before reading `data`.
+        unsafe {
+            result::memcpy_dtoh_async(&mut data, self.bufs[out as usize], self.stream.cu_stream())
+        }
+        .map_err(driver("logits"))?;
+        self.stream.synchronize().map_err(driver("step"))?;
+        Ok(Logits { rows, vocab, data })
+    }
+}
