@@ -96,8 +96,17 @@ fn measure(
     (prefill, n as f64 / t.as_secs_f64())
 }
 
+/// Whether to also run the artifacts on the GPU (`MAXC_BENCH_CUDA=1`, scripts/gpu-check.sh).
+fn cuda_bench() -> bool {
+    std::env::var("MAXC_BENCH_CUDA").as_deref() == Ok("1")
+}
+
 fn engine_numbers(dir: &Path, batch: usize) -> (f64, f64) {
-    let mut engine = Engine::open(dir, "decoder").expect("artifact");
+    engine_numbers_on(dir, batch, maxc_runtime::engine::Device::Cpu)
+}
+
+fn engine_numbers_on(dir: &Path, batch: usize, device: maxc_runtime::engine::Device) -> (f64, f64) {
+    let mut engine = Engine::open_on(dir, "decoder", device).expect("artifact");
     let engine = std::cell::RefCell::new(&mut engine);
     measure(
         batch,
@@ -198,7 +207,7 @@ fn main() {
             cpu_matmul: mm,
             force: true,
             cpu: true,
-            cuda_arch: None,
+            cuda_arch: cuda_bench().then(|| "sm_90".to_string()),
         };
         compile(&model, &out, &opts, &mut |_| {}).expect("compile");
         artifacts.push((label, out));
@@ -235,6 +244,15 @@ fn main() {
             "reference interpreter", batch, ip, id, "1.00x", "1.00x"
         );
         for (label, dir) in &artifacts {
+            if cuda_bench() {
+                let (p, d) = engine_numbers_on(dir, batch, maxc_runtime::engine::Device::Cuda);
+                println!(
+                    "{:<28} {batch:>6} {p:>12.0} {d:>12.0} {:>9.1}x {:>9.1}x",
+                    format!("{label} (CUDA)"),
+                    p / ip,
+                    d / id
+                );
+            }
             let (p, d) = engine_numbers(dir, batch);
             println!(
                 "{label:<28} {batch:>6} {p:>12.0} {d:>12.0} {:>9.1}x {:>9.1}x",
