@@ -93,7 +93,7 @@ fn emit(
             Some(i) => i,
             None => {
                 kernels.push(Kernel {
-                    name: format!("k{:03}_{}", kernels.len(), n.body.kind()),
+                    name: kernel_name(&n.body),
                     body: n.body.clone(),
                 });
                 kernels.len() - 1
@@ -131,4 +131,16 @@ fn emit(
         launches,
         arena_bytes,
     })
+}
+
+/// A kernel's name: its kind and a hash of its body, so that names stay put when other kernels
+/// come or go (diffs of artifacts then show the kernels that really changed).
+fn kernel_name(body: &maxc_runtime::schema::KernelBody) -> String {
+    let bytes = bincode::serde::encode_to_vec(body, maxc_runtime::schema::bincode_config())
+        .unwrap_or_default();
+    // FNV-1a, 64-bit: stable across platforms and versions, unlike std's hasher.
+    let hash = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    format!("{}_{:08x}", body.kind(), hash >> 32)
 }

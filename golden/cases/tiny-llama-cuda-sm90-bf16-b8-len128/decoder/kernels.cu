@@ -80,7 +80,7 @@ static __device__ __forceinline__ void maxc_mma_f16(float* d, const unsigned* a,
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(256) k000_gather(
+extern "C" __global__ void __launch_bounds__(256) gather_6458826f(
     const __nv_bfloat16* __restrict__ src,
     const long long* __restrict__ index,
     float* __restrict__ out,
@@ -97,7 +97,7 @@ extern "C" __global__ void __launch_bounds__(256) k000_gather(
         out[i * 256ULL + c] = maxc_ld(src, token * 256ULL + c);
 }
 
-extern "C" __global__ void __launch_bounds__(128) k001_positions(
+extern "C" __global__ void __launch_bounds__(128) positions_af63bc4c(
     const int* __restrict__ input_row_offsets,
     const int* __restrict__ cache_lengths,
     long long* __restrict__ out,
@@ -116,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(128) k001_positions(
         if (r >= 0 && (maxc_u64)r < total_seq_len) out[r] = base + r;
 }
 
-extern "C" __global__ void __launch_bounds__(256) k002_rms_norm(
+extern "C" __global__ void __launch_bounds__(256) rms_norm_5827f7dd(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -139,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(256) k002_rms_norm(
         out[r * 256ULL + c] = x[r * 256ULL + c] * inv * maxc_ld(w, c);
 }
 
-extern "C" __global__ void __launch_bounds__(128) k003_matmul(
+extern "C" __global__ void __launch_bounds__(128) matmul_ea044a09(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -237,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(128) k003_matmul(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) k004_rope(
+extern "C" __global__ void __launch_bounds__(128) rope_b6c23618(
     const float* __restrict__ x,
     const long long* __restrict__ positions,
     const float* __restrict__ table,
@@ -267,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(128) k004_rope(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) k005_matmul(
+extern "C" __global__ void __launch_bounds__(128) matmul_3875416f(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -365,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(128) k005_matmul(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32) k006_rope(
+extern "C" __global__ void __launch_bounds__(32) rope_b6a03a18(
     const float* __restrict__ x,
     const long long* __restrict__ positions,
     const float* __restrict__ table,
@@ -395,7 +395,7 @@ extern "C" __global__ void __launch_bounds__(32) k006_rope(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) k007_kv_store(
+extern "C" __global__ void __launch_bounds__(64) kv_store_19c5de1c(
     const float* __restrict__ k,
     const float* __restrict__ v,
     float* __restrict__ kv_cache,
@@ -428,7 +428,7 @@ extern "C" __global__ void __launch_bounds__(64) k007_kv_store(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) k008_attention(
+extern "C" __global__ void __launch_bounds__(128) attention_9127d12b(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,
@@ -519,7 +519,7 @@ extern "C" __global__ void __launch_bounds__(128) k008_attention(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) k009_rms_norm(
+extern "C" __global__ void __launch_bounds__(256) rms_norm_582b59dd(
     const float* __restrict__ a,
     const float* __restrict__ b,
     const __nv_bfloat16* __restrict__ w,
@@ -545,7 +545,7 @@ extern "C" __global__ void __launch_bounds__(256) k009_rms_norm(
         out[r * 256ULL + c] = sum[r * 256ULL + c] * inv * maxc_ld(w, c);
 }
 
-extern "C" __global__ void __launch_bounds__(128) k010_matmul(
+extern "C" __global__ void __launch_bounds__(128) matmul_cce8276e(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -643,7 +643,7 @@ extern "C" __global__ void __launch_bounds__(128) k010_matmul(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) k011_elementwise(
+extern "C" __global__ void __launch_bounds__(256) elementwise_20fe0d37(
     const float* __restrict__ in0,
     const float* __restrict__ in1,
     float* __restrict__ out,
@@ -665,7 +665,7 @@ extern "C" __global__ void __launch_bounds__(256) k011_elementwise(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) k012_matmul(
+extern "C" __global__ void __launch_bounds__(128) matmul_06557763(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -763,7 +763,7 @@ extern "C" __global__ void __launch_bounds__(128) k012_matmul(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) k013_kv_store(
+extern "C" __global__ void __launch_bounds__(64) kv_store_274e6147(
     const float* __restrict__ k,
     const float* __restrict__ v,
     float* __restrict__ kv_cache,
@@ -796,7 +796,7 @@ extern "C" __global__ void __launch_bounds__(64) k013_kv_store(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) k014_attention(
+extern "C" __global__ void __launch_bounds__(128) attention_64ed272f(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,
@@ -887,7 +887,7 @@ extern "C" __global__ void __launch_bounds__(128) k014_attention(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) k015_kv_store(
+extern "C" __global__ void __launch_bounds__(64) kv_store_10a8782f(
     const float* __restrict__ k,
     const float* __restrict__ v,
     float* __restrict__ kv_cache,
@@ -920,7 +920,7 @@ extern "C" __global__ void __launch_bounds__(64) k015_kv_store(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) k016_attention(
+extern "C" __global__ void __launch_bounds__(128) attention_760482d7(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,
@@ -1011,7 +1011,7 @@ extern "C" __global__ void __launch_bounds__(128) k016_attention(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) k017_kv_store(
+extern "C" __global__ void __launch_bounds__(64) kv_store_1e063b9c(
     const float* __restrict__ k,
     const float* __restrict__ v,
     float* __restrict__ kv_cache,
@@ -1044,7 +1044,7 @@ extern "C" __global__ void __launch_bounds__(64) k017_kv_store(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) k018_attention(
+extern "C" __global__ void __launch_bounds__(128) attention_0b48c900(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,
@@ -1135,7 +1135,7 @@ extern "C" __global__ void __launch_bounds__(128) k018_attention(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) k019_gather(
+extern "C" __global__ void __launch_bounds__(256) gather_330439a8(
     const float* __restrict__ src,
     const int* __restrict__ index,
     float* __restrict__ out,
@@ -1155,7 +1155,7 @@ extern "C" __global__ void __launch_bounds__(256) k019_gather(
         out[i * 256ULL + c] = has_row ? maxc_ld(src, (maxc_u64)last * 256ULL + c) : 0.0f;
 }
 
-extern "C" __global__ void __launch_bounds__(128) k020_matmul(
+extern "C" __global__ void __launch_bounds__(128) matmul_04f8f5b2(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,

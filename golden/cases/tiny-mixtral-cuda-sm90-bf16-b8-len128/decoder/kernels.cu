@@ -80,7 +80,7 @@ static __device__ __forceinline__ void maxc_mma_f16(float* d, const unsigned* a,
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(256) k000_gather(
+extern "C" __global__ void __launch_bounds__(256) gather_6458826f(
     const __nv_bfloat16* __restrict__ src,
     const long long* __restrict__ index,
     float* __restrict__ out,
@@ -97,7 +97,7 @@ extern "C" __global__ void __launch_bounds__(256) k000_gather(
         out[i * 256ULL + c] = maxc_ld(src, token * 256ULL + c);
 }
 
-extern "C" __global__ void __launch_bounds__(128) k001_positions(
+extern "C" __global__ void __launch_bounds__(128) positions_af63bc4c(
     const int* __restrict__ input_row_offsets,
     const int* __restrict__ cache_lengths,
     long long* __restrict__ out,
@@ -116,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(128) k001_positions(
         if (r >= 0 && (maxc_u64)r < total_seq_len) out[r] = base + r;
 }
 
-extern "C" __global__ void __launch_bounds__(256) k002_rms_norm(
+extern "C" __global__ void __launch_bounds__(256) rms_norm_5827f7dd(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -139,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(256) k002_rms_norm(
         out[r * 256ULL + c] = x[r * 256ULL + c] * inv * maxc_ld(w, c);
 }
 
-extern "C" __global__ void __launch_bounds__(128) k003_matmul(
+extern "C" __global__ void __launch_bounds__(128) matmul_ea044a09(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -237,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(128) k003_matmul(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) k004_rope(
+extern "C" __global__ void __launch_bounds__(128) rope_b6c23618(
     const float* __restrict__ x,
     const long long* __restrict__ positions,
     const float* __restrict__ table,
@@ -267,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(128) k004_rope(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) k005_matmul(
+extern "C" __global__ void __launch_bounds__(128) matmul_3875416f(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -365,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(128) k005_matmul(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32) k006_rope(
+extern "C" __global__ void __launch_bounds__(32) rope_b6a03a18(
     const float* __restrict__ x,
     const long long* __restrict__ positions,
     const float* __restrict__ table,
@@ -395,7 +395,7 @@ extern "C" __global__ void __launch_bounds__(32) k006_rope(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) k007_kv_store(
+extern "C" __global__ void __launch_bounds__(64) kv_store_19c5de1c(
     const float* __restrict__ k,
     const float* __restrict__ v,
     float* __restrict__ kv_cache,
@@ -428,7 +428,7 @@ extern "C" __global__ void __launch_bounds__(64) k007_kv_store(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) k008_attention(
+extern "C" __global__ void __launch_bounds__(128) attention_9127d12b(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,
@@ -519,7 +519,7 @@ extern "C" __global__ void __launch_bounds__(128) k008_attention(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) k009_rms_norm(
+extern "C" __global__ void __launch_bounds__(256) rms_norm_582b59dd(
     const float* __restrict__ a,
     const float* __restrict__ b,
     const __nv_bfloat16* __restrict__ w,
@@ -545,7 +545,7 @@ extern "C" __global__ void __launch_bounds__(256) k009_rms_norm(
         out[r * 256ULL + c] = sum[r * 256ULL + c] * inv * maxc_ld(w, c);
 }
 
-extern "C" __global__ void __launch_bounds__(128) k010_matmul(
+extern "C" __global__ void __launch_bounds__(128) matmul_b6a2f007(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -643,7 +643,7 @@ extern "C" __global__ void __launch_bounds__(128) k010_matmul(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32) k011_softmax(
+extern "C" __global__ void __launch_bounds__(32) softmax_6d356e66(
     const float* __restrict__ x,
     float* __restrict__ out,
     const unsigned long long total_seq_len,
@@ -669,7 +669,7 @@ extern "C" __global__ void __launch_bounds__(32) k011_softmax(
     for (maxc_u64 c = threadIdx.x; c < 4ULL; c += blockDim.x) out_row[c] = out_row[c] / s;
 }
 
-extern "C" __global__ void __launch_bounds__(128) k012_top_k(
+extern "C" __global__ void __launch_bounds__(128) top_k_99f8fd91(
     const float* __restrict__ x,
     float* __restrict__ out,
     const unsigned long long total_seq_len,
@@ -718,7 +718,7 @@ extern "C" __global__ void __launch_bounds__(128) k012_top_k(
 }
 
 // One expert's weighted SwiGLU output added to out_row; called by every thread of the block.
-static __device__ __noinline__ void k013_moe_experts_expert(
+static __device__ __noinline__ void moe_experts_45e36628_expert(
     const float* __restrict__ x_row,
     const float route,
     const __nv_bfloat16* __restrict__ gate,
@@ -757,7 +757,7 @@ static __device__ __noinline__ void k013_moe_experts_expert(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) k013_moe_experts(
+extern "C" __global__ void __launch_bounds__(256) moe_experts_45e36628(
     const float* __restrict__ x,
     const float* __restrict__ routing,
     const __nv_bfloat16* __restrict__ gate0,
@@ -788,13 +788,13 @@ extern "C" __global__ void __launch_bounds__(256) k013_moe_experts(
     // Zero with the ownership the experts use (warp j % warps, lane 0).
     for (maxc_u64 j = threadIdx.x >> 5; j < 256ULL; j += blockDim.x >> 5)
         if ((threadIdx.x & 31u) == 0u) out_row[j] = 0.0f;
-    if (route[0] != 0.0f) k013_moe_experts_expert(x_row, route[0], gate0, up0, down0, out_row, h);
-    if (route[1] != 0.0f) k013_moe_experts_expert(x_row, route[1], gate1, up1, down1, out_row, h);
-    if (route[2] != 0.0f) k013_moe_experts_expert(x_row, route[2], gate2, up2, down2, out_row, h);
-    if (route[3] != 0.0f) k013_moe_experts_expert(x_row, route[3], gate3, up3, down3, out_row, h);
+    if (route[0] != 0.0f) moe_experts_45e36628_expert(x_row, route[0], gate0, up0, down0, out_row, h);
+    if (route[1] != 0.0f) moe_experts_45e36628_expert(x_row, route[1], gate1, up1, down1, out_row, h);
+    if (route[2] != 0.0f) moe_experts_45e36628_expert(x_row, route[2], gate2, up2, down2, out_row, h);
+    if (route[3] != 0.0f) moe_experts_45e36628_expert(x_row, route[3], gate3, up3, down3, out_row, h);
 }
 
-extern "C" __global__ void __launch_bounds__(64) k014_kv_store(
+extern "C" __global__ void __launch_bounds__(64) kv_store_274e6147(
     const float* __restrict__ k,
     const float* __restrict__ v,
     float* __restrict__ kv_cache,
@@ -827,7 +827,7 @@ extern "C" __global__ void __launch_bounds__(64) k014_kv_store(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) k015_attention(
+extern "C" __global__ void __launch_bounds__(128) attention_64ed272f(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,
@@ -918,7 +918,7 @@ extern "C" __global__ void __launch_bounds__(128) k015_attention(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) k016_kv_store(
+extern "C" __global__ void __launch_bounds__(64) kv_store_10a8782f(
     const float* __restrict__ k,
     const float* __restrict__ v,
     float* __restrict__ kv_cache,
@@ -951,7 +951,7 @@ extern "C" __global__ void __launch_bounds__(64) k016_kv_store(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) k017_attention(
+extern "C" __global__ void __launch_bounds__(128) attention_760482d7(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,
@@ -1042,7 +1042,7 @@ extern "C" __global__ void __launch_bounds__(128) k017_attention(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) k018_kv_store(
+extern "C" __global__ void __launch_bounds__(64) kv_store_1e063b9c(
     const float* __restrict__ k,
     const float* __restrict__ v,
     float* __restrict__ kv_cache,
@@ -1075,7 +1075,7 @@ extern "C" __global__ void __launch_bounds__(64) k018_kv_store(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) k019_attention(
+extern "C" __global__ void __launch_bounds__(128) attention_0b48c900(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,
@@ -1166,7 +1166,7 @@ extern "C" __global__ void __launch_bounds__(128) k019_attention(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) k020_gather(
+extern "C" __global__ void __launch_bounds__(256) gather_330439a8(
     const float* __restrict__ src,
     const int* __restrict__ index,
     float* __restrict__ out,
@@ -1186,7 +1186,7 @@ extern "C" __global__ void __launch_bounds__(256) k020_gather(
         out[i * 256ULL + c] = has_row ? maxc_ld(src, (maxc_u64)last * 256ULL + c) : 0.0f;
 }
 
-extern "C" __global__ void __launch_bounds__(128) k021_matmul(
+extern "C" __global__ void __launch_bounds__(128) matmul_04f8f5b2(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,

@@ -80,7 +80,7 @@ static __device__ __forceinline__ void maxc_mma_f16(float* d, const unsigned* a,
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(64) k000_gather(
+extern "C" __global__ void __launch_bounds__(64) gather_0243bafb(
     const __nv_bfloat16* __restrict__ src,
     const long long* __restrict__ index,
     float* __restrict__ out,
@@ -97,7 +97,7 @@ extern "C" __global__ void __launch_bounds__(64) k000_gather(
         out[i * 64ULL + c] = maxc_ld(src, token * 64ULL + c);
 }
 
-extern "C" __global__ void __launch_bounds__(128) k001_positions(
+extern "C" __global__ void __launch_bounds__(128) positions_af63bc4c(
     const int* __restrict__ input_row_offsets,
     const int* __restrict__ cache_lengths,
     long long* __restrict__ out,
@@ -116,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(128) k001_positions(
         if (r >= 0 && (maxc_u64)r < total_seq_len) out[r] = base + r;
 }
 
-extern "C" __global__ void __launch_bounds__(64) k002_rms_norm(
+extern "C" __global__ void __launch_bounds__(64) rms_norm_68291d7a(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -139,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(64) k002_rms_norm(
         out[r * 64ULL + c] = x[r * 64ULL + c] * inv * maxc_ld(w, c);
 }
 
-extern "C" __global__ void __launch_bounds__(128) k003_matmul(
+extern "C" __global__ void __launch_bounds__(128) matmul_088704c8(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -237,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(128) k003_matmul(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32) k004_rope(
+extern "C" __global__ void __launch_bounds__(32) rope_b6a03a18(
     const float* __restrict__ x,
     const long long* __restrict__ positions,
     const float* __restrict__ table,
@@ -267,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(32) k004_rope(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) k005_matmul(
+extern "C" __global__ void __launch_bounds__(128) matmul_07dc85d3(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -365,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(128) k005_matmul(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32) k006_rope(
+extern "C" __global__ void __launch_bounds__(32) rope_b6a3e018(
     const float* __restrict__ x,
     const long long* __restrict__ positions,
     const float* __restrict__ table,
@@ -395,7 +395,7 @@ extern "C" __global__ void __launch_bounds__(32) k006_rope(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32) k007_kv_store(
+extern "C" __global__ void __launch_bounds__(32) kv_store_20b30903(
     const float* __restrict__ k,
     const float* __restrict__ v,
     float* __restrict__ kv_cache,
@@ -428,7 +428,7 @@ extern "C" __global__ void __launch_bounds__(32) k007_kv_store(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) k008_attention(
+extern "C" __global__ void __launch_bounds__(128) attention_8cc272f2(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,
@@ -519,7 +519,7 @@ extern "C" __global__ void __launch_bounds__(128) k008_attention(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) k009_rms_norm(
+extern "C" __global__ void __launch_bounds__(64) rms_norm_682c877a(
     const float* __restrict__ a,
     const float* __restrict__ b,
     const __nv_bfloat16* __restrict__ w,
@@ -545,7 +545,7 @@ extern "C" __global__ void __launch_bounds__(64) k009_rms_norm(
         out[r * 64ULL + c] = sum[r * 64ULL + c] * inv * maxc_ld(w, c);
 }
 
-extern "C" __global__ void __launch_bounds__(128) k010_matmul(
+extern "C" __global__ void __launch_bounds__(128) matmul_305fba1d(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -643,7 +643,7 @@ extern "C" __global__ void __launch_bounds__(128) k010_matmul(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(192) k011_elementwise(
+extern "C" __global__ void __launch_bounds__(192) elementwise_7cac65c6(
     const float* __restrict__ in0,
     const float* __restrict__ in1,
     float* __restrict__ out,
@@ -665,7 +665,7 @@ extern "C" __global__ void __launch_bounds__(192) k011_elementwise(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) k012_matmul(
+extern "C" __global__ void __launch_bounds__(128) matmul_b5c4a0c9(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -763,7 +763,7 @@ extern "C" __global__ void __launch_bounds__(128) k012_matmul(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) k013_gather(
+extern "C" __global__ void __launch_bounds__(64) gather_624c76f3(
     const float* __restrict__ src,
     const int* __restrict__ index,
     float* __restrict__ out,
@@ -783,7 +783,7 @@ extern "C" __global__ void __launch_bounds__(64) k013_gather(
         out[i * 64ULL + c] = has_row ? maxc_ld(src, (maxc_u64)last * 64ULL + c) : 0.0f;
 }
 
-extern "C" __global__ void __launch_bounds__(128) k014_matmul(
+extern "C" __global__ void __launch_bounds__(128) matmul_921e0d90(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
