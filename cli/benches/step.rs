@@ -191,6 +191,7 @@ fn main() {
     let tmp = std::env::temp_dir().join(format!("maxc-bench-{}", std::process::id()));
     let mut artifacts = Vec::new();
     for (label, dtype, mm) in [
+        ("artifact f32, auto (default)", DType::F32, CpuMatmul::Auto),
         ("artifact f32, gemm", DType::F32, CpuMatmul::Library),
         (
             "artifact f32, generated mm",
@@ -292,7 +293,7 @@ fn smollm2_bench(tmp: &Path) {
             runtime: rt,
             param_dtype: dtype,
             all_logits: false,
-            cpu_matmul: CpuMatmul::Library,
+            cpu_matmul: CpuMatmul::Auto,
             force: true,
             cpu: true,
             cuda_arch: None,

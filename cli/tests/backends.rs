@@ -188,7 +188,7 @@ fn artifact_dir(model: &str, dtype: DType, all_logits: bool) -> PathBuf {
             runtime: runtime(),
             param_dtype: dtype,
             all_logits,
-            cpu_matmul: CpuMatmul::Library,
+            cpu_matmul: CpuMatmul::Auto,
             force: false,
             cpu: true,
             cuda_arch: cuda.then(|| "sm_90".to_string()),

@@ -59,7 +59,7 @@ fn artifact() -> &'static PathBuf {
             runtime: rt,
             param_dtype: DType::F32,
             all_logits: false,
-            cpu_matmul: CpuMatmul::Library,
+            cpu_matmul: CpuMatmul::Auto,
             force: false,
             cpu: true,
             cuda_arch: None,

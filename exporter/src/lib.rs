@@ -8,4 +8,6 @@ pub mod diff;
 pub mod dump;
 mod write;
 
-pub use write::{compile, CompileOptions, CompileSummary, CpuMatmul, ExportError};
+pub use write::{
+    compile, CompileOptions, CompileSummary, CpuMatmul, ExportError, AUTO_MATMUL_MAX_ROWS,
+};

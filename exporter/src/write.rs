@@ -50,12 +50,18 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ExportError + '_ {
 /// How matmuls run on the CPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum CpuMatmul {
-    /// The runtime's `gemm` library kernel.
+    /// Generated code for steps of 2 to [`AUTO_MATMUL_MAX_ROWS`] rows, `gemm` otherwise
+    /// (measured: gemm wins at 1 row and at many, generated code in between).
     #[default]
+    Auto,
+    /// The runtime's `gemm` library kernel.
     Library,
     /// Cranelift-generated code.
     Generated,
 }
+
+/// The largest step, in rows, for which [`CpuMatmul::Auto`] runs generated matmuls.
+pub const AUTO_MATMUL_MAX_ROWS: u64 = 16;
 
 /// What to compile, and how.
 #[derive(Clone, Debug)]
@@ -267,7 +273,7 @@ fn cpu_module(
     let total = program.kernels.len();
     for (i, k) in program.kernels.iter().enumerate() {
         let generate = k.body.is_generated_on_cpu()
-            || (matmul == CpuMatmul::Generated && matches!(k.body, KernelBody::Matmul { .. }));
+            || (matmul != CpuMatmul::Library && matches!(k.body, KernelBody::Matmul { .. }));
         if !generate {
             entries.push(None);
             continue;
@@ -283,10 +289,12 @@ fn cpu_module(
         entries.push(Some(code.len() as u64));
         code.extend_from_slice(&bytes);
     }
+    let generated_matmul_max_rows = (matmul == CpuMatmul::Auto).then_some(AUTO_MATMUL_MAX_ROWS);
     Ok(CpuModule {
         target: schema_target,
         code,
         entries,
+        generated_matmul_max_rows,
     })
 }
 

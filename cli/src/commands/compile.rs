@@ -30,8 +30,9 @@ pub struct Args {
     /// Return logits for every token row, not only each sequence's last (for scoring and tests).
     #[arg(long)]
     pub all_logits: bool,
-    /// How matmuls run on the CPU: `library` (the gemm crate) or `generated` (Cranelift).
-    #[arg(long, default_value = "library", value_parser = ["library", "generated"])]
+    /// How matmuls run on the CPU: `auto` (generated code for steps of 2 to 16 rows, the gemm
+    /// crate otherwise), `library` (gemm) or `generated` (Cranelift).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "library", "generated"])]
     pub cpu_matmul: String,
     /// Replace an existing artifact.
     #[arg(long)]
@@ -48,10 +49,10 @@ pub fn run(args: Args) -> Result<()> {
         runtime: args.runtime.runtime(spec.as_ref()),
         param_dtype: args.dtype,
         all_logits: args.all_logits,
-        cpu_matmul: if args.cpu_matmul == "generated" {
-            CpuMatmul::Generated
-        } else {
-            CpuMatmul::Library
+        cpu_matmul: match args.cpu_matmul.as_str() {
+            "generated" => CpuMatmul::Generated,
+            "library" => CpuMatmul::Library,
+            _ => CpuMatmul::Auto,
         },
         force: args.force,
         cpu: args.target != "cuda",

@@ -84,6 +84,7 @@ pub struct CpuExecutor {
     tokens: Vec<i64>,
     ints: BTreeMap<String, Vec<i32>>,
     threads: usize,
+    matmul_policy: Option<u64>,
 }
 
 fn to_f32(dtype: DType, bytes: &[u8]) -> Option<Vec<f32>> {
@@ -168,8 +169,13 @@ impl CpuExecutor {
         }
         // Weights read by library kernels are widened to f32 once.
         let mut library_params = std::collections::BTreeSet::new();
+        let matmul_policy = module.generated_matmul_max_rows;
         for l in &program.launches {
-            if fns[l.kernel as usize].is_none() {
+            let is_matmul = matches!(
+                program.kernels[l.kernel as usize].body,
+                KernelBody::Matmul { .. }
+            );
+            if fns[l.kernel as usize].is_none() || (is_matmul && matmul_policy.is_some()) {
                 library_params.extend(l.buffers.iter().copied());
             }
         }
@@ -243,6 +249,7 @@ impl CpuExecutor {
             tokens: Vec::new(),
             ints: BTreeMap::new(),
             threads: rayon::current_num_threads(),
+            matmul_policy,
         })
     }
 
@@ -333,8 +340,10 @@ impl CpuExecutor {
             args.clear();
             args.extend(launch.buffers.iter().map(|&b| ptrs[b as usize]));
             match self.fns[launch.kernel as usize] {
-                Some(f) => run_generated(f, &kernel.body, &args, &dims, self.threads),
-                None => self.run_library(&kernel.body, &launch.buffers, &args, &dims),
+                Some(f) if self.generated_fits(&kernel.body, &dims) => {
+                    run_generated(f, &kernel.body, &args, &dims, self.threads)
+                }
+                _ => self.run_library(&kernel.body, &launch.buffers, &args, &dims),
             }
         }
         let out = self.program.outputs.get("logits").ok_or_else(|| {
@@ -352,6 +361,20 @@ impl CpuExecutor {
             unsafe { std::slice::from_raw_parts(ptrs[*out as usize].cast::<f32>(), rows * vocab) }
                 .to_vec();
         Ok(Logits { rows, vocab, data })
+    }
+
+    /// Whether a kernel with generated code runs it at these dims (matmuls may prefer gemm).
+    fn generated_fits(&self, body: &KernelBody, dims: &[u64; StepDim::COUNT]) -> bool {
+        match (body, self.matmul_policy) {
+            (KernelBody::Matmul { rows, .. }, Some(max)) => {
+                let r = match rows {
+                    Rows::Step(d) => dims[*d as usize],
+                    Rows::Fixed(n) => *n,
+                };
+                (2..=max).contains(&r)
+            }
+            _ => true,
+        }
     }
 
     fn run_library(

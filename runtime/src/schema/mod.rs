@@ -181,6 +181,11 @@ pub struct CpuModule {
     /// Per kernel of the program: the offset of its entry in `code`, or `None` for a library
     /// kernel of the runtime.
     pub entries: Vec<Option<u64>>,
+    /// Where set, generated matmuls run only for steps of 2 to this many rows, and the `gemm`
+    /// library kernel runs the others (it wins on one row and on many). Absent in artifacts
+    /// from before this field: generated matmuls then always run.
+    #[serde(default)]
+    pub generated_matmul_max_rows: Option<u64>,
 }
 
 /// A role's CUDA code: the PTX module (in `module.ptx` beside it) and each kernel's entry.
