@@ -9,6 +9,6 @@ nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader || 
 eval "$(bash scripts/install-cuda-tools.sh)"
 export MAXC_REQUIRE_NVRTC=1 MAXC_GPU=1
 echo "== fixture suite on CUDA"
-cargo test --release -p maxc-cli --test backends -- cuda 2>&1 | tail -n 40
+cargo test --release -p maxc-cli --test backends -- --include-ignored cuda 2>&1 | tail -n 40
 echo "== throughput (tiny-llama, SmolLM2): CPU vs CUDA"
 MAXC_BENCH_CUDA=1 cargo bench -p maxc-cli --bench step 2>&1 | tail -n 40

@@ -83,7 +83,7 @@ impl Backend for Compiled {
 enum Kind {
     Interpreter,
     Artifact(DType, bool),
-    /// The artifact on the CUDA executor; runs only where `MAXC_GPU=1` (scripts/gpu-check.sh).
+    /// The artifact on the CUDA executor; ignored tests, run by scripts/gpu-check.sh.
     Cuda(DType),
 }
 
@@ -375,13 +375,8 @@ fn greedy_generation(case: &Case, kind: Kind) {
     }
 }
 
-/// CUDA suites run only on a GPU machine (`MAXC_GPU=1`, set by scripts/gpu-check.sh).
-fn skip(kind: Kind) -> bool {
-    matches!(kind, Kind::Cuda(_)) && std::env::var("MAXC_GPU").as_deref() != Ok("1")
-}
-
 macro_rules! suite {
-    ($name:ident, $model:literal, $role:expr, $prefix:literal, $kind:expr) => {
+    ($name:ident, $model:literal, $role:expr, $prefix:literal, $kind:expr $(, #[$attr:meta])*) => {
         mod $name {
             use super::*;
             fn case() -> &'static Case {
@@ -389,31 +384,23 @@ macro_rules! suite {
                 CASE.get_or_init(|| Case::new($model, $role, $prefix))
             }
             #[test]
+            $(#[$attr])*
             fn each_prompt_alone() {
-                if skip($kind) {
-                    return;
-                }
                 super::each_prompt_alone(case(), $kind);
             }
             #[test]
+            $(#[$attr])*
             fn all_prompts_as_one_ragged_batch() {
-                if skip($kind) {
-                    return;
-                }
                 super::all_prompts_as_one_ragged_batch(case(), $kind);
             }
             #[test]
+            $(#[$attr])*
             fn chunked_prefill_mixed_with_decode() {
-                if skip($kind) {
-                    return;
-                }
                 super::chunked_prefill_mixed_with_decode(case(), $kind);
             }
             #[test]
+            $(#[$attr])*
             fn greedy_generation() {
-                if skip($kind) {
-                    return;
-                }
                 super::greedy_generation(case(), $kind);
             }
         }
@@ -446,8 +433,8 @@ macro_rules! every_backend {
                 $prefix,
                 Kind::Artifact(DType::F32, false)
             );
-            suite!(cuda_f32, $name, $role, $prefix, Kind::Cuda(DType::F32));
-            suite!(cuda_bf16, $name, $role, $prefix, Kind::Cuda(DType::BF16));
+            suite!(cuda_f32, $name, $role, $prefix, Kind::Cuda(DType::F32), #[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]);
+            suite!(cuda_bf16, $name, $role, $prefix, Kind::Cuda(DType::BF16), #[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]);
         }
     };
 }
