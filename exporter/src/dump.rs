@@ -121,6 +121,7 @@ fn plan(role: &str, p: &Program, dims: Option<&BTreeMap<String, u64>>) -> String
             Storage::Param { key } => format!("weight {key}"),
             Storage::Input => "input".into(),
             Storage::KvCache => "kv cache".into(),
+            Storage::KvCacheLayer { layer } => format!("kv cache from layer {layer}"),
             Storage::RopeTable { table } => format!("rope table {table}"),
         };
         let _ = writeln!(

@@ -20,6 +20,8 @@ pub enum ValueKind {
     Input,
     /// The paged KV cache.
     KvCache,
+    /// A view of the KV cache starting at one layer's slot (kernels address it as layer 0).
+    KvCacheLayer(u64),
     /// A rotary table.
     RopeTable(u32),
 }

@@ -57,6 +57,9 @@ fn emit(
             ValueKind::Param(key) => (Storage::Param { key: key.clone() }, val.shape.clone()),
             ValueKind::Input => (Storage::Input, val.shape.clone()),
             ValueKind::KvCache => (Storage::KvCache, val.shape.clone()),
+            ValueKind::KvCacheLayer(layer) => {
+                (Storage::KvCacheLayer { layer: *layer }, val.shape.clone())
+            }
             ValueKind::RopeTable(t) => {
                 let half = match val.shape.first() {
                     Some(Extent::Fixed(h)) => *h,

@@ -243,15 +243,22 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                 let l =
                     k.kv.clone()
                         .ok_or_else(|| unsupported("attention before the KV cache input"))?;
-                let (q, kk, v, cache, lut, lens, offs) =
-                    (ops[0], ops[1], ops[2], ops[3], ops[4], ops[5], ops[6]);
+                let (q, kk, v, lut, lens, offs) = (ops[0], ops[1], ops[2], ops[4], ops[5], ops[6]);
+                // Every layer's kernels see a view of the cache at their layer's slot, so the
+                // kernels of all layers are one kernel.
+                let whole = k.values[ops[3]].clone();
+                let cache = k.value(KValue {
+                    name: format!("kv_cache.layer{layer}"),
+                    kind: ValueKind::KvCacheLayer(*layer as u64),
+                    ..whole
+                });
                 let heads = match k.values[q].shape[1] {
                     Extent::Fixed(h) => h,
                     Extent::Step(_) => return Err(unsupported("symbolic head count")),
                 };
                 k.nodes.push(KNode {
                     body: KernelBody::KvStore {
-                        layer: *layer as u64,
+                        layer: 0,
                         num_layers: l.num_layers,
                         kv_heads: l.kv_heads,
                         head_dim: l.head_dim,
@@ -264,7 +271,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                 let out = new_value(&mut k, &node.ty, ValueKind::Temp)?;
                 k.nodes.push(KNode {
                     body: KernelBody::Attention {
-                        layer: *layer as u64,
+                        layer: 0,
                         num_layers: l.num_layers,
                         heads,
                         kv_heads: l.kv_heads,

@@ -322,6 +322,10 @@ impl CpuExecutor {
                 Storage::Arena { offset } => unsafe { arena.add(*offset as usize) },
                 Storage::Param { .. } => self.params[&(id as u32)].ptr as *mut u8,
                 Storage::KvCache => kv,
+                // SAFETY: a layer's slot lies inside the cache's first page.
+                Storage::KvCacheLayer { layer } => unsafe {
+                    kv.add((layer * self.program.kv.layer_bytes()) as usize)
+                },
                 Storage::RopeTable { table } => rope[*table as usize],
                 Storage::Input if buf.name == "tokens" => self.tokens.as_mut_ptr().cast(),
                 Storage::Input => self

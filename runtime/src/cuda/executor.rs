@@ -164,6 +164,7 @@ impl CudaExecutor {
             bufs.push(match &b.storage {
                 Storage::Arena { offset } => arena.ptr + offset,
                 Storage::KvCache => kv.ptr,
+                Storage::KvCacheLayer { layer } => kv.ptr + layer * program.kv.layer_bytes(),
                 Storage::RopeTable { table } => rope[*table as usize].ptr,
                 Storage::Param { key } => match params.get(key) {
                     Some(&p) => p,

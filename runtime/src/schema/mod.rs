@@ -82,6 +82,13 @@ pub enum Storage {
     Input,
     /// The role's paged KV cache.
     KvCache,
+    /// The KV cache seen from layer `layer`'s slot: `layer · 2 · page_size · kv_heads ·
+    /// head_dim` elements past its start. Kernels given this view address it as layer 0 with the
+    /// whole cache's page stride, so one kernel serves every layer.
+    KvCacheLayer {
+        /// The layer.
+        layer: u64,
+    },
     /// A rotary cos/sin table `[max_seq_len, 2, head_dim / 2]` that the runtime builds at load
     /// from `inv_freq` (entry `table` of [`Program::rope_tables`]).
     RopeTable {
@@ -143,6 +150,13 @@ pub struct KvLayout {
     pub page_size: u64,
     /// Element type.
     pub dtype: DType,
+}
+
+impl KvLayout {
+    /// Bytes from one layer's slot to the next within a page (K and V of `page_size` tokens).
+    pub fn layer_bytes(&self) -> u64 {
+        2 * self.page_size * self.kv_heads * self.head_dim * self.dtype.size() as u64
+    }
 }
 
 /// One role's compiled program.
