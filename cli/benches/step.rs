@@ -3,6 +3,7 @@
 //! (gemm) matmuls. `cargo bench -p maxc-cli --bench step`.
 
 use maxc_exporter::{compile, CompileOptions, CpuMatmul};
+use maxc_golden::fixtures;
 use maxc_graph::interp::{Interpreter, Session};
 use maxc_graph::pipeline::{load_model, LoadOptions};
 use maxc_graph::{DType, KvCacheParams, ModuleRuntime, Registry};
@@ -16,12 +17,6 @@ use std::time::{Duration, Instant};
 
 const PROMPT: usize = 128;
 const DECODE: usize = 32;
-
-fn fixtures() -> PathBuf {
-    std::env::var_os("MAXC_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"))
-}
 
 fn runtime() -> ModuleRuntime {
     let mut rt = ModuleRuntime::default();

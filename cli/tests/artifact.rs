@@ -1,15 +1,10 @@
 //! Artifacts: deterministic bytes, and the runtime's refusals of altered, incomplete or
 //! mismatched artifacts and out-of-bounds requests, each naming what differs.
 
+use maxc_golden::fixtures;
 use maxc_runtime::schema::{bincode_config, CpuModule, Manifest};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-
-fn fixtures() -> PathBuf {
-    std::env::var_os("MAXC_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"))
-}
 
 fn maxc(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_maxc"))

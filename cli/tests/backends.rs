@@ -4,6 +4,7 @@
 //! rows; and greedy generation against the fixture's continuation.
 
 use maxc_exporter::{compile, CompileOptions, CpuMatmul};
+use maxc_golden::fixtures;
 use maxc_graph::interp::{Interpreter, Session};
 use maxc_graph::pipeline::{load_model, LoadOptions};
 use maxc_graph::weights::{read_safetensors_file, StateDict};
@@ -16,12 +17,6 @@ use std::sync::{Mutex, OnceLock};
 const TOL: f32 = 1e-3;
 const PAGE: usize = 16;
 const MAX_LEN: usize = 160;
-
-fn fixtures() -> PathBuf {
-    std::env::var_os("MAXC_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"))
-}
 
 fn runtime() -> ModuleRuntime {
     let mut rt = ModuleRuntime::default();

@@ -1,14 +1,8 @@
 //! The `maxc` binary end to end on the fixtures.
 
+use maxc_golden::fixtures;
 use maxc_graph::weights::read_safetensors_file;
-use std::path::PathBuf;
 use std::process::{Command, Output};
-
-fn fixtures() -> PathBuf {
-    std::env::var_os("MAXC_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"))
-}
 
 fn maxc(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_maxc"))

@@ -447,12 +447,6 @@ impl CpuExecutor {
             None => unsafe { std::slice::from_raw_parts(ptr.cast::<f32>(), elems) },
         }
     }
-
-    /// Zeroes the KV cache (pages are reassigned by the page table; stale entries are never read,
-    /// this only makes runs reproducible byte for byte).
-    pub fn reset_cache(&mut self) {
-        self.kv.slice_mut().fill(0.0);
-    }
 }
 
 fn run_generated(
