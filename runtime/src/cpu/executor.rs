@@ -271,31 +271,9 @@ impl CpuExecutor {
     /// Runs one step and returns the `logits` output.
     pub fn execute(&mut self, s: &StepInputs) -> Result<Logits> {
         let b = s.batch_size();
-        let dims: [u64; StepDim::COUNT] = [
-            s.tokens.len() as u64,
-            b as u64,
-            s.pages_per_seq as u64,
-            self.bounds[StepDim::TotalNumPages as usize],
-            b as u64 + 1,
-        ];
-        for d in [
-            StepDim::TotalSeqLen,
-            StepDim::BatchSize,
-            StepDim::MaxNumPages,
-        ] {
-            if dims[d as usize] > self.bounds[d as usize] {
-                return Err(RuntimeError::Input(format!(
-                    "{} is {}, above the artifact's bound {}",
-                    d.name(),
-                    dims[d as usize],
-                    self.bounds[d as usize]
-                )));
-            }
-        }
-        check_step(
-            s,
+        let dims = s.checked_dims(
+            &self.bounds,
             self.program.vocab_size,
-            dims[StepDim::TotalNumPages as usize],
             self.program.kv.page_size as usize,
         )?;
         self.tokens.clone_from(&s.tokens);
@@ -477,59 +455,4 @@ fn run_generated(
         // SAFETY: as above; the slices [start, end) are disjoint.
         unsafe { p.call(f, start, end) };
     });
-}
-
-/// Checks a step's inputs: offsets, lengths, token ids and page ids.
-pub(crate) fn check_step(s: &StepInputs, vocab: u64, pages: u64, page_size: usize) -> Result<()> {
-    let b = s.batch_size();
-    let bad = |m: String| Err(RuntimeError::Input(m));
-    if s.input_row_offsets.len() != b + 1
-        || s.input_row_offsets[0] != 0
-        || s.input_row_offsets.windows(2).any(|w| w[0] > w[1])
-    {
-        return bad(format!(
-            "input_row_offsets {:?} must be B + 1 = {} non-decreasing offsets from 0",
-            s.input_row_offsets,
-            b + 1
-        ));
-    }
-    if s.input_row_offsets[b] as usize != s.tokens.len() {
-        return bad(format!(
-            "input_row_offsets ends at {}, but there are {} tokens",
-            s.input_row_offsets[b],
-            s.tokens.len()
-        ));
-    }
-    if s.kv_lookup_table.len() != b * s.pages_per_seq {
-        return bad(format!(
-            "kv_lookup_table has {} entries, expected {b} × {}",
-            s.kv_lookup_table.len(),
-            s.pages_per_seq
-        ));
-    }
-    if let Some(t) = s.tokens.iter().find(|&&t| t < 0 || t as u64 >= vocab) {
-        return bad(format!(
-            "token id {t} is outside the vocabulary (0..{vocab})"
-        ));
-    }
-    for i in 0..b {
-        let end = s.cache_lengths[i].max(0) as usize
-            + (s.input_row_offsets[i + 1] - s.input_row_offsets[i]) as usize;
-        if s.cache_lengths[i] < 0 || end > s.pages_per_seq * page_size {
-            return bad(format!(
-                "sequence {i} reaches {end} tokens, beyond its {} pages of {page_size}",
-                s.pages_per_seq
-            ));
-        }
-        let used = end.div_ceil(page_size);
-        if let Some(p) = s.kv_lookup_table[i * s.pages_per_seq..][..used]
-            .iter()
-            .find(|&&p| p < 0 || p as u64 >= pages)
-        {
-            return bad(format!(
-                "sequence {i} uses page {p}, but the cache has {pages} pages"
-            ));
-        }
-    }
-    Ok(())
 }

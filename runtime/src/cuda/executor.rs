@@ -241,31 +241,9 @@ impl CudaExecutor {
     /// Runs one step and returns the `logits` output.
     pub fn execute(&mut self, s: &StepInputs) -> Result<Logits> {
         let b = s.batch_size();
-        let dims: [u64; StepDim::COUNT] = [
-            s.tokens.len() as u64,
-            b as u64,
-            s.pages_per_seq as u64,
-            self.bounds[StepDim::TotalNumPages as usize],
-            b as u64 + 1,
-        ];
-        for d in [
-            StepDim::TotalSeqLen,
-            StepDim::BatchSize,
-            StepDim::MaxNumPages,
-        ] {
-            if dims[d as usize] > self.bounds[d as usize] {
-                return Err(RuntimeError::Input(format!(
-                    "{} is {}, above the artifact's bound {}",
-                    d.name(),
-                    dims[d as usize],
-                    self.bounds[d as usize]
-                )));
-            }
-        }
-        crate::cpu::executor::check_step(
-            s,
+        let dims = s.checked_dims(
+            &self.bounds,
             self.program.vocab_size,
-            dims[StepDim::TotalNumPages as usize],
             self.program.kv.page_size as usize,
         )?;
         let batch_context: Vec<i32> = (0..b)
