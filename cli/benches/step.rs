@@ -10,8 +10,8 @@ use maxc_graph::{DType, KvCacheParams, ModuleRuntime, Registry};
 use maxc_lowering::cpu::{compile_kernel, CpuTarget};
 use maxc_runtime::cpu::code::ExecutableCode;
 use maxc_runtime::cpu::library;
-use maxc_runtime::schema::{KernelBody, Rows, StepDim};
 use maxc_runtime::Engine;
+use maxc_schema::{KernelBody, Rows, StepDim};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -135,7 +135,7 @@ fn matmul_bench() {
             rows: Rows::Step(StepDim::TotalSeqLen),
             n,
             k,
-            weight_dtype: maxc_runtime::schema::DType::F32,
+            weight_dtype: maxc_schema::DType::F32,
             bias: false,
         };
         let code =

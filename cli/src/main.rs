@@ -1,8 +1,11 @@
-//! `maxc`: compile models ahead of time and inspect them.
+//! `maxc`: compile models ahead of time, inspect them and run them. Built without the default
+//! `compile` feature, it is the lean runtime binary: no compiler crate inside.
 
 mod args;
 mod commands;
 mod report;
+#[cfg(feature = "compile")]
+mod runtime_args;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -18,12 +21,16 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// List the registered architectures.
+    #[cfg(feature = "compile")]
     Models(commands::models::Args),
     /// Load a checkpoint, build every role's graph and show parameters, ops, inputs and dim bounds.
+    #[cfg(feature = "compile")]
     Plan(commands::plan::Args),
     /// Run one prompt through the reference interpreter and print (or dump) its logits.
+    #[cfg(feature = "compile")]
     Eval(commands::eval::Args),
     /// Compile a checkpoint into an artifact directory.
+    #[cfg(feature = "compile")]
     Compile(commands::compile::Args),
     /// Run one prompt through a compiled artifact and print (or dump) its logits.
     Run(commands::run::Args),
@@ -55,9 +62,13 @@ fn main() -> ExitCode {
         };
     }
     let result = match cli.command {
+        #[cfg(feature = "compile")]
         Command::Models(a) => commands::models::run(a),
+        #[cfg(feature = "compile")]
         Command::Plan(a) => commands::plan::run(a),
+        #[cfg(feature = "compile")]
         Command::Eval(a) => commands::eval::run(a),
+        #[cfg(feature = "compile")]
         Command::Compile(a) => commands::compile::run(a),
         Command::Run(a) => commands::run::run(a),
         Command::Generate(a) => commands::generate::run(a),

@@ -1,7 +1,6 @@
 //! Output shared by commands: a prompt's logits, printed and optionally dumped.
 
-use anyhow::Result;
-use maxc_graph::weights::{write_safetensors, StateDict, WeightTensor};
+use anyhow::{Context, Result};
 use std::path::Path;
 
 /// Prints the last position's top 5 tokens of `logits` (`[n, vocab]`, row-major) and, with
@@ -15,9 +14,12 @@ pub fn logits(n: usize, vocab: usize, logits: &[f32], dump: Option<&Path>) -> Re
         println!("  {id:>8}  {logit:.5}");
     }
     if let Some(path) = dump {
-        let mut out = StateDict::new();
-        out.insert("logits", WeightTensor::from_f32(vec![n, vocab], logits));
-        write_safetensors(path, &out, None)?;
+        let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![n, vocab], &bytes)
+                .context("logits tensor")?;
+        safetensors::serialize_to_file([("logits", view)], None, path)
+            .with_context(|| format!("writing {}", path.display()))?;
         println!("logits [{n}, {vocab}] written to {}", path.display());
     }
     Ok(())

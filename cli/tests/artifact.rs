@@ -2,7 +2,7 @@
 //! mismatched artifacts and out-of-bounds requests, each naming what differs.
 
 use maxc_golden::fixtures;
-use maxc_runtime::schema::{bincode_config, CpuModule, Manifest};
+use maxc_schema::{bincode_config, CpuModule, Manifest, FORMAT_VERSION};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -143,20 +143,26 @@ fn the_runtime_refuses_altered_and_incomplete_artifacts() {
         "{e}"
     );
 
-    // An unknown format version.
-    let a = fresh(tmp.path(), "version.maxc");
-    let mpath = a.join("manifest.json");
-    let text = std::fs::read_to_string(&mpath).unwrap().replacen(
-        "\"format_version\": 1",
-        "\"format_version\": 99",
-        1,
-    );
-    std::fs::write(&mpath, text).unwrap();
-    let e = err_of(&run(&a, "1,2,3"));
-    assert!(
-        e.contains("format version 99") && e.contains("manifest.json"),
-        "{e}"
-    );
+    // The previous format version (1: bincode types without the per-kernel digests, so its
+    // programs cannot be read as version 2's), and an unknown one: both refused before any
+    // program is decoded, naming both versions and asking for a recompile.
+    let current = format!("\"format_version\": {FORMAT_VERSION}");
+    for old in [FORMAT_VERSION - 1, 99] {
+        let a = fresh(tmp.path(), &format!("version{old}.maxc"));
+        let mpath = a.join("manifest.json");
+        let text = std::fs::read_to_string(&mpath).unwrap();
+        assert!(text.contains(&current), "{text}");
+        let text = text.replacen(&current, &format!("\"format_version\": {old}"), 1);
+        std::fs::write(&mpath, text).unwrap();
+        let e = err_of(&run(&a, "1,2,3"));
+        assert!(
+            e.contains(&format!("format version {old}"))
+                && e.contains(&format!("reads format version {FORMAT_VERSION}"))
+                && e.contains("recompile")
+                && e.contains("manifest.json"),
+            "{e}"
+        );
+    }
 
     // Code for a machine this is not.
     let a = fresh(tmp.path(), "target.maxc");

@@ -18,7 +18,7 @@ fn root() -> PathBuf {
 fn fixture() -> PathBuf {
     std::env::var_os("MAXC_FIXTURES")
         .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("../shared/fixtures"))
+        .unwrap_or_else(|| root().join("golden/fixtures"))
         .join("smollm2-135m")
 }
 

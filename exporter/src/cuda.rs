@@ -5,7 +5,7 @@ use crate::ExportError;
 use maxc_lowering::cuda::{
     compile_ptx, emit_kernel, module_source, nvrtc_status, ptxas_check, CudaTarget,
 };
-use maxc_runtime::schema::{CudaKernelEntry, CudaModule, Program};
+use maxc_schema::{CudaKernelEntry, CudaModule, Program};
 
 fn err(e: impl std::fmt::Display) -> ExportError {
     ExportError::Other(e.to_string())
@@ -33,7 +33,8 @@ pub fn cuda_module(
     let resources = ptxas_check(&ptx.ptx, target).map_err(err)?;
     let entries = kernels
         .iter()
-        .map(|k| {
+        .zip(&program.kernels)
+        .map(|(k, pk)| {
             let r = resources.iter().find(|r| r.name == k.name).ok_or_else(|| {
                 ExportError::Other(format!(
                     "kernel `{}`: ptxas reported no resources for it",
@@ -42,6 +43,7 @@ pub fn cuda_module(
             })?;
             Ok(CudaKernelEntry {
                 name: k.name.clone(),
+                kernel_digest: pk.body.digest(),
                 launch: k.launch,
                 registers: r.registers,
                 spill_stores: r.spill_stores,
@@ -52,7 +54,7 @@ pub fn cuda_module(
         .collect::<Result<Vec<_>, ExportError>>()?;
     let (major, minor) = ptx.nvrtc_version;
     let module = CudaModule {
-        target: maxc_runtime::schema::CudaTarget {
+        target: maxc_schema::CudaTarget {
             arch: target.arch.clone(),
             nvrtc_version: format!("{major}.{minor}"),
         },

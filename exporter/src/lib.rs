@@ -4,8 +4,6 @@
 //! destination and renamed into place, so an interrupted compile leaves no artifact.
 
 mod cuda;
-pub mod diff;
-pub mod dump;
 mod write;
 
 pub use write::{

@@ -4,10 +4,10 @@ use crate::cuda;
 use maxc_graph::pipeline::{load_model, read_tokenizer, LoadOptions};
 use maxc_graph::weights::{write_safetensors, StateDict};
 use maxc_graph::{DType, ModuleRuntime, Registry};
-use maxc_lowering::cpu::{compile_kernel, CpuTarget as LowerTarget};
+use maxc_lowering::cpu::compile_kernel;
 use maxc_lowering::{lower_graph, LowerOptions};
-use maxc_runtime::artifact::sha256_hex;
-use maxc_runtime::schema::{
+use maxc_schema::sha256_hex;
+use maxc_schema::{
     bincode_config, CpuModule, CpuTarget, FileEntry, KernelBody, Manifest, RoleEntry,
     RuntimeSettings, Targets, FORMAT_VERSION, MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE,
 };
@@ -112,11 +112,12 @@ pub fn compile(
         roles: Vec::new(),
     };
     let loaded = load_model(model, &Registry::builtin(), &load)?;
-    let target = LowerTarget::host_baseline().map_err(|e| ExportError::Other(e.to_string()))?;
-    let schema_target = CpuTarget {
-        arch: target.arch.clone(),
-        features: sorted(&target.features),
-    };
+    let target = CpuTarget::host_baseline().ok_or_else(|| {
+        ExportError::Other(format!(
+            "maxc generates no CPU code for {} (x86_64 and aarch64 only)",
+            std::env::consts::ARCH
+        ))
+    })?;
 
     let cuda_target = match &opts.cuda_arch {
         Some(arch) => Some(cuda::check_tools(arch)?),
@@ -142,14 +143,7 @@ pub fn compile(
         let cpu_code = match opts.cpu {
             false => None,
             true => {
-                let module = cpu_module(
-                    role.name(),
-                    &program,
-                    &target,
-                    schema_target.clone(),
-                    opts.cpu_matmul,
-                    progress,
-                )?;
+                let module = cpu_module(role.name(), &program, &target, opts.cpu_matmul, progress)?;
                 let file = format!("{role}/cpu.bin");
                 files.insert(file.clone(), encode(&module)?);
                 Some(file)
@@ -213,7 +207,7 @@ pub fn compile(
         &weights,
         roles,
         Targets {
-            cpu: opts.cpu.then(|| schema_target.clone()),
+            cpu: opts.cpu.then(|| target.clone()),
             cuda: cuda_info,
         },
         progress,
@@ -262,9 +256,8 @@ fn remove_stale_partials(parent: &Path, name: &str) {
 /// A role's native CPU code: every kernel that runs generated on the CPU, in one blob.
 fn cpu_module(
     role: &str,
-    program: &maxc_runtime::schema::Program,
-    target: &LowerTarget,
-    schema_target: CpuTarget,
+    program: &maxc_schema::Program,
+    target: &CpuTarget,
     matmul: CpuMatmul,
     progress: &mut dyn FnMut(&str),
 ) -> Result<CpuModule, ExportError> {
@@ -291,17 +284,12 @@ fn cpu_module(
     }
     let generated_matmul_max_rows = (matmul == CpuMatmul::Auto).then_some(AUTO_MATMUL_MAX_ROWS);
     Ok(CpuModule {
-        target: schema_target,
+        target: target.clone(),
         code,
         entries,
+        kernel_digests: program.kernels.iter().map(|k| k.body.digest()).collect(),
         generated_matmul_max_rows,
     })
-}
-
-fn sorted(v: &[String]) -> Vec<String> {
-    let mut v = v.to_vec();
-    v.sort();
-    v
 }
 
 fn encode<T: serde::Serialize>(value: &T) -> Result<Vec<u8>, ExportError> {

@@ -7,10 +7,10 @@
 //! MAXC_BLESS=1 cargo test -p maxc-golden
 //! ```
 
-use maxc_exporter::diff::{diff_dumps, report};
-use maxc_exporter::dump::{dump, read_dump, write_dump};
 use maxc_exporter::{compile, CompileOptions, CpuMatmul};
 use maxc_graph::{DType, KvCacheParams, ModuleRuntime};
+use maxc_runtime::diff::{diff_dumps, report};
+use maxc_runtime::dump::{dump, read_dump, write_dump};
 use maxc_runtime::Artifact;
 use std::path::{Path, PathBuf};
 
@@ -22,7 +22,7 @@ pub const BLESS: &str = "MAXC_BLESS=1 cargo test -p maxc-golden";
 pub struct Case {
     /// The case's folder under `golden/cases/`.
     pub name: String,
-    /// The fixture folder under `shared/fixtures/`.
+    /// The fixture folder under [`fixtures`].
     pub model: &'static str,
     /// Compile options.
     pub options: CompileOptions,
@@ -91,11 +91,12 @@ pub fn cases() -> Vec<Case> {
     out
 }
 
-/// The fixtures folder (`MAXC_FIXTURES`, else `../shared/fixtures` beside the checkout).
+/// The test fixtures: `MAXC_FIXTURES` where set, else the copy in `golden/fixtures` (test data
+/// made with Hugging Face transformers; `tests/fixtures.rs` keeps it equal to `../shared/fixtures`).
 pub fn fixtures() -> PathBuf {
     std::env::var_os("MAXC_FIXTURES")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"))
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures"))
 }
 
 /// The checked-in dump of `case`.

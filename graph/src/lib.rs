@@ -11,7 +11,6 @@
 pub mod arch;
 pub mod bounds;
 pub mod deployment;
-pub mod dtype;
 pub mod error;
 pub mod interp;
 pub mod ir;
@@ -22,7 +21,7 @@ pub mod weights;
 
 pub use bounds::{BatchProcessorRuntime, KvCacheParams, ModuleRuntime};
 pub use deployment::{DeploymentConfig, GraphRole};
-pub use dtype::DType;
 pub use error::{Error, Result};
 pub use ir::{Dim, Graph, Op};
+pub use maxc_schema::DType;
 pub use registry::Registry;

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 fn tiny_llama() -> PathBuf {
     std::env::var_os("MAXC_FIXTURES")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"))
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../golden/fixtures"))
         .join("tiny-llama")
 }
 

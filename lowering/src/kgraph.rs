@@ -3,7 +3,7 @@
 //! checks it after every pass.
 
 use crate::error::{LowerError, Result};
-use maxc_runtime::schema::{DType, Extent, KernelBody, KvLayout, RopeTable};
+use maxc_schema::{DType, Extent, KernelBody, KvLayout, RopeTable};
 use std::collections::BTreeMap;
 
 /// Index of a value.

@@ -1,4 +1,4 @@
-//! maxc's lowering: from a role's graph to a [`maxc_runtime::schema::Program`]: kernel selection,
+//! maxc's lowering: from a role's graph to a [`maxc_schema::Program`]: kernel selection,
 //! named fusion passes, the memory plan, and the backends that turn the kernel IR into code.
 
 pub mod cpu;

@@ -6,7 +6,7 @@ use crate::kgraph::{KGraph, ValueKind};
 use crate::passes::{default_passes, plan_memory, run_passes};
 use crate::select::select_kernels;
 use maxc_graph::Graph;
-use maxc_runtime::schema::{Buffer, Extent, Kernel, Launch, Program, StepDim, Storage};
+use maxc_schema::{Buffer, Extent, Kernel, Launch, Program, StepDim, Storage};
 use std::collections::BTreeMap;
 
 /// What lowering needs of the deployment.
@@ -138,9 +138,9 @@ fn emit(
 
 /// A kernel's name: its kind and a hash of its body, so that names stay put when other kernels
 /// come or go (diffs of artifacts then show the kernels that really changed).
-fn kernel_name(body: &maxc_runtime::schema::KernelBody) -> String {
-    let bytes = bincode::serde::encode_to_vec(body, maxc_runtime::schema::bincode_config())
-        .unwrap_or_default();
+fn kernel_name(body: &maxc_schema::KernelBody) -> String {
+    let bytes =
+        bincode::serde::encode_to_vec(body, maxc_schema::bincode_config()).unwrap_or_default();
     // FNV-1a, 64-bit: stable across platforms and versions, unlike std's hasher.
     let hash = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)

@@ -5,21 +5,10 @@ use crate::error::{LowerError, Result};
 use crate::kgraph::{KGraph, KNode, KValue, ValueId, ValueKind};
 use maxc_graph::ir::{Dim, Op, TensorType};
 use maxc_graph::Graph;
-use maxc_runtime::schema::{
+use maxc_schema::{
     DType, EwInput, EwInstr, Extent, GatherIndex, KernelBody, KvLayout, RopeTable, Rows, StepDim,
 };
 use std::collections::BTreeMap;
-
-/// The runtime schema's dtype of a graph dtype.
-pub fn dtype(d: maxc_graph::DType) -> DType {
-    match d {
-        maxc_graph::DType::F32 => DType::F32,
-        maxc_graph::DType::F16 => DType::F16,
-        maxc_graph::DType::BF16 => DType::BF16,
-        maxc_graph::DType::I32 => DType::I32,
-        maxc_graph::DType::I64 => DType::I64,
-    }
-}
 
 fn extent(d: &Dim) -> Result<Extent> {
     match d {
@@ -66,7 +55,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
             let shape = ty.shape.iter().map(extent).collect::<Result<Vec<_>>>()?;
             Ok(k.value(KValue {
                 name: node.name.clone(),
-                dtype: dtype(ty.dtype),
+                dtype: ty.dtype,
                 shape,
                 kind,
             }))
@@ -88,7 +77,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                     kv_heads: l.num_kv_heads as u64,
                     head_dim: l.head_dim as u64,
                     page_size: l.page_size as u64,
-                    dtype: dtype(l.dtype),
+                    dtype: l.dtype,
                 });
                 val.insert(id, v);
                 continue;

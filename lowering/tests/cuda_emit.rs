@@ -3,9 +3,7 @@
 //! mapping, page-table addressing, the tensor-core path), launch shapes and determinism.
 
 use maxc_lowering::cuda::{emit_kernel, module_source, CudaError, CudaKernel, CudaTarget};
-use maxc_runtime::schema::{
-    DType, EwInput, EwInstr, GatherIndex, GridExtent, KernelBody, Rows, StepDim,
-};
+use maxc_schema::{DType, EwInput, EwInstr, GatherIndex, GridExtent, KernelBody, Rows, StepDim};
 
 const STEP: Rows = Rows::Step(StepDim::TotalSeqLen);
 const DIMS: [&str; 5] = [

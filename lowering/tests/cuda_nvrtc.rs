@@ -9,7 +9,7 @@ use maxc_lowering::cuda::{
     compile_ptx, emit_kernel, module_source, nvrtc_status, ptxas_check, CudaError, CudaKernel,
     CudaTarget,
 };
-use maxc_runtime::schema::{DType, EwInput, EwInstr, GatherIndex, KernelBody, Rows, StepDim};
+use maxc_schema::{DType, EwInput, EwInstr, GatherIndex, KernelBody, Rows, StepDim};
 
 fn required() -> bool {
     std::env::var("MAXC_REQUIRE_NVRTC").is_ok_and(|v| v == "1")

@@ -7,14 +7,14 @@ use maxc_lowering::kgraph::{KGraph, ValueKind};
 use maxc_lowering::passes::{bytes_at_bounds, default_passes, plan_memory, run_passes};
 use maxc_lowering::select::select_kernels;
 use maxc_lowering::{lower_graph, LowerOptions};
-use maxc_runtime::schema::{EwInstr, KernelBody, StepDim, Storage};
+use maxc_schema::{EwInstr, KernelBody, StepDim, Storage};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 fn graph(model: &str) -> (Graph, ModuleRuntime) {
     let dir = std::env::var_os("MAXC_FIXTURES")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"))
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../golden/fixtures"))
         .join(model);
     let mut rt = ModuleRuntime::default();
     rt.batch.max_seq_len = 256;

@@ -4,22 +4,15 @@
 
 use crate::error::{Result, RuntimeError};
 use crate::schema::{
-    bincode_config, CpuModule, CudaModule, DType, Manifest, Program, FORMAT_VERSION, MANIFEST_FILE,
-    WEIGHTS_FILE,
+    bincode_config, CpuModule, CudaModule, DType, Manifest, Program, ProgramEnv, StepDim,
+    StepLimits, WeightInfo, FORMAT_VERSION, MANIFEST_FILE, WEIGHTS_FILE,
 };
 use memmap2::Mmap;
-use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// Lowercase hex sha256 of `bytes`.
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
+pub use crate::schema::sha256_hex;
 
 /// Where a weight's bytes are in the mapped weights file.
 #[derive(Clone, Debug)]
@@ -62,7 +55,9 @@ fn map_file(path: &Path) -> Result<Mmap> {
 
 impl Artifact {
     /// Opens `dir`: checks the format version, the presence, size and sha256 of every file the
-    /// manifest lists, and decodes the programs and code.
+    /// manifest lists, decodes the programs and code, and validates every program
+    /// ([`Program::validate`]) and code module against the manifest and the weights, before
+    /// anything is mapped executable or any pointer computed.
     pub fn open(dir: &Path) -> Result<Self> {
         let manifest_path = dir.join(MANIFEST_FILE);
         if !dir.is_dir() {
@@ -84,7 +79,7 @@ impl Artifact {
             Some(v) => {
                 return Err(RuntimeError::artifact(
                     &manifest_path,
-                    format!("format version {v}; this runtime reads format version {FORMAT_VERSION} (recompile with this maxc)"),
+                    format!("artifact format version {v}, but this maxc reads format version {FORMAT_VERSION}: recompile the model with this maxc (`maxc compile`)"),
                 ))
             }
             None => return Err(RuntimeError::artifact(&manifest_path, "no `format_version`")),
@@ -187,6 +182,55 @@ impl Artifact {
             )
         })?);
         let index = index_weights(&weights, &weights_path)?;
+        let infos: BTreeMap<String, WeightInfo> = index
+            .iter()
+            .map(|(k, v)| {
+                let elements = v.shape.iter().product::<usize>() as u64;
+                let info = WeightInfo {
+                    dtype: v.dtype,
+                    elements,
+                    offset: v.range.start as u64,
+                };
+                (k.clone(), info)
+            })
+            .collect();
+        for (role, entry) in &manifest.roles {
+            let program = &programs[role];
+            let path = dir.join(&entry.program);
+            let bad = |m: String| RuntimeError::artifact(&path, format!("role {role}: {m}"));
+            if program.role != *role {
+                return Err(bad(format!("the program is for role `{}`", program.role)));
+            }
+            if (program.kernels.len() as u64, program.launches.len() as u64)
+                != (entry.kernels, entry.launches)
+            {
+                return Err(bad(format!(
+                    "{} kernels and {} launches, the manifest says {} and {}",
+                    program.kernels.len(),
+                    program.launches.len(),
+                    entry.kernels,
+                    entry.launches
+                )));
+            }
+            let env = ProgramEnv {
+                dims: &entry.dims,
+                max_seq_len: manifest.runtime.max_seq_len,
+                page_size: manifest.runtime.page_size,
+                arena_bytes: entry.arena_bytes,
+                weights: &infos,
+            };
+            program.validate(&env).map_err(|e| bad(e.to_string()))?;
+            if let (Some(module), Some(file)) = (cpu.get(role), &entry.cpu_code) {
+                module
+                    .validate(program)
+                    .map_err(|e| RuntimeError::artifact(dir.join(file), e.to_string()))?;
+            }
+            if let (Some(module), Some(file)) = (cuda.get(role), &entry.cuda_code) {
+                module
+                    .validate(program, &entry.dims)
+                    .map_err(|e| RuntimeError::artifact(dir.join(file), e.to_string()))?;
+            }
+        }
         Ok(Artifact {
             dir: dir.to_path_buf(),
             manifest,
@@ -196,6 +240,31 @@ impl Artifact {
             weights,
             index,
         })
+    }
+
+    /// The bound of each step dim of `role` (0 where the role does not use the dim) and the
+    /// limits every step of it is checked against.
+    pub fn step_limits(&self, role: &str) -> Result<([u64; StepDim::COUNT], StepLimits)> {
+        let (entry, program) = match (self.manifest.roles.get(role), self.programs.get(role)) {
+            (Some(e), Some(p)) => (e, p),
+            _ => {
+                return Err(RuntimeError::Input(format!(
+                    "the artifact has no role `{role}`; it has {:?}",
+                    self.programs.keys().collect::<Vec<_>>()
+                )))
+            }
+        };
+        let mut bounds = [0u64; StepDim::COUNT];
+        for d in StepDim::ALL {
+            bounds[d as usize] = entry.dims.get(d.name()).copied().unwrap_or(0);
+        }
+        let limits = StepLimits {
+            bounds,
+            vocab_size: program.vocab_size,
+            page_size: program.kv.page_size,
+            max_seq_len: self.manifest.runtime.max_seq_len,
+        };
+        Ok((bounds, limits))
     }
 
     /// The weight under `key`, with its bytes.
@@ -261,19 +330,9 @@ fn index_weights(map: &Mmap, path: &Path) -> Result<BTreeMap<String, WeightView>
     let base = map.as_ptr() as usize;
     let mut out = BTreeMap::new();
     for (key, view) in parsed.tensors() {
-        let dtype = match view.dtype() {
-            safetensors::Dtype::F32 => DType::F32,
-            safetensors::Dtype::F16 => DType::F16,
-            safetensors::Dtype::BF16 => DType::BF16,
-            safetensors::Dtype::I32 => DType::I32,
-            safetensors::Dtype::I64 => DType::I64,
-            other => {
-                return Err(RuntimeError::artifact(
-                    path,
-                    format!("weight `{key}` has dtype {other:?}"),
-                ))
-            }
-        };
+        let dtype = DType::from_safetensors(view.dtype()).ok_or_else(|| {
+            RuntimeError::artifact(path, format!("weight `{key}` has dtype {:?}", view.dtype()))
+        })?;
         let start = view.data().as_ptr() as usize - base;
         out.insert(
             key,

@@ -4,10 +4,9 @@ use crate::artifact::Artifact;
 use crate::cpu::CpuExecutor;
 use crate::cuda::CudaExecutor;
 use crate::error::{Result, RuntimeError};
-use crate::kv::PageTable;
+use crate::logits::Logits;
 use crate::sampling::{Sampler, SamplingParams};
-use crate::schema::StepDim;
-use crate::step::Logits;
+use crate::schema::{PageTable, StepDim};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -38,7 +37,7 @@ enum Executor {
 }
 
 impl Executor {
-    fn execute(&mut self, s: &crate::step::StepInputs) -> Result<Logits> {
+    fn execute(&mut self, s: &crate::schema::StepInputs) -> Result<Logits> {
         match self {
             Executor::Cpu(e) => e.execute(s),
             Executor::Cuda(e) => e.execute(s),
@@ -64,7 +63,8 @@ impl Executor {
     }
 }
 
-/// One role of an artifact, ready to run sequences.
+/// One role of an artifact, ready to run sequences: an executor and the page table of its KV
+/// cache. `Send`, so a scheduler thread can own it.
 pub struct Engine {
     exec: Executor,
     pages: PageTable,
@@ -150,7 +150,19 @@ impl Engine {
         self.pages.len(seq)
     }
 
-    /// One step: each `(sequence, tokens)` appends a prefill chunk or a decode token.
+    /// The KV cache's page table (read-only: steps and releases go through the engine).
+    pub fn pages(&self) -> &PageTable {
+        &self.pages
+    }
+
+    /// Keeps the first `len` cached tokens of `seq` (speculative decoding drops rejected
+    /// tokens this way); pages past them return to the free list.
+    pub fn truncate(&mut self, seq: u64, len: usize) -> Result<()> {
+        Ok(self.pages.truncate(seq, len)?)
+    }
+
+    /// One step: each `(sequence, tokens)` appends a prefill chunk or a decode token. A step
+    /// that fails (bad input, an executor error) leaves every sequence as it was.
     pub fn step(&mut self, chunks: &[(u64, &[i64])]) -> Result<Logits> {
         for &(seq, tokens) in chunks {
             let end = self.pages.len(seq) + tokens.len();
@@ -161,10 +173,17 @@ impl Engine {
                 )));
             }
         }
-        let inputs = self.pages.prepare(chunks)?;
-        let logits = self.exec.execute(&inputs)?;
-        self.pages.commit(chunks);
-        Ok(logits)
+        let step = self.pages.prepare(chunks)?;
+        match self.exec.execute(&step.inputs) {
+            Ok(logits) => {
+                self.pages.commit(step)?;
+                Ok(logits)
+            }
+            Err(e) => {
+                self.pages.rollback(step)?;
+                Err(e)
+            }
+        }
     }
 
     /// Frees `seq`'s cache pages.
@@ -230,5 +249,14 @@ impl Engine {
         })();
         self.release(seq);
         result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_engine_can_move_to_another_thread() {
+        fn send<T: Send>() {}
+        send::<super::Engine>();
     }
 }

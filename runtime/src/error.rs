@@ -28,6 +28,15 @@ pub enum RuntimeError {
     /// A request does not fit the artifact's bounds or vocabulary.
     #[error("invalid input: {0}")]
     Input(String),
+    /// The page table refused a step or an operation (out of pages, a sequence too long, ...).
+    #[error("{0}")]
+    Pages(#[from] maxc_schema::PageError),
+}
+
+impl From<maxc_schema::StepError> for RuntimeError {
+    fn from(e: maxc_schema::StepError) -> Self {
+        RuntimeError::Input(e.0)
+    }
 }
 
 impl RuntimeError {

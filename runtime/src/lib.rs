@@ -1,20 +1,23 @@
-//! maxc's runtime: the artifact schema, its reader and validation, the paged KV cache's
-//! bookkeeping and the executors. It holds no compiler: artifacts are compiled ahead of time by
-//! `maxc compile`.
+//! maxc's runtime: the artifact reader and its validation, the executors and the engine that
+//! runs sequences on them. It holds no compiler: artifacts are compiled ahead of time by
+//! `maxc compile`. The contract with the compiler is the schema crate, re-exported as
+//! [`schema`].
 
 pub mod artifact;
 pub mod chat;
 pub mod cpu;
 pub mod cuda;
+pub mod diff;
+pub mod dump;
 pub mod engine;
 pub mod error;
-pub mod kv;
+pub mod logits;
 pub mod sampling;
-pub mod schema;
-pub mod step;
 pub mod tokenizer;
 
 pub use artifact::Artifact;
 pub use engine::Engine;
 pub use error::{Result, RuntimeError};
-pub use step::{Logits, StepInputs};
+pub use logits::Logits;
+pub use maxc_schema as schema;
+pub use maxc_schema::{PageTable, StepInputs};

@@ -49,7 +49,7 @@ fn root() -> PathBuf {
 fn fixtures() -> PathBuf {
     std::env::var_os("MAXC_FIXTURES")
         .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("../shared/fixtures"))
+        .unwrap_or_else(|| root().join("golden/fixtures"))
         .join("smollm2-135m")
 }
 
@@ -249,19 +249,11 @@ fn tokenizer_json_is_deterministic_and_matches_transformers() {
     let v: serde_json::Value = serde_json::from_str(&again).unwrap();
     assert_eq!(v["pre_tokenizer"]["type"], "ByteLevel");
     assert_eq!(v["added_tokens"].as_array().map(Vec::len), Some(17));
-    let sha = sha256_hex(again.as_bytes());
+    let sha = maxc_runtime::schema::sha256_hex(again.as_bytes());
     assert_eq!(
         sha, TRANSFORMERS_TOKENIZER_JSON_SHA256,
         "tokenizer.json differs from transformers'"
     );
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    use sha2::Digest;
-    sha2::Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! `maxc compile MODEL --out DIR`: compiles a checkpoint into an artifact.
 
-use crate::args::RuntimeArgs;
+use crate::runtime_args::RuntimeArgs;
 use anyhow::Result;
 use maxc_exporter::{compile, CompileOptions, CpuMatmul};
 use maxc_graph::pipeline::read_config;

@@ -2,8 +2,8 @@
 //! 1 when different, 2 on error (like `diff`).
 
 use anyhow::Result;
-use maxc_exporter::diff::{diff_dumps, report};
-use maxc_exporter::dump::dump;
+use maxc_runtime::diff::{diff_dumps, report};
+use maxc_runtime::dump::dump;
 use maxc_runtime::Artifact;
 use std::path::PathBuf;
 

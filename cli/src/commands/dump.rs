@@ -1,7 +1,7 @@
 //! `maxc dump ARTIFACT DIR`: the artifact as reviewable text.
 
 use anyhow::{Context, Result};
-use maxc_exporter::dump::{dump, write_dump};
+use maxc_runtime::dump::{dump, write_dump};
 use maxc_runtime::Artifact;
 use std::path::PathBuf;
 

@@ -1,8 +1,8 @@
 //! `maxc inspect ARTIFACT`: roles, dims and bounds, kernels, arena, weights.
 
 use anyhow::Result;
-use maxc_runtime::schema::Storage;
 use maxc_runtime::Artifact;
+use maxc_schema::Storage;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::PathBuf;

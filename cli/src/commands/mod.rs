@@ -1,12 +1,16 @@
 //! One module per `maxc` subcommand.
 
+#[cfg(feature = "compile")]
 pub mod compile;
 pub mod diff;
 pub mod dump;
+#[cfg(feature = "compile")]
 pub mod eval;
 pub mod generate;
 pub mod inspect;
+#[cfg(feature = "compile")]
 pub mod models;
+#[cfg(feature = "compile")]
 pub mod plan;
 pub mod run;
 pub mod tokenize;

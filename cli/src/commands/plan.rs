@@ -1,7 +1,7 @@
 //! `maxc plan MODEL`: runs the deployment hooks and the weight pipeline, builds every role's graph
 //! and reports parameters, op counts, inputs and the bound of every dim.
 
-use crate::args::RuntimeArgs;
+use crate::runtime_args::RuntimeArgs;
 use anyhow::{Context, Result};
 use maxc_graph::ir::shape_string;
 use maxc_graph::pipeline::{load_model, read_config, LoadOptions};

@@ -14,6 +14,9 @@ use kernels::PagedBatch;
 use petgraph::graph::NodeIndex;
 use std::collections::BTreeMap;
 
+use maxc_schema::kernel::StepDim;
+pub use maxc_schema::{StepInputs, StepLimits};
+
 /// A dense f32 tensor.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tensor {
@@ -29,21 +32,6 @@ impl Tensor {
         let n = self.shape.last().copied().unwrap_or(1);
         &self.data[i * n..(i + 1) * n]
     }
-}
-
-/// One step's inputs: a ragged batch of token rows with their paged-cache bookkeeping.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct StepInputs {
-    /// The token rows of every sequence, concatenated.
-    pub tokens: Vec<i64>,
-    /// Where each sequence's rows start, plus the end: `B + 1` non-decreasing offsets from 0.
-    pub input_row_offsets: Vec<u32>,
-    /// Tokens already in the cache, per sequence.
-    pub cache_lengths: Vec<u32>,
-    /// `[B, pages_per_seq]`: the cache page holding each sequence's tokens `p * page_size ..`.
-    pub kv_lookup_table: Vec<u32>,
-    /// Columns of `kv_lookup_table` (`max_num_pages`).
-    pub pages_per_seq: usize,
 }
 
 /// A role's paged KV cache for the interpreter.
@@ -138,71 +126,25 @@ impl Interpreter {
         }
     }
 
+    /// The step's one check ([`StepInputs::checked_dims`]) against this graph and `cache`:
+    /// the interpreter has no bounds but the cache's pages.
     fn check(&self, s: &StepInputs, cache: &KvCache) -> Result<()> {
-        let bad = |m: String| Err(Error::Eval(m));
-        let b = s.cache_lengths.len();
-        if s.input_row_offsets.len() != b + 1 {
-            return bad(format!(
-                "input_row_offsets has {} entries, expected batch size + 1 = {}",
-                s.input_row_offsets.len(),
-                b + 1
-            ));
-        }
-        if s.input_row_offsets[0] != 0 || s.input_row_offsets.windows(2).any(|w| w[0] > w[1]) {
-            return bad(format!(
-                "input_row_offsets {:?} must start at 0 and never decrease",
-                s.input_row_offsets
-            ));
-        }
-        if s.input_row_offsets[b] as usize != s.tokens.len() {
-            return bad(format!(
-                "input_row_offsets ends at {}, but there are {} tokens",
-                s.input_row_offsets[b],
-                s.tokens.len()
-            ));
-        }
-        if s.kv_lookup_table.len() != b * s.pages_per_seq {
-            return bad(format!(
-                "kv_lookup_table has {} entries, expected {b} × {}",
-                s.kv_lookup_table.len(),
-                s.pages_per_seq
-            ));
-        }
-        if let Some(t) = s
-            .tokens
-            .iter()
-            .find(|&&t| t < 0 || t as usize >= self.vocab_size)
-        {
-            return bad(format!(
-                "token id {t} is outside the vocabulary (0..{})",
-                self.vocab_size
-            ));
-        }
-        let page = self.kv_layout.page_size;
-        for i in 0..b {
-            let end = s.cache_lengths[i] as usize
-                + (s.input_row_offsets[i + 1] - s.input_row_offsets[i]) as usize;
-            if end > s.pages_per_seq * page {
-                return bad(format!(
-                    "sequence {i} reaches {end} tokens, beyond its {} pages of {page}",
-                    s.pages_per_seq
-                ));
-            }
-            let used = end.div_ceil(page);
-            if let Some(p) = s.kv_lookup_table[i * s.pages_per_seq..][..used]
-                .iter()
-                .find(|&&p| p as usize >= cache.num_pages)
-            {
-                return bad(format!(
-                    "sequence {i} uses page {p}, but the cache has {} pages",
-                    cache.num_pages
-                ));
-            }
-        }
         if cache.layout != self.kv_layout {
-            return bad("the KV cache's layout differs from the graph's".into());
+            return Err(Error::Eval(
+                "the KV cache's layout differs from the graph's".into(),
+            ));
         }
-        Ok(())
+        let mut bounds = [u64::MAX; StepDim::COUNT];
+        bounds[StepDim::TotalNumPages as usize] = cache.num_pages as u64;
+        let limits = StepLimits {
+            bounds,
+            vocab_size: self.vocab_size as u64,
+            page_size: self.kv_layout.page_size as u64,
+            max_seq_len: u64::MAX,
+        };
+        s.checked_dims(&limits)
+            .map(|_| ())
+            .map_err(|e| Error::Eval(e.to_string()))
     }
 
     /// Runs one step: writes the step's keys and values into `cache` and returns the graph's
@@ -218,7 +160,7 @@ impl Interpreter {
             ("max_num_pages".to_string(), s.pages_per_seq),
             ("total_num_pages".to_string(), cache.num_pages),
         ]);
-        let widen = |v: &[u32]| v.iter().map(|&x| x as i64).collect::<Vec<i64>>();
+        let widen = |v: &[i32]| v.iter().map(|&x| i64::from(x)).collect::<Vec<i64>>();
         let (offs, lens, lut) = (
             widen(&s.input_row_offsets),
             widen(&s.cache_lengths),

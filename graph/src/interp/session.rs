@@ -1,17 +1,16 @@
-//! A simple driver of the interpreter over many sequences: it hands out cache pages from a free
-//! list (so sequences' pages interleave) and builds each step's [`StepInputs`].
+//! A simple driver of the interpreter over many sequences: the schema's [`PageTable`] hands out
+//! cache pages (so sequences' pages interleave, as in the runtime) and builds each step's
+//! [`super::StepInputs`].
 
-use super::{Interpreter, KvCache, StepInputs, Tensor};
+use super::{Interpreter, KvCache, Tensor};
 use crate::{Error, Result};
-use std::collections::BTreeMap;
+use maxc_schema::PageTable;
 
 /// Sequences being run by one interpreter, with their pages and cached lengths.
 pub struct Session<'a> {
     interp: &'a Interpreter,
     cache: KvCache,
-    pages_per_seq: usize,
-    free: Vec<u32>,
-    seqs: BTreeMap<u64, (Vec<u32>, usize)>,
+    pages: PageTable,
 }
 
 impl<'a> Session<'a> {
@@ -20,62 +19,35 @@ impl<'a> Session<'a> {
         Session {
             interp,
             cache: interp.new_kv_cache(num_pages),
-            pages_per_seq,
-            free: (0..num_pages as u32).rev().collect(),
-            seqs: BTreeMap::new(),
+            pages: PageTable::new(num_pages, interp.kv_layout.page_size, pages_per_seq),
         }
     }
 
     /// Tokens cached for sequence `id`.
     pub fn cached_len(&self, id: u64) -> usize {
-        self.seqs.get(&id).map_or(0, |s| s.1)
+        self.pages.len(id)
     }
 
     /// Runs one step in which each `(sequence, tokens)` pair appends its tokens (a prefill chunk
-    /// or a decode token); new sequences start empty. Returns the graph's logits.
+    /// or a decode token); new sequences start empty. Returns the graph's logits. A failing
+    /// step changes no sequence.
     pub fn step(&mut self, chunks: &[(u64, &[i64])]) -> Result<Tensor> {
-        let page = self.interp.kv_layout.page_size;
-        let mut s = StepInputs {
-            pages_per_seq: self.pages_per_seq,
-            input_row_offsets: vec![0],
-            ..Default::default()
-        };
-        for &(id, tokens) in chunks {
-            let (pages, len) = self.seqs.entry(id).or_default();
-            let need = (*len + tokens.len()).div_ceil(page);
-            if need > self.pages_per_seq {
-                return Err(Error::Eval(format!(
-                    "sequence {id} would need {need} pages; at most {} allowed",
-                    self.pages_per_seq
-                )));
+        let eval = |e: maxc_schema::PageError| Error::Eval(e.to_string());
+        let step = self.pages.prepare(chunks).map_err(eval)?;
+        match self.interp.step(&step.inputs, &mut self.cache) {
+            Ok(out) => {
+                self.pages.commit(step).map_err(eval)?;
+                Ok(out)
             }
-            while pages.len() < need {
-                pages.push(
-                    self.free
-                        .pop()
-                        .ok_or_else(|| Error::Eval("the KV cache is out of pages".into()))?,
-                );
-            }
-            s.tokens.extend_from_slice(tokens);
-            s.input_row_offsets.push(s.tokens.len() as u32);
-            s.cache_lengths.push(*len as u32);
-            let mut row = pages.clone();
-            row.resize(self.pages_per_seq, 0);
-            s.kv_lookup_table.extend(row);
-        }
-        let out = self.interp.step(&s, &mut self.cache)?;
-        for &(id, tokens) in chunks {
-            if let Some(seq) = self.seqs.get_mut(&id) {
-                seq.1 += tokens.len();
+            Err(e) => {
+                self.pages.rollback(step).map_err(eval)?;
+                Err(e)
             }
         }
-        Ok(out)
     }
 
     /// Frees sequence `id`'s pages.
     pub fn release(&mut self, id: u64) {
-        if let Some((pages, _)) = self.seqs.remove(&id) {
-            self.free.extend(pages.into_iter().rev());
-        }
+        self.pages.release(id);
     }
 }

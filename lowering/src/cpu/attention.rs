@@ -9,7 +9,7 @@ use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::types::{F32, F32X4, I64};
 use cranelift_codegen::ir::{InstBuilder, StackSlotData, StackSlotKind, Value};
 
-/// Emits [`maxc_runtime::schema::KernelBody::Attention`]. For each row `r` of this call's
+/// Emits [`maxc_schema::KernelBody::Attention`]. For each row `r` of this call's
 /// slice: its sequence `b` and position `p`; for every query head `h` (KV head
 /// `h / (heads / kv_heads)`), a walk over the sequence's pages covering positions `0..=p`
 /// keeping a running max `m`, running sum `l` and a `head_dim` f32 accumulator in a stack

@@ -10,7 +10,7 @@ use cranelift_codegen::ir::types::{I32, I32X4, I64};
 use cranelift_codegen::ir::{BlockArg, InstBuilder, MemFlagsData, Type, Value};
 use cranelift_codegen::isa::TargetFrontendConfig;
 use cranelift_frontend::{FunctionBuilder, Variable};
-use maxc_runtime::schema::{Rows, StepDim};
+use maxc_schema::{Rows, StepDim};
 
 /// Flags of every memory access: non-trapping, and not assumed aligned (rows of odd widths
 /// start anywhere).

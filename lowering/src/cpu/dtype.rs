@@ -6,7 +6,7 @@ use super::CpuError;
 use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::types::I32;
 use cranelift_codegen::ir::{InstBuilder, Type, Value};
-use maxc_runtime::schema::DType;
+use maxc_schema::DType;
 
 /// The storage type of a float buffer a kernel reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

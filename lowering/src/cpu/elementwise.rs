@@ -6,9 +6,9 @@ use super::dtype::{self, FloatType};
 use super::math;
 use super::CpuError;
 use cranelift_codegen::ir::{InstBuilder, Type, Value};
-use maxc_runtime::schema::{EwInput, EwInstr};
+use maxc_schema::{EwInput, EwInstr};
 
-/// Emits [`maxc_runtime::schema::KernelBody::Elementwise`]: per row, an f32x4 loop over the
+/// Emits [`maxc_schema::KernelBody::Elementwise`]: per row, an f32x4 loop over the
 /// columns evaluating the program (broadcast inputs are indexed by column only), then the
 /// `cols % 4` tail.
 pub(crate) fn emit(

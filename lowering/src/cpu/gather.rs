@@ -5,9 +5,9 @@ use super::dtype::{self, FloatType};
 use super::CpuError;
 use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::{InstBuilder, Value};
-use maxc_runtime::schema::{DType, GatherIndex};
+use maxc_schema::{DType, GatherIndex};
 
-/// Emits [`maxc_runtime::schema::KernelBody::Gather`]: for each output row `i` of this call's
+/// Emits [`maxc_schema::KernelBody::Gather`]: for each output row `i` of this call's
 /// slice, copies (and widens to f32) the chosen source row with f32x4 stores; a sequence
 /// without rows gets a zero row.
 pub(crate) fn emit(

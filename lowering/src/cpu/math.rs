@@ -97,7 +97,7 @@ mod tests {
         ) -> cranelift_codegen::ir::Value,
         xs: &[f32],
     ) -> Option<Vec<f32>> {
-        let target = CpuTarget::host_baseline().ok()?;
+        let target = CpuTarget::host_baseline()?;
         if !target.host_supports() {
             return None;
         }

@@ -6,9 +6,9 @@ use super::dtype::{self, FloatType};
 use super::CpuError;
 use cranelift_codegen::ir::types::F32;
 use cranelift_codegen::ir::InstBuilder;
-use maxc_runtime::schema::{DType, Rows};
+use maxc_schema::{DType, Rows};
 
-/// Emits [`maxc_runtime::schema::KernelBody::Matmul`]: for each output column `j` of this
+/// Emits [`maxc_schema::KernelBody::Matmul`]: for each output column `j` of this
 /// call's slice and every row `r`, `out[r, j] = Σ_k x[r, k] · w[j, k] (+ bias[j])` with four
 /// f32x4 accumulators over `k` (weights widened from `weight_dtype` on load).
 pub(crate) fn emit(

@@ -1,7 +1,7 @@
 //! The CPU backend: Cranelift-generated native code for the kernel IR.
 //!
 //! [`compile_kernel`] turns one [`KernelBody`] into position-independent, relocation-free
-//! machine code with the calling convention documented in [`maxc_runtime::schema::kernel`].
+//! machine code with the calling convention documented in [`maxc_schema::kernel`].
 //! Every kernel kind is generated except [`KernelBody::MoeExperts`], which stays a runtime
 //! library kernel. Code generation depends only on the kernel and the fixed [`CpuTarget`],
 //! never on the machine running the compiler, so the same input gives the same bytes.
@@ -30,7 +30,7 @@ use cranelift_codegen::control::ControlPlane;
 use cranelift_codegen::ir::{types, AbiParam, Function, Signature, UserFuncName};
 use cranelift_codegen::{CodegenError, Context};
 use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext};
-use maxc_runtime::schema::KernelBody;
+use maxc_schema::KernelBody;
 
 /// The alignment (bytes) a kernel's code must start at when several kernels share one code
 /// blob: the code addresses its inline 128-bit constants PC-relatively and some instructions
@@ -38,7 +38,7 @@ use maxc_runtime::schema::KernelBody;
 pub const KERNEL_CODE_ALIGN: usize = 16;
 
 /// Compiles one kernel to relocation-free, position-independent machine code with the
-/// calling convention in [`maxc_runtime::schema::kernel`].
+/// calling convention in [`maxc_schema::kernel`].
 pub fn compile_kernel(body: &KernelBody, target: &CpuTarget) -> Result<Vec<u8>, CpuError> {
     compile_function(body.kind(), target, |kb| emit_body(kb, body))
 }

@@ -6,9 +6,9 @@ use super::dtype::{self, FloatType};
 use super::CpuError;
 use cranelift_codegen::ir::types::{F32, F32X4};
 use cranelift_codegen::ir::{InstBuilder, Value};
-use maxc_runtime::schema::DType;
+use maxc_schema::DType;
 
-/// Emits [`maxc_runtime::schema::KernelBody::RmsNorm`]. Per row: one pass that (with
+/// Emits [`maxc_schema::KernelBody::RmsNorm`]. Per row: one pass that (with
 /// `residual`) writes `sum = a + b` and accumulates squares in four f32x4 accumulators, then
 /// `inv = 1 / sqrt(Σx²/cols + eps)` and a pass writing `out = x · inv · w`.
 pub(crate) fn emit(

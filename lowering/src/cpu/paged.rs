@@ -6,7 +6,7 @@ use super::CpuError;
 use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::types::I64;
 use cranelift_codegen::ir::{BlockArg, InstBuilder, Value};
-use maxc_runtime::schema::StepDim;
+use maxc_schema::StepDim;
 
 /// One layer's view of the paged cache `[pages, num_layers, 2, page_size, kv_heads, head_dim]`.
 pub(crate) struct CacheLayout {
@@ -150,7 +150,7 @@ impl Sequences {
     }
 }
 
-/// Emits [`maxc_runtime::schema::KernelBody::Positions`]: for each sequence `b` of this
+/// Emits [`maxc_schema::KernelBody::Positions`]: for each sequence `b` of this
 /// call's slice, `out[r] = cache_lengths[b] + r - input_row_offsets[b]` for its rows.
 pub(crate) fn emit_positions(kb: &mut KernelBuilder) {
     let offsets = kb.buf(0);
@@ -171,7 +171,7 @@ pub(crate) fn emit_positions(kb: &mut KernelBuilder) {
     });
 }
 
-/// Emits [`maxc_runtime::schema::KernelBody::KvStore`]: copies each row's keys and values
+/// Emits [`maxc_schema::KernelBody::KvStore`]: copies each row's keys and values
 /// (all KV heads, f32x4 copies) into its page and slot of the cache.
 pub(crate) fn emit_kv_store(kb: &mut KernelBuilder, cache: &CacheLayout) -> Result<(), CpuError> {
     let k = kb.buf(0);

@@ -4,7 +4,7 @@ use super::builder::{check_product, check_size, KernelBuilder};
 use super::CpuError;
 use cranelift_codegen::ir::InstBuilder;
 
-/// Emits [`maxc_runtime::schema::KernelBody::Rope`]: per row, looks up its position's cos/sin
+/// Emits [`maxc_schema::KernelBody::Rope`]: per row, looks up its position's cos/sin
 /// table row, then for every head rotates the pairs `(x[i], x[i + h])` with f32x4 lanes over
 /// `i < h = head_dim / 2` (scalar tail for `h % 4`).
 pub(crate) fn emit(kb: &mut KernelBuilder, heads: u64, head_dim: u64) -> Result<(), CpuError> {

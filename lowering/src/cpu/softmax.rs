@@ -7,7 +7,7 @@ use super::CpuError;
 use cranelift_codegen::ir::types::F32X4;
 use cranelift_codegen::ir::InstBuilder;
 
-/// Emits [`maxc_runtime::schema::KernelBody::Softmax`]. Per row, three passes: the maximum
+/// Emits [`maxc_schema::KernelBody::Softmax`]. Per row, three passes: the maximum
 /// (four f32x4 max accumulators), `e = exp(x - max)` written to `out` while summing (four
 /// f32x4 sum accumulators), then `out = e / sum`.
 pub(crate) fn emit(kb: &mut KernelBuilder, cols: u64) -> Result<(), CpuError> {

@@ -1,48 +1,11 @@
-//! The code-generation target: a fixed architecture and feature set, the host check the
-//! runtime mirrors, and the Cranelift ISA built from it with explicit settings.
+//! The Cranelift ISA for a code-generation target ([`CpuTarget`], from the schema: a fixed
+//! architecture, calling convention and feature set, never host-detected, so compiler output is
+//! deterministic), built with explicit settings.
 
 use super::CpuError;
 use cranelift_codegen::isa::{self, OwnedTargetIsa};
 use cranelift_codegen::settings::{self, Configurable};
-
-/// The fixed code-generation target: architecture + feature set. Fixed, not host-detected, so
-/// compiler output is deterministic.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CpuTarget {
-    /// `"x86_64"` or `"aarch64"`.
-    pub arch: String,
-    /// Instruction-set features the code may use, e.g. `["sse3", "ssse3", "sse4.1", ...]`.
-    pub features: Vec<String>,
-}
-
-impl CpuTarget {
-    /// The baseline target for the architecture this compiler runs on: x86-64-v2 (128-bit SSE
-    /// up to SSE4.2) on x86_64, NEON on aarch64; an error on other architectures.
-    pub fn host_baseline() -> Result<Self, CpuError> {
-        let (arch, features): (&str, &[&str]) = match std::env::consts::ARCH {
-            "x86_64" => ("x86_64", &["sse3", "ssse3", "sse4.1", "sse4.2", "popcnt"]),
-            "aarch64" => ("aarch64", &["neon"]),
-            other => {
-                return Err(CpuError::UnsupportedArch {
-                    arch: other.to_string(),
-                })
-            }
-        };
-        Ok(CpuTarget {
-            arch: arch.to_string(),
-            features: features.iter().map(|f| f.to_string()).collect(),
-        })
-    }
-
-    /// Whether the machine running this code has the target's architecture and every feature.
-    pub fn host_supports(&self) -> bool {
-        let target = maxc_runtime::schema::CpuTarget {
-            arch: self.arch.clone(),
-            features: self.features.clone(),
-        };
-        maxc_runtime::cpu::target::host_supports(&target).is_none()
-    }
-}
+pub use maxc_schema::CpuTarget;
 
 /// The Cranelift ISA for `target`, with explicit settings so output does not depend on the host.
 pub(crate) fn build_isa(target: &CpuTarget) -> Result<OwnedTargetIsa, CpuError> {
@@ -50,14 +13,14 @@ pub(crate) fn build_isa(target: &CpuTarget) -> Result<OwnedTargetIsa, CpuError> 
         arch: target.arch.clone(),
         message,
     };
-    let triple = match target.arch.as_str() {
-        // kernel.rs fixes System V on x86-64, whatever the host OS.
-        "x86_64" => "x86_64-unknown-linux-gnu",
-        "aarch64" if cfg!(target_os = "macos") => "aarch64-apple-darwin",
-        "aarch64" => "aarch64-unknown-linux-gnu",
-        other => {
+    // The triple only selects the calling convention the target names.
+    let triple = match (target.arch.as_str(), target.abi.as_str()) {
+        ("x86_64", "sysv64") => "x86_64-unknown-linux-gnu",
+        ("aarch64", "darwin-arm64") => "aarch64-apple-darwin",
+        ("aarch64", "aapcs64") => "aarch64-unknown-linux-gnu",
+        (arch, abi) => {
             return Err(CpuError::UnsupportedArch {
-                arch: other.to_string(),
+                arch: format!("{arch} with the {abi} calling convention"),
             })
         }
     };

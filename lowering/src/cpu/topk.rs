@@ -6,7 +6,7 @@ use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::types::{F32, F32X4, I32, I32X4, I64};
 use cranelift_codegen::ir::{ConstantData, InstBuilder, Value};
 
-/// Emits [`maxc_runtime::schema::KernelBody::TopK`]. Entries are ranked by value, then by
+/// Emits [`maxc_schema::KernelBody::TopK`]. Entries are ranked by value, then by
 /// lower index. Per row, `min(k, cols)` scalar argmax passes each find the best entry ranked
 /// after the previous pass's pick, which tracks the k-th kept entry `(pv, pi)` and the kept
 /// sum without scratch memory; a final f32x4 pass writes `x` (or `x / sum` with

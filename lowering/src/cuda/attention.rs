@@ -3,12 +3,12 @@
 use super::paged::{page_lookup, CacheLayout, LOCATE_ROW};
 use super::source::{self, f32_lit, fill, ull, Buf, Ctx, WARP};
 use super::{CudaError, Emitted};
-use maxc_runtime::schema::{CudaLaunch, GridExtent, Rows, StepDim};
+use maxc_schema::{CudaLaunch, GridExtent, Rows, StepDim};
 
 /// Warps per block; each walks every `WARPS`-th position of the context.
 const WARPS: u32 = 4;
 
-/// Emits [`maxc_runtime::schema::KernelBody::Attention`]: one block per (token row
+/// Emits [`maxc_schema::KernelBody::Attention`]: one block per (token row
 /// `r < total_seq_len`, query head), reading KV head `head / (heads / kv_heads)`. The row's
 /// sequence `b` and position `p` come from the row offsets; warp `w` walks positions
 /// `w, w + WARPS, ... <= p` (pages through `kv_lookup_table`, skipping entries outside the

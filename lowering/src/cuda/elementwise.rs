@@ -2,12 +2,12 @@
 
 use super::source::{self, fill, per_row, rows_expr, ull, Buf, Ctx};
 use super::{CudaError, Emitted};
-use maxc_runtime::schema::{CudaLaunch, EwInput, EwInstr, GridExtent, Rows};
+use maxc_schema::{CudaLaunch, EwInput, EwInstr, GridExtent, Rows};
 
 /// Most blocks in y (CUDA's limit); columns beyond are covered by a grid-stride loop.
 const MAX_GRID_Y: u64 = 65535;
 
-/// Emits [`maxc_runtime::schema::KernelBody::Elementwise`]: blocks in x over rows `r < rows`,
+/// Emits [`maxc_schema::KernelBody::Elementwise`]: blocks in x over rows `r < rows`,
 /// blocks in y over column chunks with a grid-stride loop; each element evaluates the program
 /// as one `const float vN = ...;` per instruction (broadcast inputs indexed by column only).
 /// Every element is read and written by one thread, reads first, so `out` may be an input.

@@ -2,9 +2,9 @@
 
 use super::source::{self, fill, per_row, rows_expr, ull, Buf, Ctx};
 use super::{CudaError, Emitted};
-use maxc_runtime::schema::{CudaLaunch, DType, GatherIndex, GridExtent, Rows};
+use maxc_schema::{CudaLaunch, DType, GatherIndex, GridExtent, Rows};
 
-/// Emits [`maxc_runtime::schema::KernelBody::Gather`]: one block per output row `i < rows`,
+/// Emits [`maxc_schema::KernelBody::Gather`]: one block per output row `i < rows`,
 /// threads striding over the columns. `Tokens` copies source row `index[i]`; `LastRows` copies
 /// row `index[i + 1] - 1` when sequence `i` has rows (and that row is below `total_seq_len`),
 /// zeros otherwise.

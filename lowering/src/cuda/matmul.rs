@@ -4,7 +4,7 @@
 use super::mma;
 use super::source::{self, fill, rows_expr, ull, Buf, Ctx};
 use super::{CudaError, CudaTarget, Emitted};
-use maxc_runtime::schema::{CudaLaunch, DType, GridExtent, Rows};
+use maxc_schema::{CudaLaunch, DType, GridExtent, Rows};
 
 /// Output tile (rows × columns) of one block of the f32 kernel.
 const TILE: u64 = 64;
@@ -60,7 +60,7 @@ impl Shape {
     }
 }
 
-/// Emits [`maxc_runtime::schema::KernelBody::Matmul`]: the tensor-core kernel for bf16/f16
+/// Emits [`maxc_schema::KernelBody::Matmul`]: the tensor-core kernel for bf16/f16
 /// weights when the target has `mma.sync` (sm_80+), the tiled f32 kernel otherwise.
 pub(crate) fn emit(
     cx: Ctx,

@@ -4,7 +4,7 @@
 use super::matmul::Shape;
 use super::source::{self, fill, rows_expr, ull, Ctx};
 use super::Emitted;
-use maxc_runtime::schema::CudaLaunch;
+use maxc_schema::CudaLaunch;
 
 /// Output tile (rows × columns) of one block.
 const TILE: u64 = 64;

@@ -5,8 +5,8 @@
 //! translation unit; [`compile_ptx`] compiles it with NVRTC (loaded at run time through
 //! `cudarc`); [`ptxas_check`] assembles the PTX with ptxas and reads each kernel's registers,
 //! spills and shared memory. Kernel parameters follow the launch contract in
-//! [`maxc_runtime::schema::kernel`]: the buffers as device pointers in the documented order,
-//! then the five step dims as `unsigned long long` in [`maxc_runtime::schema::StepDim`] slot
+//! [`maxc_schema::kernel`]: the buffers as device pointers in the documented order,
+//! then the five step dims as `unsigned long long` in [`maxc_schema::StepDim`] slot
 //! order; every index derived from a step dim is guarded against it. Values accumulate in f32.
 //! Emission depends only on the kernel and the target, so the same input gives the same text.
 
@@ -33,7 +33,7 @@ pub use nvrtc::{compile_ptx, nvrtc_options, nvrtc_status, Ptx};
 pub use ptxas::{ptxas_check, KernelResources};
 pub use target::CudaTarget;
 
-use maxc_runtime::schema::{CudaLaunch, KernelBody};
+use maxc_schema::{CudaLaunch, KernelBody};
 use source::Ctx;
 
 /// A kernel's source and how to launch it.

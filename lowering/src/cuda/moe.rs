@@ -2,14 +2,14 @@
 
 use super::source::{self, fill, per_row, rows_expr, ull, Buf, Ctx};
 use super::{CudaError, Emitted};
-use maxc_runtime::schema::{CudaLaunch, DType, GridExtent, Rows};
+use maxc_schema::{CudaLaunch, DType, GridExtent, Rows};
 
 /// Threads per block (8 warps).
 const THREADS: u32 = 256;
 /// Most `ffn` activations kept in shared memory at once.
 const CHUNK: u64 = 2048;
 
-/// Emits [`maxc_runtime::schema::KernelBody::MoeExperts`] as one kernel over all experts (on
+/// Emits [`maxc_schema::KernelBody::MoeExperts`] as one kernel over all experts (on
 /// CUDA there are no partial outputs to sum: the kernel overwrites `out`). One block per row
 /// `r < rows`: it zeroes `out[r]`, then for each expert `e` in order whose routing weight
 /// `routing[r, e]` is non-zero (the same for the whole block) calls `<name>_expert`, which per

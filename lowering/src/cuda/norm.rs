@@ -2,9 +2,9 @@
 
 use super::source::{self, f32_lit, fill, per_row, rows_expr, ull, Buf, Ctx};
 use super::{CudaError, Emitted};
-use maxc_runtime::schema::{CudaLaunch, DType, GridExtent, Rows};
+use maxc_schema::{CudaLaunch, DType, GridExtent, Rows};
 
-/// Emits [`maxc_runtime::schema::KernelBody::RmsNorm`]: one block per row `r < rows`. Pass 1
+/// Emits [`maxc_schema::KernelBody::RmsNorm`]: one block per row `r < rows`. Pass 1
 /// (with `residual`, writing `sum = a + b`) sums squares per thread, then a block reduction;
 /// `inv = 1 / sqrt(Σx²/cols + eps)`; pass 2 writes `out = x · inv · w`. Each thread reads back
 /// only the sums it wrote itself.

@@ -3,7 +3,7 @@
 
 use super::source::{self, fill, ull, Buf, Ctx};
 use super::{CudaError, Emitted};
-use maxc_runtime::schema::{CudaLaunch, GridExtent, Rows, StepDim};
+use maxc_schema::{CudaLaunch, GridExtent, Rows, StepDim};
 
 /// One layer's view of the paged cache `[pages, num_layers, 2, page_size, kv_heads, head_dim]`.
 pub(crate) struct CacheLayout {
@@ -99,7 +99,7 @@ ${I}const maxc_u64 page = (maxc_u64)page_entry;
     )
 }
 
-/// Emits [`maxc_runtime::schema::KernelBody::Positions`]: one block per sequence
+/// Emits [`maxc_schema::KernelBody::Positions`]: one block per sequence
 /// `b < batch_size`, threads striding over its rows `input_row_offsets[b]..[b + 1]` (clipped to
 /// `total_seq_len`), writing `cache_lengths[b] + r - input_row_offsets[b]`.
 pub(crate) fn emit_positions(cx: Ctx) -> Result<Emitted, CudaError> {
@@ -130,7 +130,7 @@ pub(crate) fn emit_positions(cx: Ctx) -> Result<Emitted, CudaError> {
     Ok((source::kernel(cx.name, threads, &bufs, body), launch))
 }
 
-/// Emits [`maxc_runtime::schema::KernelBody::KvStore`]: one block per token row
+/// Emits [`maxc_schema::KernelBody::KvStore`]: one block per token row
 /// `r < total_seq_len`; the row's sequence and position give its page (through
 /// `kv_lookup_table`, skipped when out of bounds) and slot, and threads copy the row's keys
 /// and values (all KV heads) there.

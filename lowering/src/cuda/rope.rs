@@ -2,9 +2,9 @@
 
 use super::source::{self, fill, ull, Buf, Ctx};
 use super::{CudaError, Emitted};
-use maxc_runtime::schema::{CudaLaunch, GridExtent, Rows, StepDim};
+use maxc_schema::{CudaLaunch, GridExtent, Rows, StepDim};
 
-/// Emits [`maxc_runtime::schema::KernelBody::Rope`]: one block per token row
+/// Emits [`maxc_schema::KernelBody::Rope`]: one block per token row
 /// `r < total_seq_len`; its position selects the table row `[2, head_dim/2]` (cos, then sin),
 /// and threads stride over the `heads × head_dim/2` pairs `(x[i], x[i + h])`.
 pub(crate) fn emit(cx: Ctx, heads: u64, head_dim: u64) -> Result<Emitted, CudaError> {

@@ -2,9 +2,9 @@
 
 use super::source::{self, fill, per_row, rows_expr, ull, Buf, Ctx};
 use super::{CudaError, Emitted};
-use maxc_runtime::schema::{CudaLaunch, GridExtent, Rows};
+use maxc_schema::{CudaLaunch, GridExtent, Rows};
 
-/// Emits [`maxc_runtime::schema::KernelBody::Softmax`]: one block per row `r < rows`; the row
+/// Emits [`maxc_schema::KernelBody::Softmax`]: one block per row `r < rows`; the row
 /// maximum (block reduction), `e = expf(x - max)` written to `out` while summing (block
 /// reduction), then `out = e / sum`. Each thread reads back only what it wrote.
 pub(crate) fn emit(cx: Ctx, rows: Rows, cols: u64) -> Result<Emitted, CudaError> {

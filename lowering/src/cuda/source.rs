@@ -2,7 +2,7 @@
 //! dims), C spellings of sizes, dtypes and f32 constants, template filling and field checks.
 
 use super::CudaError;
-use maxc_runtime::schema::{DType, GridExtent, Rows, StepDim};
+use maxc_schema::{DType, GridExtent, Rows, StepDim};
 
 /// Threads in a warp.
 pub(crate) const WARP: u32 = 32;

@@ -2,12 +2,12 @@
 
 use super::source::{self, fill, rows_expr, ull, Buf, Ctx, WARP};
 use super::{CudaError, Emitted};
-use maxc_runtime::schema::{CudaLaunch, GridExtent, Rows};
+use maxc_schema::{CudaLaunch, GridExtent, Rows};
 
 /// Rows per block: one warp each.
 const ROWS_PER_BLOCK: u32 = 4;
 
-/// Emits [`maxc_runtime::schema::KernelBody::TopK`]: one warp per row `r < rows`. Entries are
+/// Emits [`maxc_schema::KernelBody::TopK`]: one warp per row `r < rows`. Entries are
 /// ranked by value, then by lower index. Each of `min(k, cols)` passes finds the best entry
 /// ranked after the previous pick `(pv, pi)` (a per-lane scan, then a butterfly arg-max that
 /// leaves every lane with the same pick), tracking the kept sum; a final pass writes `x` (or

@@ -4,7 +4,7 @@
 use super::Pass;
 use crate::error::Result;
 use crate::kgraph::{KGraph, ValueKind};
-use maxc_runtime::schema::{EwInstr, KernelBody};
+use maxc_schema::{EwInstr, KernelBody};
 
 /// Guarantee: a matmul whose only consumer adds a `[n]` weight to it becomes a matmul with a
 /// bias; the add disappears.
@@ -47,7 +47,7 @@ impl Pass for FuseMatmulBias {
             let b = add.inputs[1];
             let is_bias = inputs[1].broadcast
                 && matches!(g.values[b].kind, ValueKind::Param(_))
-                && g.values[b].shape == [maxc_runtime::schema::Extent::Fixed(width)];
+                && g.values[b].shape == [maxc_schema::Extent::Fixed(width)];
             if !is_bias {
                 continue;
             }

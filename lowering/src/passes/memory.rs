@@ -2,7 +2,7 @@
 
 use crate::error::{LowerError, Result};
 use crate::kgraph::{KGraph, ValueKind};
-use maxc_runtime::schema::{Extent, StepDim};
+use maxc_schema::{Extent, StepDim};
 use std::collections::BTreeMap;
 
 /// Alignment of every arena offset, in bytes.

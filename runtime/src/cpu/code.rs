@@ -5,7 +5,15 @@
 
 use memmap2::{Mmap, MmapMut};
 
-/// The signature of a generated CPU kernel; see [`crate::schema::kernel`].
+/// The signature of a generated CPU kernel; see [`crate::schema::kernel`]. System V on x86-64
+/// whatever the OS (the artifact's `CpuTarget::abi` says `sysv64`, and the runtime checks it).
+#[cfg(target_arch = "x86_64")]
+pub type KernelFn =
+    unsafe extern "sysv64" fn(bufs: *const *mut u8, dims: *const u64, start: u64, end: u64);
+
+/// The signature of a generated CPU kernel; see [`crate::schema::kernel`]: the platform's C
+/// convention (`CpuTarget::abi`, checked by the runtime, names which).
+#[cfg(not(target_arch = "x86_64"))]
 pub type KernelFn =
     unsafe extern "C" fn(bufs: *const *mut u8, dims: *const u64, start: u64, end: u64);
 

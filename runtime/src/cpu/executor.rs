@@ -3,11 +3,12 @@
 
 use super::code::{ExecutableCode, KernelFn};
 use super::library;
-use super::target::host_supports;
 use crate::artifact::Artifact;
 use crate::error::{Result, RuntimeError};
-use crate::schema::{DType, Extent, KernelBody, Program, Rows, StepDim, Storage};
-use crate::step::{Logits, StepInputs};
+use crate::logits::Logits;
+use crate::schema::{
+    DType, Extent, KernelBody, Program, Rows, StepDim, StepInputs, StepLimits, Storage,
+};
 use half::{bf16, f16};
 use rayon::prelude::*;
 use std::collections::BTreeMap;
@@ -21,11 +22,16 @@ struct Aligned {
 }
 
 impl Aligned {
-    fn zeroed(bytes: usize) -> Self {
-        let len = bytes.div_ceil(4);
-        let buf = vec![0.0f32; len + 16];
+    /// Zeroed memory of `bytes` bytes; an error (naming `what`) where it cannot be had.
+    fn zeroed(bytes: u64, what: &str) -> Result<Self> {
+        let len = usize::try_from(bytes.div_ceil(4)).unwrap_or(usize::MAX);
+        let mut buf = Vec::new();
+        buf.try_reserve_exact(len.saturating_add(16)).map_err(|_| {
+            RuntimeError::Target(format!("cannot allocate {bytes} bytes for the {what}"))
+        })?;
+        buf.resize(len + 16, 0.0f32);
         let start = buf.as_ptr().align_offset(64);
-        Aligned { buf, start, len }
+        Ok(Aligned { buf, start, len })
     }
     fn ptr(&mut self) -> *mut u8 {
         self.buf[self.start..].as_mut_ptr().cast()
@@ -81,11 +87,17 @@ pub struct CpuExecutor {
     kv: Aligned,
     rope: Vec<Aligned>,
     bounds: [u64; StepDim::COUNT],
+    limits: StepLimits,
     tokens: Vec<i64>,
     ints: BTreeMap<String, Vec<i32>>,
     threads: usize,
     matmul_policy: Option<u64>,
 }
+
+// SAFETY: the raw pointers a `CpuExecutor` holds point into its own allocations and into the
+// weights map of the `Arc<Artifact>` it owns (read-only, `Send + Sync`); nothing is tied to the
+// thread that built it, and `&mut self` serializes steps.
+unsafe impl Send for CpuExecutor {}
 
 fn to_f32(dtype: DType, bytes: &[u8]) -> Option<Vec<f32>> {
     match dtype {
@@ -121,19 +133,12 @@ impl CpuExecutor {
                 "the artifact has no CPU code for role `{role}`; compile it with --target cpu"
             ))
         })?;
-        if let Some(missing) = host_supports(&module.target) {
+        if let Some(missing) = module.target.host_lacks() {
             return Err(RuntimeError::Target(missing));
         }
-        if module.entries.len() != program.kernels.len() {
-            return Err(RuntimeError::artifact(
-                &artifact.dir,
-                format!(
-                    "role {role}: {} code entries for {} kernels",
-                    module.entries.len(),
-                    program.kernels.len()
-                ),
-            ));
-        }
+        // `Artifact::open` validated the program and this module (entries inside the code and
+        // aligned, one per kernel, compiled from these kernel bodies), so only code offsets
+        // the compiler emitted are turned into functions.
         let code = if module.code.is_empty() {
             None
         } else {
@@ -145,26 +150,12 @@ impl CpuExecutor {
             )
         };
         let mut fns = Vec::new();
-        for (kernel, entry) in program.kernels.iter().zip(&module.entries) {
+        for entry in &module.entries {
             fns.push(match (entry, &code) {
-                (Some(off), Some(code)) if (*off as usize) < module.code.len() => {
-                    // SAFETY: the compiler placed this kernel's entry at `off` for this target,
-                    // checked against the host above; the code's checksum was verified.
-                    Some(unsafe { code.kernel(*off as usize) })
-                }
-                (Some(off), _) => {
-                    return Err(RuntimeError::artifact(
-                        &artifact.dir,
-                        format!("kernel {} entry {off} is outside its code", kernel.name),
-                    ))
-                }
-                (None, _) if kernel.body.is_generated_on_cpu() => {
-                    return Err(RuntimeError::artifact(
-                        &artifact.dir,
-                        format!("kernel {} has no native code", kernel.name),
-                    ))
-                }
-                (None, _) => None,
+                // SAFETY: the compiler placed a kernel's entry at `off` for this target (checked
+                // against the host above); the code's checksum and digests were verified.
+                (Some(off), Some(code)) => Some(unsafe { code.kernel(*off as usize) }),
+                _ => None,
             });
         }
         // Weights read by library kernels are widened to f32 once.
@@ -206,36 +197,46 @@ impl CpuExecutor {
                 );
             }
         }
-        let role_entry = &artifact.manifest.roles[role];
-        let mut bounds = [0u64; StepDim::COUNT];
-        for d in StepDim::ALL {
-            bounds[d as usize] = role_entry.dims.get(d.name()).copied().unwrap_or(0);
-        }
-        let kv_elems = (program.kv.num_layers
-            * 2
-            * program.kv.page_size
-            * program.kv.kv_heads
-            * program.kv.head_dim) as usize;
-        let kv = Aligned::zeroed(bounds[StepDim::TotalNumPages as usize] as usize * kv_elems * 4);
-        let max_seq_len = artifact.manifest.runtime.max_seq_len as usize;
-        let rope = program
-            .rope_tables
-            .iter()
-            .map(|t| {
-                let half = t.inv_freq.len();
-                let mut a = Aligned::zeroed(max_seq_len * 2 * half * 4);
-                let s = a.slice_mut();
-                for pos in 0..max_seq_len {
-                    for (i, f) in t.inv_freq.iter().enumerate() {
-                        let angle = pos as f32 * f;
-                        s[pos * 2 * half + i] = angle.cos();
-                        s[pos * 2 * half + half + i] = angle.sin();
-                    }
+        let (bounds, limits) = artifact.step_limits(role)?;
+        let kv = Aligned::zeroed(program.kv.cache_bytes(limits.bounds), "KV cache")?;
+        let max_seq_len = limits.max_seq_len as usize;
+        let mut rope = Vec::new();
+        for t in &program.rope_tables {
+            let half = t.inv_freq.len();
+            let mut a = Aligned::zeroed((max_seq_len * 2 * half * 4) as u64, "rotary table")?;
+            let s = a.slice_mut();
+            for pos in 0..max_seq_len {
+                for (i, f) in t.inv_freq.iter().enumerate() {
+                    let angle = pos as f32 * f;
+                    s[pos * 2 * half + i] = angle.cos();
+                    s[pos * 2 * half + half + i] = angle.sin();
                 }
-                a
-            })
-            .collect();
-        let arena = Aligned::zeroed(program.arena_bytes as usize);
+            }
+            rope.push(a);
+        }
+        let arena = Aligned::zeroed(program.arena_bytes, "arena")?;
+        // Step inputs live in buffers at their bounds, so every kernel reads inside them
+        // whatever its rows; each step fills them and zeroes the rest.
+        let mut tokens = Vec::new();
+        let mut ints = BTreeMap::new();
+        for b in &program.buffers {
+            if b.storage != Storage::Input {
+                continue;
+            }
+            let n: u64 = b
+                .shape
+                .iter()
+                .map(|e| match e {
+                    Extent::Fixed(n) => *n,
+                    Extent::Step(d) => bounds[*d as usize],
+                })
+                .product();
+            if b.name == "tokens" {
+                tokens = vec![0i64; n as usize];
+            } else {
+                ints.insert(b.name.clone(), vec![0i32; n as usize]);
+            }
+        }
         Ok(CpuExecutor {
             artifact,
             program,
@@ -246,8 +247,9 @@ impl CpuExecutor {
             kv,
             rope,
             bounds,
-            tokens: Vec::new(),
-            ints: BTreeMap::new(),
+            limits,
+            tokens,
+            ints,
             threads: rayon::current_num_threads(),
             matmul_policy,
         })
@@ -270,37 +272,33 @@ impl CpuExecutor {
 
     /// Runs one step and returns the `logits` output.
     pub fn execute(&mut self, s: &StepInputs) -> Result<Logits> {
-        let b = s.batch_size();
-        let dims = s.checked_dims(
-            &self.bounds,
-            self.program.vocab_size,
-            self.program.kv.page_size as usize,
-        )?;
-        self.tokens.clone_from(&s.tokens);
+        let dims = s.checked_dims(&self.limits)?;
+        fill(&mut self.tokens, &s.tokens);
+        let context = s.context_lengths();
         for (name, v) in [
             ("input_row_offsets", &s.input_row_offsets),
             ("cache_lengths", &s.cache_lengths),
             ("kv_lookup_table", &s.kv_lookup_table),
+            ("batch_context_lengths", &context),
         ] {
-            self.ints.insert(name.into(), v.clone());
+            if let Some(buf) = self.ints.get_mut(name) {
+                fill(buf, v);
+            }
         }
-        let batch_context: Vec<i32> = (0..b)
-            .map(|i| s.cache_lengths[i] + s.input_row_offsets[i + 1] - s.input_row_offsets[i])
-            .collect();
-        self.ints
-            .insert("batch_context_lengths".into(), batch_context);
 
         let arena = self.arena.ptr();
         let kv = self.kv.ptr();
         let rope: Vec<*mut u8> = self.rope.iter_mut().map(|r| r.ptr()).collect();
         let mut ptrs: Vec<*mut u8> = Vec::with_capacity(self.program.buffers.len());
         for (id, buf) in self.program.buffers.iter().enumerate() {
+            // Program::validate (at open) checked each offset, index and layer below, and that
+            // every launch's operands hold what its kernel touches at the bounds.
             ptrs.push(match &buf.storage {
-                // SAFETY: the memory plan keeps every offset inside arena_bytes.
+                // SAFETY: offset + size lies inside arena_bytes, the arena's size.
                 Storage::Arena { offset } => unsafe { arena.add(*offset as usize) },
                 Storage::Param { .. } => self.params[&(id as u32)].ptr as *mut u8,
                 Storage::KvCache => kv,
-                // SAFETY: a layer's slot lies inside the cache's first page.
+                // SAFETY: layer < num_layers: the slot lies inside the cache's first page.
                 Storage::KvCacheLayer { layer } => unsafe {
                     kv.add((layer * self.program.kv.layer_bytes()) as usize)
                 },
@@ -425,6 +423,14 @@ impl CpuExecutor {
             None => unsafe { std::slice::from_raw_parts(ptr.cast::<f32>(), elems) },
         }
     }
+}
+
+/// Copies `values` to the start of `buf` and zeroes the rest (stale indices of an earlier step
+/// never reach a kernel).
+fn fill<T: Copy + Default>(buf: &mut [T], values: &[T]) {
+    let n = values.len().min(buf.len());
+    buf[..n].copy_from_slice(&values[..n]);
+    buf[n..].fill(T::default());
 }
 
 fn run_generated(

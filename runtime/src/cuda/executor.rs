@@ -3,8 +3,10 @@
 
 use crate::artifact::Artifact;
 use crate::error::{Result, RuntimeError};
-use crate::schema::{CudaModule, Extent, GridExtent, Program, Rows, StepDim, Storage};
-use crate::step::{Logits, StepInputs};
+use crate::logits::Logits;
+use crate::schema::{
+    CudaModule, Extent, GridExtent, Program, Rows, StepDim, StepInputs, StepLimits, Storage,
+};
 use cudarc::driver::result;
 use cudarc::driver::sys::{CUdeviceptr, CUfunction, CUmodule};
 use cudarc::driver::{CudaContext, CudaStream};
@@ -73,19 +75,37 @@ impl Drop for DeviceBuf {
     }
 }
 
-/// A role's program on the GPU.
+/// A role's program on the GPU. Dropping it frees its device memory and unloads its module
+/// while its context is still alive and current.
 pub struct CudaExecutor {
     artifact: Arc<Artifact>,
     program: Program,
     module: CudaModule,
-    _ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
-    _cu_module: CUmodule,
+    memory: Vec<DeviceBuf>,
+    cu_module: CUmodule,
     funcs: Vec<CUfunction>,
     bufs: Vec<u64>,
-    _memory: Vec<DeviceBuf>,
     inputs: std::collections::BTreeMap<String, (u64, usize)>,
     bounds: [u64; StepDim::COUNT],
+    limits: StepLimits,
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the module, function and device pointers belong to `ctx`, which every method makes
+// current on the calling thread before any driver call; `&mut self` serializes those calls.
+unsafe impl Send for CudaExecutor {}
+
+impl Drop for CudaExecutor {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_err() {
+            return;
+        }
+        let _ = self.stream.synchronize();
+        self.memory.clear();
+        // SAFETY: loaded by `new` in this context; no launch is pending after the synchronize.
+        let _ = unsafe { result::module::unload(self.cu_module) };
+    }
 }
 
 impl CudaExecutor {
@@ -122,11 +142,7 @@ impl CudaExecutor {
                     .map_err(driver(&k.name))?,
             );
         }
-        let role_entry = &artifact.manifest.roles[role];
-        let mut bounds = [0u64; StepDim::COUNT];
-        for d in StepDim::ALL {
-            bounds[d as usize] = role_entry.dims.get(d.name()).copied().unwrap_or(0);
-        }
+        let (bounds, limits) = artifact.step_limits(role)?;
         let extent = |e: &Extent| match e {
             Extent::Fixed(n) => *n,
             Extent::Step(d) => bounds[*d as usize],
@@ -134,15 +150,7 @@ impl CudaExecutor {
         let max_seq_len = artifact.manifest.runtime.max_seq_len as usize;
         let mut memory = Vec::new();
         let arena = DeviceBuf::zeroed(program.arena_bytes as usize, &stream)?;
-        let kv_elems = (program.kv.num_layers
-            * 2
-            * program.kv.page_size
-            * program.kv.kv_heads
-            * program.kv.head_dim) as usize;
-        let kv = DeviceBuf::zeroed(
-            bounds[StepDim::TotalNumPages as usize] as usize * kv_elems * 4,
-            &stream,
-        )?;
+        let kv = DeviceBuf::zeroed(program.kv.cache_bytes(bounds) as usize, &stream)?;
         let mut rope = Vec::new();
         for t in &program.rope_tables {
             let half = t.inv_freq.len();
@@ -196,14 +204,15 @@ impl CudaExecutor {
             artifact,
             program,
             module,
-            _ctx: ctx,
-            stream,
-            _cu_module: cu_module,
+            memory,
+            cu_module,
             funcs,
             bufs,
-            _memory: memory,
             inputs,
             bounds,
+            limits,
+            stream,
+            ctx,
         })
     }
 
@@ -222,53 +231,62 @@ impl CudaExecutor {
         &self.bounds
     }
 
-    fn upload_input<T>(&self, name: &str, values: &[T]) -> Result<()> {
+    /// Uploads `values` into input `name`'s buffer, zero-padded to its size at the bounds;
+    /// `staging` keeps the padded copy alive until the step's synchronize.
+    fn upload_input<T: Copy + Default>(
+        &self,
+        name: &str,
+        values: &[T],
+        staging: &mut Vec<Vec<T>>,
+    ) -> Result<()> {
         let Some(&(ptr, cap)) = self.inputs.get(name) else {
             return Ok(());
         };
-        let bytes = std::mem::size_of_val(values);
-        if bytes > cap {
+        let elems = cap / std::mem::size_of::<T>();
+        if values.len() > elems {
             return Err(RuntimeError::Input(format!(
-                "input `{name}` needs {bytes} bytes, above its bound of {cap}"
+                "input `{name}` has {} values, above its bound of {elems}",
+                values.len()
             )));
         }
-        // SAFETY: `ptr` holds `cap` >= `bytes` bytes; the host values outlive the synchronize
-        // at the end of the step.
-        unsafe { result::memcpy_htod_async(ptr, values, self.stream.cu_stream()) }
-            .map_err(driver(name))
+        let mut padded = vec![T::default(); elems];
+        padded[..values.len()].copy_from_slice(values);
+        // SAFETY: `ptr` holds `cap` bytes, at least `elems` values; `padded` moves into
+        // `staging`, which outlives the synchronize at the end of the step.
+        unsafe { result::memcpy_htod_async(ptr, &padded, self.stream.cu_stream()) }
+            .map_err(driver(name))?;
+        staging.push(padded);
+        Ok(())
     }
 
     /// Runs one step and returns the `logits` output.
     pub fn execute(&mut self, s: &StepInputs) -> Result<Logits> {
-        let b = s.batch_size();
-        let dims = s.checked_dims(
-            &self.bounds,
-            self.program.vocab_size,
-            self.program.kv.page_size as usize,
-        )?;
-        let batch_context: Vec<i32> = (0..b)
-            .map(|i| s.cache_lengths[i] + s.input_row_offsets[i + 1] - s.input_row_offsets[i])
-            .collect();
-        self.upload_input("tokens", &s.tokens)?;
-        self.upload_input("input_row_offsets", &s.input_row_offsets)?;
-        self.upload_input("cache_lengths", &s.cache_lengths)?;
-        self.upload_input("kv_lookup_table", &s.kv_lookup_table)?;
-        self.upload_input("batch_context_lengths", &batch_context)?;
+        let dims = s.checked_dims(&self.limits)?;
+        self.ctx.bind_to_thread().map_err(driver("context"))?;
+        let batch_context = s.context_lengths();
+        let (mut tokens, mut ints) = (Vec::new(), Vec::new());
+        self.upload_input("tokens", &s.tokens, &mut tokens)?;
+        self.upload_input("input_row_offsets", &s.input_row_offsets, &mut ints)?;
+        self.upload_input("cache_lengths", &s.cache_lengths, &mut ints)?;
+        self.upload_input("kv_lookup_table", &s.kv_lookup_table, &mut ints)?;
+        self.upload_input("batch_context_lengths", &batch_context, &mut ints)?;
         let rows = |r: &Rows| match r {
             Rows::Step(d) => dims[*d as usize],
             Rows::Fixed(n) => *n,
         };
         for launch in &self.program.launches {
             let k = &self.module.kernels[launch.kernel as usize];
-            let grid: Vec<u64> = k
-                .launch
-                .grid
-                .iter()
-                .map(|g| match g {
+            let mut grid = [0u32; 3];
+            for (g, extent) in grid.iter_mut().zip(&k.launch.grid) {
+                let blocks = match extent {
                     GridExtent::Fixed(n) => *n,
                     GridExtent::CeilDiv { rows: r, by } => rows(r).div_ceil((*by).max(1)),
-                })
-                .collect();
+                };
+                // CudaModule::validate bounded every grid at the bounds; dims are below them.
+                *g = u32::try_from(blocks).map_err(|_| {
+                    RuntimeError::Input(format!("{}: {blocks} blocks do not fit a grid", k.name))
+                })?;
+            }
             if grid.contains(&0) {
                 continue;
             }
@@ -288,7 +306,7 @@ impl CudaExecutor {
             unsafe {
                 result::launch_kernel(
                     self.funcs[launch.kernel as usize],
-                    (grid[0] as u32, grid[1] as u32, grid[2] as u32),
+                    (grid[0], grid[1], grid[2]),
                     (bx, by, bz),
                     k.launch.shared_bytes,
                     self.stream.cu_stream(),

@@ -336,6 +336,15 @@ impl KernelBody {
         self.parallel_extent(dims).saturating_mul(width)
     }
 
+    /// sha256 of the body's bincode encoding: what native code records of the body it was
+    /// compiled from.
+    pub fn digest(&self) -> [u8; 32] {
+        use sha2::Digest;
+        let bytes =
+            bincode::serde::encode_to_vec(self, crate::bincode_config()).unwrap_or_default();
+        sha2::Sha256::digest(&bytes).into()
+    }
+
     /// Whether the CPU backend runs this kernel as generated native code (otherwise as a
     /// library kernel of the runtime).
     pub fn is_generated_on_cpu(&self) -> bool {

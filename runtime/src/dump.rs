@@ -3,9 +3,9 @@
 //! key, dtype, shape and hash. `maxc dump` writes it, `maxc diff` compares it, and the golden
 //! tests check it in.
 
-use maxc_runtime::artifact::sha256_hex;
-use maxc_runtime::schema::{Extent, Manifest, Program, Storage};
-use maxc_runtime::Artifact;
+use crate::schema::sha256_hex;
+use crate::schema::{Extent, Manifest, Program, Storage};
+use crate::Artifact;
 use std::collections::BTreeMap;
 use std::fmt::Write;
 

@@ -1,8 +1,21 @@
-//! The artifact schema: the manifest (JSON), the per-role program (bincode 2) and the kernel IR.
-//! The exporter writes these types; the runtime reads and validates them.
+//! maxc's artifact contract, the one crate that both the compiler and the runtime depend on:
+//! element types and their safetensors mapping, the manifest (JSON), the per-role program
+//! (bincode 2) with the kernel IR and [`Program::validate`], the per-step inputs with their one
+//! check, and the paged KV cache's page table that builds them. Nothing here runs a kernel.
 
+pub mod dtype;
 pub mod kernel;
 pub mod manifest;
+pub mod pages;
+pub mod step;
+pub mod target;
+pub mod validate;
+
+pub use dtype::DType;
+pub use pages::{PageError, PageTable, PreparedStep};
+pub use step::{StepError, StepInputs, StepLimits};
+pub use target::CpuTarget;
+pub use validate::{ProgramEnv, ValidationError, WeightInfo};
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -15,45 +28,26 @@ pub use manifest::{
     WEIGHTS_FILE,
 };
 
-/// The artifact format this runtime reads and the exporter writes.
-pub const FORMAT_VERSION: u32 = 1;
+/// The artifact format this runtime reads and the exporter writes. Bumped on any change to a
+/// bincode type (bincode records no field names, so an older file cannot be read as a newer
+/// type); readers refuse every other version and ask for a recompile.
+pub const FORMAT_VERSION: u32 = 2;
 
-/// Element type of a buffer or weight.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DType {
-    /// IEEE 754 binary32.
-    F32,
-    /// IEEE 754 binary16.
-    F16,
-    /// bfloat16.
-    BF16,
-    /// 32-bit signed integer.
-    I32,
-    /// 64-bit signed integer.
-    I64,
+/// Lowercase hex sha256 of `bytes`, as the manifest records files.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex(&sha2::Sha256::digest(bytes))
 }
 
-impl DType {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            DType::F32 | DType::I32 => 4,
-            DType::F16 | DType::BF16 => 2,
-            DType::I64 => 8,
-        }
-    }
-
-    /// The short name (`f32`, `bf16`, ...).
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "f32",
-            DType::F16 => "f16",
-            DType::BF16 => "bf16",
-            DType::I32 => "i32",
-            DType::I64 => "i64",
-        }
-    }
+/// Lowercase hex of `bytes`.
+pub fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
 }
 
 /// A dimension of a buffer's shape: fixed, or a step dim.
@@ -157,6 +151,13 @@ impl KvLayout {
     pub fn layer_bytes(&self) -> u64 {
         2 * self.page_size * self.kv_heads * self.head_dim * self.dtype.size() as u64
     }
+
+    /// Bytes of the whole cache at the bounds `dims` (its `total_num_pages` slot).
+    pub fn cache_bytes(&self, dims: [u64; StepDim::COUNT]) -> u64 {
+        dims[StepDim::TotalNumPages as usize]
+            .saturating_mul(self.num_layers)
+            .saturating_mul(self.layer_bytes())
+    }
 }
 
 /// One role's compiled program.
@@ -195,10 +196,12 @@ pub struct CpuModule {
     /// Per kernel of the program: the offset of its entry in `code`, or `None` for a library
     /// kernel of the runtime.
     pub entries: Vec<Option<u64>>,
+    /// Per kernel of the program: [`KernelBody::digest`] of the body the code was compiled
+    /// from, so that code and program cannot disagree unnoticed.
+    pub kernel_digests: Vec<[u8; 32]>,
     /// Where set, generated matmuls run only for steps of 2 to this many rows, and the `gemm`
-    /// library kernel runs the others (it wins on one row and on many). Absent in artifacts
-    /// from before this field: generated matmuls then always run.
-    #[serde(default)]
+    /// library kernel runs the others (it wins on one row and on many); where `None`,
+    /// generated matmuls always run.
     pub generated_matmul_max_rows: Option<u64>,
 }
 
@@ -216,6 +219,8 @@ pub struct CudaModule {
 pub struct CudaKernelEntry {
     /// The `extern "C" __global__` function's name.
     pub name: String,
+    /// [`KernelBody::digest`] of the body the PTX function was compiled from.
+    pub kernel_digest: [u8; 32],
     /// How it is launched.
     pub launch: CudaLaunch,
     /// Registers per thread (ptxas, for the target's SM).
@@ -237,16 +242,16 @@ pub struct CudaTarget {
     pub nvrtc_version: String,
 }
 
-/// A CPU code-generation target: architecture and the instruction-set features the code uses.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct CpuTarget {
-    /// `x86_64` or `aarch64`.
-    pub arch: String,
-    /// Features the code needs (`sse4.2`, ...), sorted.
-    pub features: Vec<String>,
-}
+/// The most bytes a bincode file of the artifact may claim while decoding: a corrupt length
+/// prefix is then an error, not an allocation of any size.
+pub const BINCODE_LIMIT: usize = 1 << 28;
 
-/// bincode 2's configuration for programs: standard, little endian, variable-width integers.
-pub fn bincode_config() -> bincode::config::Configuration {
-    bincode::config::standard()
+/// bincode 2's configuration for programs: standard, little endian, variable-width integers,
+/// decoding limited to [`BINCODE_LIMIT`] bytes.
+pub fn bincode_config() -> bincode::config::Configuration<
+    bincode::config::LittleEndian,
+    bincode::config::Varint,
+    bincode::config::Limit<BINCODE_LIMIT>,
+> {
+    bincode::config::standard().with_limit::<BINCODE_LIMIT>()
 }

@@ -1,0 +1,69 @@
+//! The compiler's runtime-bound flags, shared by `compile` and `plan`.
+
+use maxc_graph::arch::ModelSpec;
+use maxc_graph::{BatchProcessorRuntime, GraphRole, KvCacheParams, ModuleRuntime};
+
+/// The longest default context.
+pub const DEFAULT_MAX_SEQ_LEN: usize = 2048;
+
+/// A positive integer flag value; zero and negatives are refused with the value shown.
+pub fn positive(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<i64>() {
+        Ok(n) if n >= 1 => Ok(n as usize),
+        Ok(n) => Err(format!("expected a positive integer, got {n}")),
+        Err(_) => Err(format!("expected a positive integer, got `{s}`")),
+    }
+}
+
+/// The batch-processor runtime and KV cache flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct RuntimeArgs {
+    /// Sequences per step, per data-parallel replica.
+    #[arg(long, default_value = "8", value_parser = positive, allow_negative_numbers = true)]
+    pub max_batch_size: usize,
+    /// Longest context (prompt plus generated tokens) [default: the model's
+    /// max_position_embeddings, at most 2048, so that the default KV cache stays small].
+    #[arg(long, value_parser = positive, allow_negative_numbers = true)]
+    pub max_seq_len: Option<usize>,
+    /// Token budget of one step, per replica.
+    #[arg(long, default_value = "2048", value_parser = positive, allow_negative_numbers = true)]
+    pub max_batch_input_tokens: usize,
+    /// Run each prompt's prefill in one step instead of budget-sized chunks.
+    #[arg(long)]
+    pub no_chunked_prefill: bool,
+    /// Data-parallel replicas.
+    #[arg(long, default_value = "1", value_parser = positive, allow_negative_numbers = true)]
+    pub data_parallel_degree: usize,
+    /// Tokens per KV cache page.
+    #[arg(long, default_value = "128", value_parser = positive, allow_negative_numbers = true)]
+    pub page_size: usize,
+    /// Pages in the KV cache [default: every context at max_seq_len].
+    #[arg(long, value_parser = positive, allow_negative_numbers = true)]
+    pub kv_cache_pages: Option<usize>,
+}
+
+impl RuntimeArgs {
+    /// The runtime for `spec` (its decoder's max_position_embeddings is the default length).
+    pub fn runtime(&self, spec: &dyn ModelSpec) -> ModuleRuntime {
+        let model_len = spec
+            .decoder(GraphRole::Decoder)
+            .and_then(|c| c.max_position_embeddings);
+        ModuleRuntime {
+            batch: BatchProcessorRuntime {
+                max_batch_size: self.max_batch_size,
+                max_seq_len: self.max_seq_len.unwrap_or_else(|| {
+                    model_len
+                        .unwrap_or(DEFAULT_MAX_SEQ_LEN)
+                        .min(DEFAULT_MAX_SEQ_LEN)
+                }),
+                max_batch_input_tokens: self.max_batch_input_tokens,
+                enable_chunked_prefill: !self.no_chunked_prefill,
+                data_parallel_degree: self.data_parallel_degree,
+            },
+            kv: KvCacheParams {
+                page_size: self.page_size,
+                num_pages: self.kv_cache_pages,
+            },
+        }
+    }
+}

@@ -1,0 +1,281 @@
+//! One step's inputs: a ragged batch of token rows with its paged-cache bookkeeping, and the one
+//! check every executor (and the reference interpreter) runs before touching memory.
+
+use crate::kernel::StepDim;
+
+/// A ragged batch: prefill chunks and decode rows of several sequences together.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepInputs {
+    /// Every sequence's token rows, concatenated.
+    pub tokens: Vec<i64>,
+    /// Where each sequence's rows start, plus the end: `B + 1` offsets from 0.
+    pub input_row_offsets: Vec<i32>,
+    /// Tokens already cached, per sequence.
+    pub cache_lengths: Vec<i32>,
+    /// `[B, pages_per_seq]` cache page ids (unused columns 0).
+    pub kv_lookup_table: Vec<i32>,
+    /// Columns of `kv_lookup_table`.
+    pub pages_per_seq: usize,
+}
+
+/// What a step may hold: the bounds of the program that runs it and its cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepLimits {
+    /// The largest value of each step dim, in [`StepDim`] slot order; the `total_num_pages`
+    /// slot is the number of pages in the KV cache.
+    pub bounds: [u64; StepDim::COUNT],
+    /// Token ids lie in `0..vocab_size`.
+    pub vocab_size: u64,
+    /// Tokens per KV page.
+    pub page_size: u64,
+    /// Longest context (cached plus new tokens) of a sequence: positions lie below it.
+    pub max_seq_len: u64,
+}
+
+/// A step whose inputs do not fit the program or contradict themselves.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct StepError(pub String);
+
+impl StepInputs {
+    /// Sequences in the step.
+    pub fn batch_size(&self) -> usize {
+        self.cache_lengths.len()
+    }
+
+    /// Each sequence's context after the step: cached plus new tokens (after
+    /// [`StepInputs::checked_dims`] succeeded).
+    pub fn context_lengths(&self) -> Vec<i32> {
+        (0..self.batch_size())
+            .map(|i| {
+                self.cache_lengths[i] + self.input_row_offsets[i + 1] - self.input_row_offsets[i]
+            })
+            .collect()
+    }
+
+    /// The step's sizes in [`StepDim`] slot order, after checking them against `limits` and the
+    /// inputs against themselves: offsets from 0, non-decreasing, ending at the token count;
+    /// a lookup table of `B × pages_per_seq`; token ids in the vocabulary; every context within
+    /// `max_seq_len` and its pages; every page id it uses inside the cache. Executors compute
+    /// addresses from these values only after this check.
+    pub fn checked_dims(&self, limits: &StepLimits) -> Result<[u64; StepDim::COUNT], StepError> {
+        let b = self.batch_size() as u64;
+        let bounds = &limits.bounds;
+        let dims = [
+            self.tokens.len() as u64,
+            b,
+            self.pages_per_seq as u64,
+            bounds[StepDim::TotalNumPages as usize],
+            b + 1,
+        ];
+        for d in [
+            StepDim::TotalSeqLen,
+            StepDim::BatchSize,
+            StepDim::MaxNumPages,
+            StepDim::InputRowOffsetsLen,
+        ] {
+            if dims[d as usize] > bounds[d as usize] {
+                return Err(StepError(format!(
+                    "{} is {}, above the artifact's bound {}",
+                    d.name(),
+                    dims[d as usize],
+                    bounds[d as usize]
+                )));
+            }
+        }
+        self.check(limits)?;
+        Ok(dims)
+    }
+
+    fn check(&self, limits: &StepLimits) -> Result<(), StepError> {
+        let b = self.batch_size();
+        let bad = |m: String| Err(StepError(m));
+        let offs = &self.input_row_offsets;
+        if offs.len() != b + 1 || offs[0] != 0 || offs.windows(2).any(|w| w[0] > w[1]) {
+            return bad(format!(
+                "input_row_offsets {offs:?} must be B + 1 = {} non-decreasing offsets from 0",
+                b + 1
+            ));
+        }
+        if offs[b] as usize != self.tokens.len() {
+            return bad(format!(
+                "input_row_offsets ends at {}, but there are {} tokens",
+                offs[b],
+                self.tokens.len()
+            ));
+        }
+        if Some(self.kv_lookup_table.len()) != b.checked_mul(self.pages_per_seq) {
+            return bad(format!(
+                "kv_lookup_table has {} entries, expected {b} × {}",
+                self.kv_lookup_table.len(),
+                self.pages_per_seq
+            ));
+        }
+        let vocab = limits.vocab_size;
+        if let Some(t) = self.tokens.iter().find(|&&t| t < 0 || t as u64 >= vocab) {
+            return bad(format!(
+                "token id {t} is outside the vocabulary (0..{vocab})"
+            ));
+        }
+        let page_size = limits.page_size.max(1);
+        let pages = limits.bounds[StepDim::TotalNumPages as usize];
+        for i in 0..b {
+            if self.cache_lengths[i] < 0 {
+                return bad(format!(
+                    "sequence {i} has a negative cache length {}",
+                    self.cache_lengths[i]
+                ));
+            }
+            let end = self.cache_lengths[i] as u64 + (offs[i + 1] - offs[i]) as u64;
+            if end > self.pages_per_seq as u64 * page_size {
+                return bad(format!(
+                    "sequence {i} reaches {end} tokens, beyond its {} pages of {page_size}",
+                    self.pages_per_seq
+                ));
+            }
+            if end > limits.max_seq_len {
+                return bad(format!(
+                    "sequence {i} reaches {end} tokens, beyond max_seq_len {}",
+                    limits.max_seq_len
+                ));
+            }
+            let used = end.div_ceil(page_size) as usize;
+            if let Some(p) = self.kv_lookup_table[i * self.pages_per_seq..][..used]
+                .iter()
+                .find(|&&p| p < 0 || p as u64 >= pages)
+            {
+                return bad(format!(
+                    "sequence {i} uses page {p}, but the cache has {pages} pages"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> StepLimits {
+        StepLimits {
+            bounds: [8, 2, 2, 4, 3],
+            vocab_size: 10,
+            page_size: 4,
+            max_seq_len: 7,
+        }
+    }
+
+    fn good() -> StepInputs {
+        StepInputs {
+            tokens: vec![1, 2, 3],
+            input_row_offsets: vec![0, 2, 3],
+            cache_lengths: vec![0, 4],
+            kv_lookup_table: vec![0, 0, 1, 2],
+            pages_per_seq: 2,
+        }
+    }
+
+    #[test]
+    fn a_good_step_gives_its_dims() {
+        assert_eq!(good().checked_dims(&limits()), Ok([3, 2, 2, 4, 3]));
+        assert_eq!(good().context_lengths(), vec![2, 5]);
+    }
+
+    #[test]
+    fn each_bad_field_is_named() {
+        let cases: Vec<(StepInputs, &str)> = vec![
+            (
+                StepInputs {
+                    tokens: vec![1, 10, 3],
+                    ..good()
+                },
+                "token id 10",
+            ),
+            (
+                StepInputs {
+                    input_row_offsets: vec![0, 2, 2],
+                    ..good()
+                },
+                "ends at 2",
+            ),
+            (
+                StepInputs {
+                    input_row_offsets: vec![0, 3, 2],
+                    ..good()
+                },
+                "non-decreasing",
+            ),
+            (
+                StepInputs {
+                    input_row_offsets: vec![1, 2, 3],
+                    ..good()
+                },
+                "from 0",
+            ),
+            (
+                StepInputs {
+                    kv_lookup_table: vec![0, 0, 1],
+                    ..good()
+                },
+                "kv_lookup_table has 3",
+            ),
+            (
+                StepInputs {
+                    kv_lookup_table: vec![0, 0, 1, 4],
+                    ..good()
+                },
+                "page 4",
+            ),
+            (
+                StepInputs {
+                    kv_lookup_table: vec![-1, 0, 1, 2],
+                    ..good()
+                },
+                "page -1",
+            ),
+            (
+                StepInputs {
+                    cache_lengths: vec![0, -1],
+                    ..good()
+                },
+                "negative cache length",
+            ),
+            (
+                StepInputs {
+                    cache_lengths: vec![0, 7],
+                    ..good()
+                },
+                "beyond max_seq_len 7",
+            ),
+            (
+                StepInputs {
+                    cache_lengths: vec![0, 8],
+                    ..good()
+                },
+                "beyond its 2 pages",
+            ),
+            (
+                StepInputs {
+                    pages_per_seq: 3,
+                    kv_lookup_table: vec![0; 6],
+                    ..good()
+                },
+                "max_num_pages is 3",
+            ),
+        ];
+        for (inputs, want) in cases {
+            let e = inputs.checked_dims(&limits()).unwrap_err().to_string();
+            assert!(e.contains(want), "{e} (wanted {want})");
+        }
+        let many = StepInputs {
+            tokens: vec![1; 9],
+            input_row_offsets: vec![0, 9],
+            cache_lengths: vec![0],
+            kv_lookup_table: vec![0, 1],
+            pages_per_seq: 2,
+        };
+        let e = many.checked_dims(&limits()).unwrap_err().to_string();
+        assert!(e.contains("total_seq_len is 9"), "{e}");
+    }
+}
