@@ -425,3 +425,52 @@ fn running_on_cuda_without_a_gpu_is_a_clear_error() {
     let e = err_of(&o);
     assert!(e.contains("CUDA") && e.contains("--device cpu"), "{e}");
 }
+
+#[test]
+fn engine_steps_are_transactional_and_truncation_recomputes_exactly() {
+    use maxc_runtime::Engine;
+    let tmp = tempfile::tempdir().unwrap();
+    let a = fresh(tmp.path(), "engine.maxc");
+    let mut engine = Engine::open(&a, "decoder").unwrap();
+    let prompt = [1i64, 5, 9, 200, 3, 7, 11, 42, 17, 8];
+    engine.prefill(1, &prompt).unwrap();
+    let before = engine.pages().clone();
+
+    // A sequence twice in one step: refused, nothing changes.
+    let e = engine
+        .step(&[(1, &[3]), (1, &[4])])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("sequence 1"), "{e}");
+    assert!(engine.pages() == &before);
+
+    // A step that fails in the executor (a token outside the vocabulary) after the page table
+    // gave a new sequence its pages: rolled back, so the table is exactly as before.
+    let e = engine
+        .step(&[(2, &[1, 2, 3]), (1, &[1 << 30])])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("outside the vocabulary"), "{e}");
+    assert!(engine.pages() == &before);
+    assert_eq!(engine.cached_len(2), 0);
+
+    // Truncating to 6 tokens and stepping on gives what a sequence that only ever saw those 6
+    // (and the new token) gives.
+    engine.truncate(1, 6).unwrap();
+    assert_eq!(engine.cached_len(1), 6);
+    let resumed = engine.step(&[(1, &[99])]).unwrap();
+    let mut fresh_tokens = prompt[..6].to_vec();
+    fresh_tokens.push(99);
+    engine.prefill(3, &fresh_tokens[..6]).unwrap();
+    let direct = engine.step(&[(3, &[99])]).unwrap();
+    let diff = resumed
+        .data
+        .iter()
+        .zip(&direct.data)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(diff < 1e-4, "max |logit diff| {diff}");
+    engine.release(1);
+    engine.release(3);
+    assert_eq!(engine.pages().free_pages(), engine.pages().total_pages());
+}

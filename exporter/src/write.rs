@@ -2,7 +2,7 @@
 
 use crate::cuda;
 use maxc_graph::pipeline::{load_model, read_tokenizer, LoadOptions};
-use maxc_graph::weights::{write_safetensors, StateDict};
+use maxc_graph::weights::{write_safetensors_to, StateDict};
 use maxc_graph::{DType, ModuleRuntime, Registry};
 use maxc_lowering::cpu::compile_kernel;
 use maxc_lowering::{lower_graph, LowerOptions};
@@ -12,6 +12,7 @@ use maxc_schema::{
     RuntimeSettings, Targets, FORMAT_VERSION, MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE,
 };
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// An export error.
@@ -308,6 +309,39 @@ fn token_ids(config: &serde_json::Value, key: &str) -> Vec<i64> {
     }
 }
 
+/// A writer that hashes what passes through it.
+struct Hashing<W> {
+    inner: W,
+    sha: sha2::Sha256,
+}
+
+impl<W: Write> Write for Hashing<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        sha2::Digest::update(&mut self.sha, &buf[..n]);
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Writes the weights file, hashing it on the way out (no second read of a large file).
+fn write_weights(path: &Path, weights: &StateDict) -> Result<FileEntry, ExportError> {
+    let file = std::fs::File::create(path).map_err(io(path))?;
+    let mut out = Hashing {
+        inner: std::io::BufWriter::new(file),
+        sha: sha2::Digest::new(),
+    };
+    let bytes = write_safetensors_to(&mut out, weights, None)
+        .map_err(|e| ExportError::Other(format!("{}: {e}", path.display())))?;
+    out.flush().map_err(io(path))?;
+    Ok(FileEntry {
+        bytes,
+        sha256: maxc_schema::hex(&sha2::Digest::finalize(out.sha)),
+    })
+}
+
 #[allow(clippy::too_many_arguments)]
 fn write_dir(
     tmp: &Path,
@@ -343,16 +377,9 @@ fn write_dir(
     }
     progress(&format!("writing {} weights", weights.len()));
     let wpath = tmp.join(WEIGHTS_FILE);
-    write_safetensors(&wpath, weights, None)?;
-    let wbytes = std::fs::read(&wpath).map_err(io(&wpath))?;
-    entries.insert(
-        WEIGHTS_FILE.into(),
-        FileEntry {
-            bytes: wbytes.len() as u64,
-            sha256: sha256_hex(&wbytes),
-        },
-    );
-    total += wbytes.len() as u64;
+    let entry = write_weights(&wpath, weights)?;
+    total += entry.bytes;
+    entries.insert(WEIGHTS_FILE.into(), entry);
     let tokenizer = read_tokenizer(model)?;
     if let Some(json) = &tokenizer.json {
         let bytes = json.as_bytes();

@@ -328,6 +328,11 @@ impl GgufFile {
 
     /// The stored bytes of `t`, checked to lie inside the file.
     pub fn tensor_bytes(&self, t: &GgufTensorInfo) -> Result<&[u8]> {
+        self.tensor_range(t).map(|r| &self.map[r])
+    }
+
+    /// Where `t`'s bytes are in the file, checked to lie inside it and to fit its dims.
+    fn tensor_range(&self, t: &GgufTensorInfo) -> Result<std::ops::Range<usize>> {
         let elems = t.dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
         let (block_elems, block_bytes) = t.ggml_type.block();
         let bytes = elems
@@ -345,7 +350,7 @@ impl GgufFile {
         let start = (self.data_start as u64).checked_add(t.offset);
         let end = start.and_then(|s| s.checked_add(bytes));
         match (start, end) {
-            (Some(s), Some(e)) if e <= self.map.len() as u64 => Ok(&self.map[s as usize..e as usize]),
+            (Some(s), Some(e)) if e <= self.map.len() as u64 => Ok(s as usize..e as usize),
             _ => Err(Error::checkpoint(
                 &self.path,
                 format!(
@@ -358,18 +363,29 @@ impl GgufFile {
         }
     }
 
-    /// Every tensor under its GGUF name: F32, F16 and BF16 as stored, quantized types
-    /// dequantized to f32.
+    /// Every tensor under its GGUF name: F32, F16 and BF16 as stored (memory-mapped, not
+    /// copied), quantized types dequantized to f32.
     pub fn state_dict(&self) -> Result<StateDict> {
         let mut out = StateDict::new();
         for t in &self.tensors {
-            let bytes = self.tensor_bytes(t)?;
+            let range = self.tensor_range(t)?;
             let shape = t.shape();
+            let mapped = |dtype| {
+                WeightTensor::mapped(
+                    dtype,
+                    shape.clone(),
+                    self.map.clone(),
+                    range.start,
+                    range.end,
+                )
+            };
             let w = match t.ggml_type {
-                GgmlType::F32 => WeightTensor::from_bytes(DType::F32, shape, bytes.to_vec())?,
-                GgmlType::F16 => WeightTensor::from_bytes(DType::F16, shape, bytes.to_vec())?,
-                GgmlType::BF16 => WeightTensor::from_bytes(DType::BF16, shape, bytes.to_vec())?,
-                q => WeightTensor::from_f32(shape, &dequantize(q, bytes)),
+                GgmlType::F32 => mapped(DType::F32),
+                GgmlType::F16 => mapped(DType::F16),
+                GgmlType::BF16 => mapped(DType::BF16),
+                q => {
+                    WeightTensor::from_f32(shape.clone(), &dequantize(q, &self.map[range.clone()]))
+                }
             };
             out.insert(t.name.clone(), w);
         }

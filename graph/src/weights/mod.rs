@@ -4,7 +4,9 @@
 pub mod gguf;
 mod safetensors_io;
 
-pub use safetensors_io::{load_checkpoint_weights, read_safetensors_file, write_safetensors};
+pub use safetensors_io::{
+    load_checkpoint_weights, read_safetensors_file, write_safetensors, write_safetensors_to,
+};
 
 use crate::{DType, Error, Result};
 use half::{bf16, f16};

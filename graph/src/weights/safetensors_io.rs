@@ -124,14 +124,91 @@ pub fn load_checkpoint_weights(dir: &Path) -> Result<StateDict> {
     }
 }
 
-/// Writes `tensors` (sorted by key) to `path` as safetensors, with `metadata`.
+/// Writes `tensors` to `path` as safetensors, with `metadata`.
 pub fn write_safetensors(
     path: &Path,
     tensors: &StateDict,
     metadata: Option<BTreeMap<String, String>>,
 ) -> Result<()> {
-    let views: Vec<(&String, &WeightTensor)> = tensors.iter().collect();
-    let metadata = metadata.map(|m| m.into_iter().collect());
-    safetensors::serialize_to_file(views, metadata, path)
+    let file = File::create(path).map_err(|e| Error::io(path, e))?;
+    let mut out = std::io::BufWriter::new(file);
+    write_safetensors_to(&mut out, tensors, metadata)
+        .and_then(|_| std::io::Write::flush(&mut out).map_err(|e| e.to_string()))
         .map_err(|e| Error::checkpoint(path, format!("could not write safetensors: {e}")))
+}
+
+/// Streams `tensors` as a safetensors file into `out` (the bytes `safetensors::serialize`
+/// gives: tensors ordered by descending dtype, then key; the header built by the crate's
+/// `Metadata` and padded to 8 bytes), one tensor at a time, so a caller can hash while
+/// writing and nothing is held twice. Returns the bytes written.
+pub fn write_safetensors_to(
+    out: &mut impl std::io::Write,
+    tensors: &StateDict,
+    metadata: Option<BTreeMap<String, String>>,
+) -> std::result::Result<u64, String> {
+    use safetensors::tensor::{Metadata, TensorInfo};
+    use safetensors::View;
+    let mut order: Vec<(&String, &WeightTensor)> = tensors.iter().collect();
+    order.sort_by(|(a, x), (b, y)| y.dtype().cmp(&x.dtype()).then(a.cmp(b)));
+    let mut infos = Vec::with_capacity(order.len());
+    let mut offset = 0usize;
+    for (key, t) in &order {
+        let n = t.data_len();
+        infos.push((
+            key.to_string(),
+            TensorInfo {
+                dtype: t.dtype(),
+                shape: t.shape.clone(),
+                data_offsets: (offset, offset + n),
+            },
+        ));
+        offset += n;
+    }
+    let header = Metadata::new(metadata.map(|m| m.into_iter().collect()), infos)
+        .map_err(|e| e.to_string())?;
+    let mut header = serde_json::to_string(&header)
+        .map_err(|e| e.to_string())?
+        .into_bytes();
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let io = |e: std::io::Error| e.to_string();
+    out.write_all(&(header.len() as u64).to_le_bytes())
+        .map_err(io)?;
+    out.write_all(&header).map_err(io)?;
+    for (_, t) in &order {
+        out.write_all(t.bytes()).map_err(io)?;
+    }
+    Ok(8 + header.len() as u64 + offset as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn streamed_files_are_the_crates_bytes() {
+        let mut sd = StateDict::new();
+        sd.insert(
+            "b.f32",
+            WeightTensor::from_f32(vec![2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]),
+        );
+        sd.insert(
+            "a.bf16",
+            WeightTensor::from_bytes(DType::BF16, vec![3], vec![1, 2, 3, 4, 5, 6]).unwrap(),
+        );
+        sd.insert(
+            "c.i64",
+            WeightTensor::from_bytes(DType::I64, vec![1], 7i64.to_le_bytes().to_vec()).unwrap(),
+        );
+        sd.insert("d.f32", WeightTensor::from_f32(vec![1], &[9.5]));
+        let meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+        for metadata in [None, Some(meta)] {
+            let mut ours = Vec::new();
+            let n = write_safetensors_to(&mut ours, &sd, metadata.clone()).unwrap();
+            let views: Vec<(&String, &WeightTensor)> = sd.iter().collect();
+            let theirs =
+                safetensors::serialize(views, metadata.map(|m| m.into_iter().collect())).unwrap();
+            assert_eq!(ours, theirs);
+            assert_eq!(n as usize, ours.len());
+        }
+    }
 }

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The contract between compiler and runtime, as dependency trees (DESIGN.md):
+# - the compiler side (graph, lowering, exporter) pulls no executor or serving crate;
+# - the lean `maxc` (built without the default `compile` feature) pulls no compiler crate.
+# Exits non-zero, naming the offending crate, where either breaks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+fail=0
+# Crate names (one per line, no versions) of `cargo tree` for the given arguments, normal
+# dependencies only (tests may use anything).
+crates() { cargo tree --locked -e normal --prefix none "$@" | sed 's/ v[0-9].*//' | sort -u; }
+features_of() { cargo tree --locked -e normal,features --prefix none -i "$@" 2>/dev/null | sed -n 's/^[^ ]* feature "\([^"]*\)".*/\1/p' | sort -u; }
+refuse() { # $1: what, $2: list, rest: forbidden names
+  local what=$1 list=$2; shift 2
+  for c in "$@"; do
+    if grep -qx "$c" <<<"$list"; then
+      echo "check-deps: $what depends on $c" >&2
+      fail=1
+    fi
+  done
+}
+
+for p in maxc-graph maxc-lowering maxc-exporter; do
+  list=$(crates -p "$p")
+  refuse "$p (compiler side)" "$list" maxc-runtime gemm minijinja
+  if features_of cudarc -p "$p" | grep -qx driver; then
+    echo "check-deps: $p pulls cudarc's CUDA driver bindings" >&2
+    fail=1
+  fi
+done
+
+lean=$(crates -p maxc-cli --no-default-features)
+refuse "the lean maxc (--no-default-features)" "$lean" \
+  maxc-graph maxc-lowering maxc-exporter cranelift-codegen cranelift-frontend petgraph
+if features_of cudarc -p maxc-cli --no-default-features | grep -qx nvrtc; then
+  echo "check-deps: the lean maxc pulls NVRTC (cudarc feature nvrtc)" >&2
+  fail=1
+fi
+if [ "$fail" = 0 ]; then
+  echo "check-deps: compiler side free of executor crates; lean maxc free of compiler crates"
+fi
+exit "$fail"
