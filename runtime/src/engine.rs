@@ -155,6 +155,11 @@ impl Engine {
         &self.pages
     }
 
+    /// The page table, for the scheduler's prefix cache (sharing and holding full pages).
+    pub(crate) fn pages_mut(&mut self) -> &mut PageTable {
+        &mut self.pages
+    }
+
     /// Keeps the first `len` cached tokens of `seq` (speculative decoding drops rejected
     /// tokens this way); pages past them return to the free list.
     pub fn truncate(&mut self, seq: u64, len: usize) -> Result<()> {

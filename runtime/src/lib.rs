@@ -12,7 +12,9 @@ pub mod dump;
 pub mod engine;
 pub mod error;
 pub mod logits;
+pub mod metrics;
 pub mod sampling;
+pub mod scheduler;
 pub mod tokenizer;
 
 pub use artifact::Artifact;

@@ -1,5 +1,8 @@
-//! Choosing the next token from logits: greedy, or temperature and top-p sampling with a seeded
-//! generator (the same seed gives the same tokens).
+//! Choosing the next token from logits: greedy, or temperature, top-k, top-p and min-p sampling
+//! with a seeded generator (the same seed gives the same tokens), after the repetition,
+//! frequency and presence penalties.
+
+use std::collections::BTreeMap;
 
 /// How tokens are chosen.
 #[derive(Clone, Debug, PartialEq)]
@@ -10,6 +13,17 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// Seed of the generator.
     pub seed: u64,
+    /// Sample among the `top_k` most likely tokens only (0: all).
+    pub top_k: usize,
+    /// Drop tokens less likely than `min_p` times the most likely one (0: none).
+    pub min_p: f32,
+    /// Divides positive logits (multiplies negative ones) of every token already in the prompt
+    /// or the output (1: off), as Hugging Face's `repetition_penalty`.
+    pub repetition_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated (OpenAI's meaning).
+    pub frequency_penalty: f32,
+    /// Subtracted from a token's logit if it was generated at all (OpenAI's meaning).
+    pub presence_penalty: f32,
 }
 
 impl Default for SamplingParams {
@@ -18,6 +32,46 @@ impl Default for SamplingParams {
             temperature: 0.0,
             top_p: 1.0,
             seed: 0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Whether any penalty applies (the logits then need the token history).
+    pub fn has_penalties(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
+    }
+
+    /// Applies the penalties to `logits`: `prompt` tokens and the `output` counts by token.
+    pub fn penalize(&self, logits: &mut [f32], prompt: &[i64], output: &BTreeMap<i64, u32>) {
+        if self.repetition_penalty != 1.0 {
+            let seen = prompt.iter().chain(output.keys());
+            let mut done = std::collections::BTreeSet::new();
+            for &t in seen {
+                if let Some(l) = usize::try_from(t).ok().and_then(|i| logits.get_mut(i)) {
+                    if done.insert(t) {
+                        *l = if *l > 0.0 {
+                            *l / self.repetition_penalty
+                        } else {
+                            *l * self.repetition_penalty
+                        };
+                    }
+                }
+            }
+        }
+        if self.frequency_penalty != 0.0 || self.presence_penalty != 0.0 {
+            for (&t, &n) in output {
+                if let Some(l) = usize::try_from(t).ok().and_then(|i| logits.get_mut(i)) {
+                    *l -= self.frequency_penalty * n as f32 + self.presence_penalty;
+                }
+            }
         }
     }
 }
@@ -71,6 +125,13 @@ impl Sampler {
         let sum: f32 = probs.iter().map(|p| p.1).sum();
         probs.iter_mut().for_each(|p| p.1 /= sum);
         probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if self.params.top_k > 0 {
+            probs.truncate(self.params.top_k);
+        }
+        if self.params.min_p > 0.0 {
+            let floor = probs[0].1 * self.params.min_p;
+            probs.retain(|p| p.1 >= floor);
+        }
         let mut kept = 0;
         let mut mass = 0.0;
         for p in &probs {
@@ -111,6 +172,7 @@ mod tests {
             temperature: 1.0,
             top_p: 0.7,
             seed: 7,
+            ..Default::default()
         };
         let a: Vec<usize> = {
             let mut s = Sampler::new(params.clone());
@@ -123,5 +185,44 @@ mod tests {
         assert_eq!(a, b);
         // p = softmax = [0.61, 0.22, 0.14, 0.003]: top-p 0.7 keeps tokens 0 and 1 only.
         assert!(a.iter().all(|&t| t <= 1) && a.contains(&0) && a.contains(&1));
+    }
+
+    #[test]
+    fn top_k_min_p_and_penalties() {
+        let logits = [2.0, 1.0, 0.5, -3.0];
+        let sample = |p: SamplingParams| -> Vec<usize> {
+            let mut s = Sampler::new(p);
+            (0..200).map(|_| s.sample(&logits)).collect()
+        };
+        let base = SamplingParams {
+            temperature: 1.0,
+            seed: 3,
+            ..Default::default()
+        };
+        let k1 = sample(SamplingParams {
+            top_k: 1,
+            ..base.clone()
+        });
+        assert!(k1.iter().all(|&t| t == 0));
+        // min_p 0.3 of p0 = 0.61 keeps p >= 0.18: tokens 0 and 1.
+        let mp = sample(SamplingParams {
+            min_p: 0.3,
+            ..base.clone()
+        });
+        assert!(mp.iter().all(|&t| t <= 1) && mp.contains(&1));
+
+        let mut l = logits.to_vec();
+        let out = BTreeMap::from([(0i64, 3u32), (2, 1)]);
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            frequency_penalty: 0.5,
+            presence_penalty: 0.25,
+            ..Default::default()
+        };
+        assert!(p.has_penalties());
+        p.penalize(&mut l, &[3], &out);
+        // token 0: 2/2 - 3·0.5 - 0.25; token 1 untouched; token 2: 0.5/2 - 0.5 - 0.25;
+        // token 3 (prompt only): -3·2.
+        assert_eq!(l, vec![-0.75, 1.0, -0.5, -6.0]);
     }
 }

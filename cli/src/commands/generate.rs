@@ -106,6 +106,7 @@ pub fn run(args: Args) -> Result<()> {
             temperature: args.temperature,
             top_p: args.top_p,
             seed: args.seed,
+            ..Default::default()
         },
         stop_at_eos: !args.ignore_eos,
     };

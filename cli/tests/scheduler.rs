@@ -1,0 +1,230 @@
+//! The scheduler without HTTP: continuous batching gives each request exactly the tokens it gets
+//! alone; a shared prefix is served from the prefix cache with the same tokens; a KV cache too
+//! small for the load preempts and still completes every request correctly; a cancelled
+//! request frees its pages.
+
+use maxc_golden::fixtures;
+use maxc_runtime::engine::GenerateOptions;
+use maxc_runtime::metrics::Metrics;
+use maxc_runtime::sampling::SamplingParams;
+use maxc_runtime::scheduler::{Event, FinishReason, Request, Scheduler, SchedulerConfig};
+use maxc_runtime::Engine;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+fn compile(out: &Path, extra: &[&str]) {
+    let model = fixtures().join("tiny-llama");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_maxc"))
+        .args(["compile", model.to_str().unwrap(), "--out"])
+        .arg(out)
+        .args(["--quiet", "--max-seq-len", "128", "--page-size", "16"])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// Deterministic prompts of mixed lengths (token ids below tiny-llama's vocabulary of 1024).
+fn prompts(n: usize) -> Vec<Vec<i64>> {
+    (0..n)
+        .map(|i| {
+            let len = 1 + (i * 7) % 45;
+            (0..len)
+                .map(|j| ((i * 131 + j * 17 + 3) % 1000) as i64 + 1)
+                .collect()
+        })
+        .collect()
+}
+
+fn alone(artifact: &Path, prompt: &[i64], max: usize) -> Vec<i64> {
+    let mut e = Engine::open(artifact, "decoder").unwrap();
+    let opts = GenerateOptions {
+        max_new_tokens: max,
+        sampling: SamplingParams::default(),
+        stop_at_eos: true,
+    };
+    e.generate(prompt, &opts).unwrap()
+}
+
+type Outcome = (Vec<i64>, Option<Event>);
+
+/// Runs every request through `s` to the end; returns each one's tokens and finish event, the
+/// largest number of requests running at once, and the preemptions.
+fn drain_counting(
+    s: &mut Scheduler,
+    mut rx: Vec<UnboundedReceiver<Event>>,
+) -> (Vec<Outcome>, usize, usize) {
+    let mut out: Vec<Outcome> = vec![(Vec::new(), None); rx.len()];
+    let mut peak = 0;
+    let mut steps = 0;
+    let mut preempted = 0;
+    while s.has_work() {
+        preempted += s.step().preempted;
+        peak = peak.max(s.running());
+        steps += 1;
+        assert!(steps < 10_000, "the scheduler does not finish");
+        for (i, r) in rx.iter_mut().enumerate() {
+            while let Ok(e) = r.try_recv() {
+                match e {
+                    Event::Token { id, .. } => out[i].0.push(id),
+                    Event::PromptLogprobs(_) => {}
+                    other => out[i].1 = Some(other),
+                }
+            }
+        }
+    }
+    (out, peak, preempted)
+}
+
+fn drain(s: &mut Scheduler, rx: Vec<UnboundedReceiver<Event>>) -> (Vec<Outcome>, usize) {
+    let (out, peak, _) = drain_counting(s, rx);
+    (out, peak)
+}
+
+fn scheduler(artifact: &Path, prefix_caching: bool) -> Scheduler {
+    let engine = Engine::open(artifact, "decoder").unwrap();
+    let mut cfg = SchedulerConfig::from_runtime(&engine.artifact().manifest.runtime);
+    cfg.prefix_caching = prefix_caching;
+    Scheduler::new(engine, cfg, Arc::new(Metrics::new()))
+}
+
+fn tmp_artifact(name: &str, extra: &[&str]) -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = tmp.path().join(name);
+    compile(&a, extra);
+    (tmp, a)
+}
+
+#[test]
+fn batched_requests_get_exactly_their_tokens_alone() {
+    let (_t, a) = tmp_artifact(
+        "batch.maxc",
+        &["--max-batch-size", "8", "--max-batch-input-tokens", "64"],
+    );
+    let mut s = scheduler(&a, true);
+    let ps = prompts(32);
+    let max = |i: usize| 4 + (i * 5) % 20;
+    let rx: Vec<_> = ps
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            s.submit(Request::greedy(p.clone(), max(i)), tx);
+            rx
+        })
+        .collect();
+    let (out, peak) = drain(&mut s, rx);
+    assert_eq!(peak, 8, "continuous batching fills the batch");
+    for (i, (tokens, end)) in out.iter().enumerate() {
+        let want = alone(&a, &ps[i], max(i));
+        assert_eq!(tokens, &want, "request {i}");
+        match end {
+            Some(Event::Finished { usage, reason }) => {
+                assert_eq!(usage.prompt_tokens, ps[i].len());
+                assert_eq!(usage.completion_tokens, want.len());
+                assert_eq!(*reason, FinishReason::Length);
+            }
+            other => panic!("request {i} ended with {other:?}"),
+        }
+    }
+    assert_eq!(
+        s.engine().pages().free_pages() + s.cached_only_pages(),
+        s.engine().pages().total_pages()
+    );
+}
+
+#[test]
+fn a_shared_prefix_is_served_from_the_cache_with_the_same_tokens() {
+    let (_t, a) = tmp_artifact("prefix.maxc", &[]);
+    let prefix: Vec<i64> = (0..40).map(|j| (j * 37 % 900) as i64 + 5).collect();
+    let p1: Vec<i64> = prefix.iter().copied().chain([7, 8, 9]).collect();
+    let p2: Vec<i64> = prefix.iter().copied().chain([11, 12]).collect();
+    let run = |caching: bool| {
+        let mut s = scheduler(&a, caching);
+        let mut results = Vec::new();
+        for p in [&p1, &p2] {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            s.submit(Request::greedy(p.clone(), 10), tx);
+            results.push(drain(&mut s, vec![rx]).0.remove(0));
+        }
+        results
+    };
+    let with = run(true);
+    let without = run(false);
+    for (w, o) in with.iter().zip(&without) {
+        assert_eq!(w.0, o.0);
+    }
+    let cached = |r: &Outcome| match &r.1 {
+        Some(Event::Finished { usage, .. }) => usage.cached_tokens,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(cached(&with[0]), 0);
+    assert_eq!(
+        cached(&with[1]),
+        32,
+        "two full pages of the shared 40 tokens"
+    );
+    assert_eq!(cached(&without[1]), 0);
+    assert_eq!(with[1].0, alone(&a, &p2, 10));
+}
+
+#[test]
+fn a_small_kv_cache_preempts_and_completes_every_request_correctly() {
+    // 12 pages of 16 tokens; 8 requests of up to 60 tokens need 4 pages each.
+    let (_t, a) = tmp_artifact(
+        "small.maxc",
+        &["--max-batch-size", "8", "--kv-cache-pages", "12"],
+    );
+    let mut s = scheduler(&a, true);
+    let ps: Vec<Vec<i64>> = (0..8)
+        .map(|i| {
+            (0..30 + i)
+                .map(|j| ((i * 53 + j * 11) % 1000) as i64 + 1)
+                .collect()
+        })
+        .collect();
+    let rx: Vec<_> = ps
+        .iter()
+        .map(|p| {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let mut r = Request::greedy(p.clone(), 24);
+            r.ignore_eos = true;
+            s.submit(r, tx);
+            rx
+        })
+        .collect();
+    assert_eq!(s.engine().pages().total_pages(), 12);
+    let (out, _, preempted) = drain_counting(&mut s, rx);
+    assert!(preempted > 0, "the load must not fit without preemption");
+    for (i, (tokens, end)) in out.iter().enumerate() {
+        assert!(matches!(end, Some(Event::Finished { .. })), "{i}: {end:?}");
+        let mut e = Engine::open(&a, "decoder").unwrap();
+        let opts = GenerateOptions {
+            max_new_tokens: 24,
+            sampling: SamplingParams::default(),
+            stop_at_eos: false,
+        };
+        assert_eq!(tokens, &e.generate(&ps[i], &opts).unwrap(), "request {i}");
+    }
+}
+
+#[test]
+fn a_cancelled_request_frees_its_pages() {
+    let (_t, a) = tmp_artifact("cancel.maxc", &[]);
+    let mut s = scheduler(&a, false);
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut r = Request::greedy((1..40).collect(), 50);
+    r.ignore_eos = true;
+    s.submit(r, tx);
+    s.step();
+    s.step();
+    assert!(s.engine().pages().free_pages() < s.engine().pages().total_pages());
+    drop(rx);
+    s.step();
+    assert!(!s.has_work());
+    assert_eq!(
+        s.engine().pages().free_pages(),
+        s.engine().pages().total_pages()
+    );
+}

@@ -1,0 +1,661 @@
+//! The scheduler: continuous batching of requests over one [`Engine`], with no HTTP in sight.
+//!
+//! Every step holds, per data-parallel replica, at most `max_batch_size` contexts and
+//! `max_batch_input_tokens` new tokens: decode rows first, then the prefill chunks of admitted
+//! requests, then new requests admitted first come, first served. With chunked prefill a prompt
+//! runs in budget-sized chunks; without it a prompt runs whole, and one prompt may land on a
+//! full budget (the artifact's bound allows it). The replicas' rows are staged into one ragged
+//! step.
+//!
+//! Full KV pages are shared between requests through the [`prefix::PrefixCache`]. When pages
+//! run out, unreferenced cached pages are evicted first, then the youngest running request is
+//! preempted: its pages are freed and it goes back to the head of the queue with the tokens it
+//! generated, to be recomputed (its client sees no difference). A request whose event receiver
+//! is gone is cancelled before the next step.
+
+pub mod prefix;
+pub mod request;
+
+use crate::engine::Engine;
+use crate::error::RuntimeError;
+use crate::metrics::{BatchType, Metrics};
+use crate::sampling::Sampler;
+use crate::schema::manifest::RuntimeSettings;
+use crate::schema::PageError;
+use prefix::PrefixCache;
+pub use request::{Event, EventSender, FinishReason, Request, TokenLogprob, Usage};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Batch limits and policies of the scheduler.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Contexts per step, per replica.
+    pub max_batch_size: usize,
+    /// New tokens per step, per replica.
+    pub max_batch_input_tokens: usize,
+    /// Replicas staged into each step.
+    pub data_parallel_degree: usize,
+    /// Prompts run in budget-sized chunks.
+    pub enable_chunked_prefill: bool,
+    /// Share full KV pages between requests.
+    pub prefix_caching: bool,
+}
+
+impl SchedulerConfig {
+    /// The limits an artifact was compiled for, with prefix caching on.
+    pub fn from_runtime(rt: &RuntimeSettings) -> Self {
+        SchedulerConfig {
+            max_batch_size: rt.max_batch_size.max(1) as usize,
+            max_batch_input_tokens: rt.max_batch_input_tokens.max(1) as usize,
+            data_parallel_degree: rt.data_parallel_degree.max(1) as usize,
+            enable_chunked_prefill: rt.enable_chunked_prefill,
+            prefix_caching: true,
+        }
+    }
+}
+
+/// A request the scheduler holds.
+struct Active {
+    req: Request,
+    events: EventSender,
+    /// Its sequence in the page table, while admitted.
+    seq: u64,
+    /// Prompt and generated tokens.
+    tokens: Vec<i64>,
+    /// Tokens whose KV is cached.
+    computed: usize,
+    generated: usize,
+    sampler: Sampler,
+    output_counts: BTreeMap<i64, u32>,
+    replica: usize,
+    /// Prompt tokens found in the prefix cache at first admission.
+    cached_tokens: usize,
+    admitted_once: bool,
+    prompt_logprobs: Vec<TokenLogprob>,
+}
+
+impl Active {
+    fn pending(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+    fn is_decode(&self) -> bool {
+        self.generated > 0 && self.pending() == 1
+    }
+}
+
+/// What one call of [`Scheduler::step`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepReport {
+    /// Sequences in the step.
+    pub sequences: usize,
+    /// New tokens in the step.
+    pub tokens: usize,
+    /// Requests that finished (or failed).
+    pub finished: usize,
+    /// Requests preempted for lack of pages.
+    pub preempted: usize,
+}
+
+/// Continuous batching over one engine.
+pub struct Scheduler {
+    engine: Engine,
+    cfg: SchedulerConfig,
+    waiting: VecDeque<Active>,
+    running: Vec<Active>,
+    prefix: Option<PrefixCache>,
+    next_seq: u64,
+    eos: Vec<i64>,
+    metrics: Arc<Metrics>,
+}
+
+/// The log-softmax of `row` at `token`, and the `k` most likely tokens with theirs.
+fn logprob(row: &[f32], token: i64, k: usize) -> TokenLogprob {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max + row.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
+    let at = |t: i64| {
+        usize::try_from(t)
+            .ok()
+            .and_then(|i| row.get(i))
+            .map_or(f32::NEG_INFINITY, |&l| l - lse)
+    };
+    let mut top = Vec::new();
+    if k > 0 {
+        let mut idx: Vec<usize> = (0..row.len()).collect();
+        let k = k.min(row.len());
+        idx.select_nth_unstable_by(k.saturating_sub(1), |&a, &b| {
+            row[b].total_cmp(&row[a]).then(a.cmp(&b))
+        });
+        idx.truncate(k);
+        idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        top = idx.into_iter().map(|i| (i as i64, row[i] - lse)).collect();
+    }
+    TokenLogprob {
+        token,
+        logprob: at(token),
+        top,
+    }
+}
+
+impl Scheduler {
+    /// A scheduler over `engine` with `cfg`, recording into `metrics`.
+    pub fn new(engine: Engine, cfg: SchedulerConfig, metrics: Arc<Metrics>) -> Self {
+        let page_size = engine.pages().page_size();
+        let eos = engine.artifact().manifest.eos_token_ids.clone();
+        let prefix = cfg.prefix_caching.then(|| PrefixCache::new(page_size));
+        metrics.kv(0, engine.pages().total_pages());
+        Scheduler {
+            engine,
+            cfg,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            prefix,
+            next_seq: 0,
+            eos,
+            metrics,
+        }
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// Requests waiting for admission.
+    pub fn queued(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Requests admitted.
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Whether any request is waiting or running.
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Pages held by the prefix cache alone (freed when needed).
+    pub fn cached_only_pages(&self) -> usize {
+        self.prefix
+            .as_ref()
+            .map_or(0, |p| p.evictable(self.engine.pages()))
+    }
+
+    /// Queues `req`; its events go to `events`. A request that can never run (empty prompt,
+    /// longer than the artifact's context, a token outside the vocabulary, prompt
+    /// log-probabilities without per-token logits) gets an `Error` event at once.
+    pub fn submit(&mut self, req: Request, events: EventSender) {
+        let max = self.engine.max_seq_len();
+        let vocab = self.engine.vocab_size() as i64;
+        let problem = if req.prompt.is_empty() {
+            Some("the prompt is empty".to_string())
+        } else if req.prompt.len() >= max && req.max_tokens > 0 || req.prompt.len() > max {
+            Some(format!(
+                "the prompt has {} tokens; the model's context is {max}",
+                req.prompt.len()
+            ))
+        } else if let Some(t) = req.prompt.iter().find(|&&t| t < 0 || t >= vocab) {
+            Some(format!(
+                "token id {t} is outside the vocabulary (0..{vocab})"
+            ))
+        } else if req.prompt_logprobs && !self.engine.all_logits() {
+            Some("prompt log-probabilities need an artifact compiled with --all-logits".to_string())
+        } else {
+            None
+        };
+        if let Some(p) = problem {
+            let _ = events.send(Event::Error(p));
+            return;
+        }
+        let sampler = Sampler::new(req.sampling.clone());
+        self.waiting.push_back(Active {
+            tokens: req.prompt.clone(),
+            req,
+            events,
+            seq: 0,
+            computed: 0,
+            generated: 0,
+            sampler,
+            output_counts: BTreeMap::new(),
+            replica: 0,
+            cached_tokens: 0,
+            admitted_once: false,
+            prompt_logprobs: Vec::new(),
+        });
+        self.metrics
+            .num_requests_queued
+            .set(self.waiting.len() as i64);
+    }
+
+    /// Frees `a`'s pages, caching its full computed pages first.
+    fn retire(&mut self, a: &Active) {
+        if let Some(p) = self.prefix.as_mut() {
+            let pages = self.engine.pages().pages(a.seq).to_vec();
+            p.insert(self.engine.pages_mut(), &a.tokens[..a.computed], &pages);
+        }
+        self.engine.release(a.seq);
+    }
+
+    fn drop_cancelled(&mut self) -> usize {
+        let mut n = 0;
+        self.waiting.retain(|a| {
+            let keep = !a.events.is_closed();
+            n += usize::from(!keep);
+            keep
+        });
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].events.is_closed() {
+                let a = self.running.remove(i);
+                self.retire(&a);
+                n += 1;
+            } else {
+                i += 1;
+            }
+        }
+        n
+    }
+
+    /// Pages the next `tokens` of a sequence at `computed` need beyond what it holds.
+    fn pages_needed(&self, seq: u64, computed: usize, tokens: usize) -> usize {
+        let ps = self.engine.pages().page_size();
+        (computed + tokens)
+            .div_ceil(ps)
+            .saturating_sub(self.engine.pages().pages(seq).len())
+    }
+
+    /// Composes the next step: `(index into running, tokens)` per chunk, in replica order.
+    fn compose(&mut self) -> Vec<(usize, usize)> {
+        let dp = self.cfg.data_parallel_degree;
+        let mut budget = vec![self.cfg.max_batch_input_tokens; dp];
+        let mut contexts = vec![0usize; dp];
+        let mut has_prefill = vec![false; dp];
+        let mut plan: Vec<Vec<(usize, usize)>> = vec![Vec::new(); dp];
+        for a in &self.running {
+            contexts[a.replica] += 1;
+        }
+        let chunked = self.cfg.enable_chunked_prefill;
+        let take = |pending: usize, budget: usize, has_prefill: bool| -> usize {
+            if chunked {
+                pending.min(budget)
+            } else if pending <= budget || !has_prefill {
+                pending
+            } else {
+                0
+            }
+        };
+        // Decode rows, then prefill chunks of admitted requests.
+        for pass in [true, false] {
+            for (i, a) in self.running.iter().enumerate() {
+                if a.is_decode() != pass || a.pending() == 0 {
+                    continue;
+                }
+                let r = a.replica;
+                let n = if pass {
+                    usize::from(budget[r] > 0)
+                } else {
+                    take(a.pending(), budget[r], has_prefill[r])
+                };
+                if n > 0 {
+                    budget[r] = budget[r].saturating_sub(n);
+                    has_prefill[r] |= !pass;
+                    plan[r].push((i, n));
+                }
+            }
+        }
+        // Admission, first come first served, while pages last.
+        let mut free = self.engine.pages().free_pages() + self.cached_only_pages();
+        for p in plan.iter().flatten() {
+            let a = &self.running[p.0];
+            free = free.saturating_sub(self.pages_needed(a.seq, a.computed, p.1));
+        }
+        while let Some(head) = self.waiting.front() {
+            let Some(r) = (0..dp)
+                .filter(|&r| contexts[r] < self.cfg.max_batch_size && budget[r] > 0)
+                .min_by_key(|&r| (contexts[r], r))
+            else {
+                break;
+            };
+            let ps = self.engine.pages().page_size();
+            let first = take(head.tokens.len(), budget[r], has_prefill[r]);
+            if first == 0 || first.div_ceil(ps) > free {
+                break;
+            }
+            let Some(mut a) = self.waiting.pop_front() else {
+                break;
+            };
+            self.next_seq += 1;
+            a.seq = self.next_seq;
+            a.replica = r;
+            a.computed = 0;
+            if let Some(cache) = self.prefix.as_mut() {
+                let pages = cache.lookup(&a.tokens);
+                if !pages.is_empty() && self.engine.pages_mut().attach_prefix(a.seq, &pages).is_ok()
+                {
+                    a.computed = pages.len() * ps;
+                    if !a.admitted_once {
+                        self.metrics
+                            .cache_device_blocks_served
+                            .inc_by(pages.len() as u64);
+                    }
+                }
+            }
+            if !a.admitted_once {
+                a.admitted_once = true;
+                let hit = a.computed.min(a.req.prompt.len());
+                a.cached_tokens = hit;
+                if self.prefix.is_some() {
+                    self.metrics
+                        .cache_hits
+                        .get_or_create(&vec![("tier".into(), "g0".into())])
+                        .inc_by(hit as u64);
+                    self.metrics
+                        .cache_misses
+                        .inc_by((a.req.prompt.len() - hit) as u64);
+                    self.metrics
+                        .cache_request_prefix_coverage
+                        .observe(100.0 * hit as f64 / a.req.prompt.len() as f64);
+                }
+            }
+            let n = take(a.pending(), budget[r], has_prefill[r]);
+            free = free.saturating_sub(n.div_ceil(ps));
+            budget[r] -= n.min(budget[r]);
+            has_prefill[r] = true;
+            contexts[r] += 1;
+            self.running.push(a);
+            plan[r].push((self.running.len() - 1, n));
+        }
+        if dp > 1 {
+            let used: usize = plan.iter().flatten().map(|p| p.1).sum();
+            let capacity = self.cfg.max_batch_input_tokens * dp;
+            let ctx: usize = contexts.iter().sum();
+            let m = &self.metrics;
+            m.dp_active_tokens.inc_by(used as u64);
+            m.dp_step_capacity_tokens.inc_by(capacity as u64);
+            m.dp_active_token_occupancy
+                .observe(100.0 * used as f64 / capacity as f64);
+            m.dp_context_token_occupancy
+                .observe(100.0 * ctx as f64 / (self.cfg.max_batch_size * dp) as f64);
+        }
+        plan.into_iter().flatten().collect()
+    }
+
+    /// Preempts the youngest running request in `plan` (freeing its pages and sending it back to
+    /// the head of the queue to be recomputed); returns false where there is none.
+    fn preempt_youngest(&mut self, plan: &mut Vec<(usize, usize)>) -> bool {
+        let Some(victim) = plan.iter().map(|p| p.0).max() else {
+            return false;
+        };
+        let mut a = self.running.remove(victim);
+        self.engine.release(a.seq);
+        a.computed = 0;
+        plan.retain(|p| p.0 != victim);
+        for p in plan.iter_mut() {
+            if p.0 > victim {
+                p.0 -= 1;
+            }
+        }
+        self.metrics.cache_preemption_count.inc();
+        self.waiting.push_front(a);
+        true
+    }
+
+    /// Runs one step; returns what it did (nothing where no request can run).
+    pub fn step(&mut self) -> StepReport {
+        let mut report = StepReport::default();
+        report.finished += self.drop_cancelled();
+        let t0 = Instant::now();
+        let mut plan = self.compose();
+        let creation_ms = t0.elapsed().as_secs_f64() * 1e3;
+        // Execute, evicting cached pages and then preempting until the step fits.
+        let (logits, plan, exec_ms) = loop {
+            if plan.is_empty() {
+                if self.running.is_empty() {
+                    // Nothing runs and the head of the queue does not fit an empty cache.
+                    if let Some(a) = self.waiting.pop_front() {
+                        let pages = self.engine.pages();
+                        let _ = a.events.send(Event::Error(format!(
+                            "the KV cache ({} pages of {}) cannot hold this request",
+                            pages.total_pages(),
+                            pages.page_size()
+                        )));
+                        report.finished += 1;
+                    }
+                }
+                self.update_gauges();
+                return report;
+            }
+            let chunks: Vec<(u64, &[i64])> = plan
+                .iter()
+                .map(|&(i, n)| {
+                    let a = &self.running[i];
+                    (a.seq, &a.tokens[a.computed..a.computed + n])
+                })
+                .collect();
+            let t = Instant::now();
+            match self.engine.step(&chunks) {
+                Ok(l) => break (l, plan, t.elapsed().as_secs_f64() * 1e3),
+                Err(RuntimeError::Pages(PageError::OutOfPages { needed, .. })) => {
+                    let want = self.engine.pages().free_pages() + needed;
+                    let evicted = match self.prefix.as_mut() {
+                        Some(p) => p.evict(self.engine.pages_mut(), want),
+                        None => 0,
+                    };
+                    if evicted == 0 {
+                        if self.running.len() == 1 {
+                            // Alone and still out of pages: the cache cannot hold it.
+                            let a = self.running.remove(0);
+                            let total = self.engine.pages().total_pages();
+                            let _ = a.events.send(Event::Error(format!(
+                                "the KV cache ({total} pages of {}) cannot hold this request",
+                                self.engine.pages().page_size()
+                            )));
+                            self.engine.release(a.seq);
+                            report.finished += 1;
+                            self.update_gauges();
+                            return report;
+                        }
+                        if !self.preempt_youngest(&mut plan) {
+                            self.update_gauges();
+                            return report;
+                        }
+                        report.preempted += 1;
+                    }
+                }
+                Err(e) => {
+                    // The step's inputs were refused: fail its requests, keep serving others.
+                    let mut idx: Vec<usize> = plan.iter().map(|p| p.0).collect();
+                    idx.sort_unstable();
+                    for &i in idx.iter().rev() {
+                        let a = self.running.remove(i);
+                        let _ = a.events.send(Event::Error(e.to_string()));
+                        self.retire(&a);
+                        report.finished += 1;
+                    }
+                    self.update_gauges();
+                    return report;
+                }
+            }
+        };
+        let all_logits = self.engine.all_logits();
+        let page_size = self.engine.pages().page_size();
+        let max_seq_len = self.engine.max_seq_len();
+        let mut done = Vec::new();
+        let mut row_end = 0usize;
+        let mut prefill = false;
+        let mut context_tokens = 0;
+        for (b, &(i, n)) in plan.iter().enumerate() {
+            let a = &mut self.running[i];
+            let start = a.computed;
+            prefill |= !a.is_decode();
+            report.tokens += n;
+            context_tokens += start + n;
+            row_end += n;
+            if a.req.prompt_logprobs && all_logits {
+                // Row `p` predicts the token at `p + 1`.
+                for (j, p) in (start..start + n).enumerate() {
+                    if p + 1 < a.req.prompt.len() {
+                        let row = logits.row(row_end - n + j);
+                        let k = a.req.logprobs.unwrap_or(0);
+                        a.prompt_logprobs.push(logprob(row, a.tokens[p + 1], k));
+                    }
+                }
+            }
+            a.computed += n;
+            if a.computed / page_size > start / page_size {
+                if let Some(cache) = self.prefix.as_mut() {
+                    let pages = self.engine.pages().pages(a.seq).to_vec();
+                    cache.insert(self.engine.pages_mut(), &a.tokens[..a.computed], &pages);
+                }
+            }
+            if a.pending() > 0 {
+                continue;
+            }
+            if !a.prompt_logprobs.is_empty() {
+                let lp = std::mem::take(&mut a.prompt_logprobs);
+                let _ = a.events.send(Event::PromptLogprobs(lp));
+            }
+            let finish = |a: &Active, reason| Event::Finished {
+                reason,
+                usage: Usage {
+                    prompt_tokens: a.req.prompt.len(),
+                    completion_tokens: a.generated,
+                    cached_tokens: a.cached_tokens,
+                },
+            };
+            if a.generated >= a.req.max_tokens {
+                let _ = a.events.send(finish(a, FinishReason::Length));
+                done.push(i);
+                continue;
+            }
+            let raw = logits.row(if all_logits { row_end - 1 } else { b });
+            let mut row = raw.to_vec();
+            if a.req.sampling.has_penalties() {
+                a.req
+                    .sampling
+                    .penalize(&mut row, &a.req.prompt, &a.output_counts);
+            }
+            let stops = |t: i64| {
+                (!a.req.ignore_eos && self.eos.contains(&t)) || a.req.stop_token_ids.contains(&t)
+            };
+            if a.generated < a.req.min_tokens {
+                for (t, l) in row.iter_mut().enumerate() {
+                    if stops(t as i64) {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            let token = a.sampler.sample(&row) as i64;
+            let lp = a.req.logprobs.map(|k| logprob(raw, token, k));
+            a.tokens.push(token);
+            a.generated += 1;
+            *a.output_counts.entry(token).or_default() += 1;
+            let _ = a.events.send(Event::Token {
+                id: token,
+                logprob: lp,
+            });
+            let reason = if stops(token) && a.generated >= a.req.min_tokens {
+                Some(FinishReason::Stop)
+            } else if a.generated >= a.req.max_tokens || a.tokens.len() >= max_seq_len {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                let _ = a.events.send(finish(a, reason));
+                done.push(i);
+            }
+        }
+        report.sequences = plan.len();
+        report.finished += done.len();
+        done.sort_unstable();
+        for &i in done.iter().rev() {
+            let a = self.running.remove(i);
+            self.retire(&a);
+        }
+        let batch = if prefill {
+            BatchType::Ce
+        } else {
+            BatchType::Tg
+        };
+        self.metrics.batch(batch).record(
+            plan.len(),
+            report.tokens,
+            context_tokens,
+            creation_ms,
+            exec_ms,
+            done.len(),
+            self.waiting.len(),
+        );
+        let rate = report.tokens as f64 / (exec_ms / 1e3).max(1e-9);
+        match batch {
+            BatchType::Ce => self.metrics.batch_prompt_throughput.observe(rate),
+            BatchType::Tg => self.metrics.batch_generation_throughput.observe(rate),
+        }
+        self.update_gauges();
+        report
+    }
+
+    fn update_gauges(&self) {
+        let pages = self.engine.pages();
+        self.metrics.kv(
+            pages.total_pages() - pages.free_pages(),
+            pages.total_pages(),
+        );
+        self.metrics
+            .num_requests_queued
+            .set(self.waiting.len() as i64);
+        self.metrics
+            .num_requests_running
+            .set(self.running.len() as i64);
+    }
+}
+
+/// What the scheduler thread is told.
+enum Command {
+    Submit(Request, EventSender),
+}
+
+/// A scheduler running on its own thread; requests reach it through [`SchedulerHandle::submit`].
+/// Dropping every handle stops the thread once its requests are done.
+#[derive(Clone)]
+pub struct SchedulerHandle {
+    tx: std::sync::mpsc::Sender<Command>,
+}
+
+impl SchedulerHandle {
+    /// Runs `scheduler` on a new thread.
+    pub fn spawn(mut scheduler: Scheduler) -> std::io::Result<Self> {
+        let (tx, rx) = std::sync::mpsc::channel::<Command>();
+        std::thread::Builder::new()
+            .name("maxc-scheduler".into())
+            .spawn(move || loop {
+                if !scheduler.has_work() {
+                    match rx.recv() {
+                        Ok(Command::Submit(r, e)) => scheduler.submit(r, e),
+                        Err(_) => return,
+                    }
+                }
+                while let Ok(Command::Submit(r, e)) = rx.try_recv() {
+                    scheduler.submit(r, e);
+                }
+                scheduler.step();
+            })?;
+        Ok(SchedulerHandle { tx })
+    }
+
+    /// Queues `req`; its events arrive on the returned receiver, and dropping the receiver
+    /// cancels it.
+    pub fn submit(&self, req: Request) -> tokio::sync::mpsc::UnboundedReceiver<Event> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        if let Err(std::sync::mpsc::SendError(Command::Submit(_, events))) =
+            self.tx.send(Command::Submit(req, tx))
+        {
+            let _ = events.send(Event::Error("the scheduler has stopped".into()));
+        }
+        rx
+    }
+}

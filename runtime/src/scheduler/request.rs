@@ -1,0 +1,112 @@
+//! What the scheduler takes (a request: prompt tokens, limits, sampling) and what it gives back
+//! (a stream of events: tokens, then one finish or error).
+
+use crate::sampling::SamplingParams;
+
+/// One generation request, in tokens.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Request {
+    /// The prompt (never empty).
+    pub prompt: Vec<i64>,
+    /// Tokens to generate at most (0: score the prompt only).
+    pub max_tokens: usize,
+    /// Tokens generated before an end-of-sequence or stop token may end the request.
+    pub min_tokens: usize,
+    /// How tokens are chosen.
+    pub sampling: SamplingParams,
+    /// Tokens that end the request (besides the model's end-of-sequence tokens).
+    pub stop_token_ids: Vec<i64>,
+    /// Do not stop at the model's end-of-sequence tokens.
+    pub ignore_eos: bool,
+    /// Alternatives to report with each generated token's log-probability (`None`: no
+    /// log-probabilities).
+    pub logprobs: Option<usize>,
+    /// Report the prompt tokens' log-probabilities too (needs an artifact with logits for every
+    /// token row).
+    pub prompt_logprobs: bool,
+}
+
+impl Request {
+    /// A greedy request for `max_tokens` tokens after `prompt`.
+    pub fn greedy(prompt: Vec<i64>, max_tokens: usize) -> Self {
+        Request {
+            prompt,
+            max_tokens,
+            min_tokens: 0,
+            sampling: SamplingParams::default(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+            prompt_logprobs: false,
+        }
+    }
+}
+
+/// A token's log-probability and the most likely alternatives at its position.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// The token.
+    pub token: i64,
+    /// Its log-probability under the model (before sampling adjustments).
+    pub logprob: f32,
+    /// The most likely tokens at this position with theirs, most likely first.
+    pub top: Vec<(i64, f32)>,
+}
+
+/// Why a request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence or stop token (OpenAI's `stop`).
+    Stop,
+    /// `max_tokens`, or the artifact's `max_seq_len` (OpenAI's `length`).
+    Length,
+}
+
+impl FinishReason {
+    /// OpenAI's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// Token counts of a finished request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+/// What the scheduler reports of a request, in order: the prompt's log-probabilities (where
+/// asked), tokens, then exactly one `Finished` or `Error`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// Log-probabilities of prompt tokens 1.. (the first has none).
+    PromptLogprobs(Vec<TokenLogprob>),
+    /// A generated token, with its log-probability where asked.
+    Token {
+        /// The token.
+        id: i64,
+        /// Its log-probability and alternatives.
+        logprob: Option<TokenLogprob>,
+    },
+    /// The request ended.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Token counts.
+        usage: Usage,
+    },
+    /// The request failed; the message says why.
+    Error(String),
+}
+
+/// Where a request's events go: an unbounded channel whose receiver the client holds. A closed
+/// receiver cancels the request.
+pub type EventSender = tokio::sync::mpsc::UnboundedSender<Event>;
