@@ -38,6 +38,8 @@ enum Command {
     Generate(commands::generate::Args),
     /// Show an artifact's roles, dims and bounds, kernels, arena and weights.
     Inspect(commands::inspect::Args),
+    /// Serve an artifact over an OpenAI-compatible HTTP API, with Prometheus metrics.
+    Serve(commands::serve::Args),
     /// Tokenize a text with an artifact's tokenizer.
     Tokenize(commands::tokenize::Args),
     /// Write an artifact as reviewable text (manifest, plan, kernels, weights by hash).
@@ -47,11 +49,19 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // `serve` logs one line per request at info; other commands only warnings.
+    let default = if matches!(cli.command, Command::Serve(_)) {
+        "info"
+    } else {
+        "warn"
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("MAXC_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("MAXC_LOG"))
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     if let Command::Diff(a) = cli.command {
         return match commands::diff::run(a) {
             Ok(code) => ExitCode::from(code),
@@ -75,6 +85,7 @@ fn main() -> ExitCode {
         Command::Inspect(a) => commands::inspect::run(a),
         Command::Dump(a) => commands::dump::run(a),
         Command::Tokenize(a) => commands::tokenize::run(a),
+        Command::Serve(a) => commands::serve::run(a),
         Command::Diff(_) => unreachable!("handled above"),
     };
     match result {

@@ -68,7 +68,7 @@ fn drain_counting(
             while let Ok(e) = r.try_recv() {
                 match e {
                     Event::Token { id, .. } => out[i].0.push(id),
-                    Event::PromptLogprobs(_) => {}
+                    Event::PromptLogprobs(_) | Event::Admitted { .. } => {}
                     other => out[i].1 = Some(other),
                 }
             }

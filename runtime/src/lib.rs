@@ -15,6 +15,7 @@ pub mod logits;
 pub mod metrics;
 pub mod sampling;
 pub mod scheduler;
+pub mod server;
 pub mod tokenizer;
 
 pub use artifact::Artifact;

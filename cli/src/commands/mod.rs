@@ -13,4 +13,5 @@ pub mod models;
 #[cfg(feature = "compile")]
 pub mod plan;
 pub mod run;
+pub mod serve;
 pub mod tokenize;

@@ -331,7 +331,8 @@ impl Scheduler {
             a.seq = self.next_seq;
             a.replica = r;
             a.computed = 0;
-            if let Some(cache) = self.prefix.as_mut() {
+            // Prompt log-probabilities need every prompt row computed: no cache for them.
+            if let Some(cache) = self.prefix.as_mut().filter(|_| !a.req.prompt_logprobs) {
                 let pages = cache.lookup(&a.tokens);
                 if !pages.is_empty() && self.engine.pages_mut().attach_prefix(a.seq, &pages).is_ok()
                 {
@@ -347,6 +348,7 @@ impl Scheduler {
                 a.admitted_once = true;
                 let hit = a.computed.min(a.req.prompt.len());
                 a.cached_tokens = hit;
+                let _ = a.events.send(Event::Admitted { cached_tokens: hit });
                 if self.prefix.is_some() {
                     self.metrics
                         .cache_hits
@@ -495,6 +497,14 @@ impl Scheduler {
             context_tokens += start + n;
             row_end += n;
             if a.req.prompt_logprobs && all_logits {
+                if start == 0 {
+                    // The first prompt token has no log-probability.
+                    a.prompt_logprobs.push(TokenLogprob {
+                        token: a.tokens[0],
+                        logprob: f32::NAN,
+                        top: Vec::new(),
+                    });
+                }
                 // Row `p` predicts the token at `p + 1`.
                 for (j, p) in (start..start + n).enumerate() {
                     if p + 1 < a.req.prompt.len() {

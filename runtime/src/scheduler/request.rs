@@ -83,11 +83,18 @@ pub struct Usage {
     pub cached_tokens: usize,
 }
 
-/// What the scheduler reports of a request, in order: the prompt's log-probabilities (where
-/// asked), tokens, then exactly one `Finished` or `Error`.
+/// What the scheduler reports of a request, in order: `Admitted`, the prompt's
+/// log-probabilities (where asked), tokens, then exactly one `Finished` or `Error` (an `Error`
+/// may also come alone).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
-    /// Log-probabilities of prompt tokens 1.. (the first has none).
+    /// The request got its first step; this many prompt tokens came from the prefix cache.
+    Admitted {
+        /// Prompt tokens served from the prefix cache.
+        cached_tokens: usize,
+    },
+    /// The prompt tokens with their log-probabilities (the first token's is NaN: nothing
+    /// predicts it).
     PromptLogprobs(Vec<TokenLogprob>),
     /// A generated token, with its log-probability where asked.
     Token {

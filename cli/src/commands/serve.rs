@@ -1,0 +1,77 @@
+//! `maxc serve ARTIFACT`: the OpenAI-compatible server (MAX's settings and environment
+//! variables), until SIGTERM or SIGINT.
+
+use anyhow::{Context, Result};
+use maxc_runtime::engine::Device;
+use maxc_runtime::server::{serve, ServeOptions};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Arguments of `maxc serve`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The artifact directory (`NAME.maxc`).
+    pub artifact: PathBuf,
+    /// Address to listen on.
+    #[arg(long, env = "MAX_SERVE_HOST", default_value = "0.0.0.0")]
+    pub host: String,
+    /// Port of the API (0: any free port).
+    #[arg(long, env = "MAX_SERVE_PORT", default_value = "8000")]
+    pub port: u16,
+    /// Port of the Prometheus metrics (`/metrics`; 0: any free port).
+    #[arg(long, env = "MAX_SERVE_METRICS_ENDPOINT_PORT", default_value = "8001")]
+    pub metrics_port: u16,
+    /// The model id clients name [default: the artifact's directory name].
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Do not share KV pages between requests with a common prefix.
+    #[arg(long)]
+    pub no_prefix_caching: bool,
+    /// Where to run: cpu or cuda.
+    #[arg(long, default_value = "cpu")]
+    pub device: Device,
+    /// Largest request body in bytes (larger: 413).
+    #[arg(long, env = "MAX_SERVE_MAX_REQUEST_BYTES", default_value = "10485760")]
+    pub max_request_bytes: usize,
+    /// Requests that may wait beyond the running ones (more: 429).
+    #[arg(long, env = "MAX_SERVE_MAX_QUEUE_SIZE", default_value = "512")]
+    pub max_queue_size: usize,
+    /// Seconds in-flight requests get to finish after SIGTERM or SIGINT.
+    #[arg(
+        long,
+        env = "MAX_SERVE_GRACEFUL_SHUTDOWN_TIMEOUT_S",
+        default_value = "5"
+    )]
+    pub graceful_shutdown_timeout_s: f64,
+}
+
+/// Serves until a signal ends it.
+pub fn run(args: Args) -> Result<()> {
+    if !args.artifact.join("manifest.json").is_file() {
+        anyhow::bail!(
+            "{}: not a maxc artifact (no manifest.json); compile one with `maxc compile`",
+            args.artifact.display()
+        );
+    }
+    let opts = ServeOptions {
+        artifact: args.artifact,
+        host: args.host,
+        port: args.port,
+        metrics_port: args.metrics_port,
+        served_model_name: args.served_model_name,
+        prefix_caching: !args.no_prefix_caching,
+        device: args.device,
+        max_request_bytes: args.max_request_bytes,
+        max_queue_size: args.max_queue_size,
+        shutdown_timeout: Duration::from_secs_f64(args.graceful_shutdown_timeout_s.max(0.0)),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(serve(opts, |api, metrics| {
+        eprintln!("maxc serve: API on http://{api}, metrics on http://{metrics}/metrics");
+    }))?;
+    eprintln!("maxc serve: stopped");
+    Ok(())
+}

@@ -1,0 +1,245 @@
+//! One choice of a response: a request's scheduler events turned into text pieces, with stop
+//! strings cut (never emitted) and log-probabilities, as deltas a response or a stream is built
+//! from.
+
+use crate::metrics::Metrics;
+use crate::scheduler::{Event, TokenLogprob, Usage};
+use crate::tokenizer::{DecodeStream, Tokenizer};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+/// What a choice adds to the response at one event.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Delta {
+    /// New text (possibly empty).
+    pub text: String,
+    /// Log-probabilities of the tokens behind the text (prompt tokens first, with `echo`).
+    pub logprobs: Vec<TokenLogprob>,
+    /// `stop` or `length` when the choice ended.
+    pub finish: Option<&'static str>,
+    /// The token counts, when the choice ended.
+    pub usage: Option<Usage>,
+    /// An error that ended the choice.
+    pub error: Option<String>,
+}
+
+/// Text produced so far, holding back the bytes that could begin a stop string.
+struct TextState {
+    stops: Vec<String>,
+    hold: usize,
+    text: String,
+    sent: usize,
+}
+
+impl TextState {
+    fn new(stops: Vec<String>) -> Self {
+        let hold = stops.iter().map(|s| s.len()).max().unwrap_or(1) - 1;
+        TextState {
+            stops,
+            hold,
+            text: String::new(),
+            sent: 0,
+        }
+    }
+
+    /// Adds `piece`; returns the text safe to send and whether a stop string ended the text.
+    fn push(&mut self, piece: &str) -> (String, bool) {
+        self.text.push_str(piece);
+        let found = self
+            .stops
+            .iter()
+            .filter_map(|s| {
+                self.text[self.sent..]
+                    .find(s.as_str())
+                    .map(|i| self.sent + i)
+            })
+            .min();
+        if let Some(at) = found {
+            self.text.truncate(at);
+            return (self.flush(), true);
+        }
+        let mut safe = self.text.len().saturating_sub(self.hold).max(self.sent);
+        while !self.text.is_char_boundary(safe) {
+            safe -= 1;
+        }
+        let out = self.text[self.sent..safe].to_string();
+        self.sent = safe;
+        (out, false)
+    }
+
+    fn flush(&mut self) -> String {
+        let out = self.text[self.sent..].to_string();
+        self.sent = self.text.len();
+        out
+    }
+}
+
+/// One request's progress toward its choice.
+pub struct Choice {
+    events: Option<UnboundedReceiver<Event>>,
+    decode: DecodeStream<'static>,
+    text: TextState,
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    completion_tokens: usize,
+    /// Text to put first (`echo`), sent with the first delta.
+    echo: Option<String>,
+    done: bool,
+    metrics: Arc<Metrics>,
+    arrival: Instant,
+    last_token: Option<Instant>,
+    first_token: Option<Instant>,
+}
+
+impl Choice {
+    /// A choice fed by `events`, decoding with `tokenizer`, cutting at `stops`.
+    pub fn new(
+        events: UnboundedReceiver<Event>,
+        tokenizer: &'static Tokenizer,
+        stops: Vec<String>,
+        prompt_tokens: usize,
+        echo: Option<String>,
+        metrics: Arc<Metrics>,
+        arrival: Instant,
+    ) -> Self {
+        Choice {
+            events: Some(events),
+            decode: tokenizer.decode_stream(true),
+            text: TextState::new(stops),
+            prompt_tokens,
+            cached_tokens: 0,
+            completion_tokens: 0,
+            echo,
+            done: false,
+            metrics,
+            arrival,
+            last_token: None,
+            first_token: None,
+        }
+    }
+
+    /// The next delta, `None` once the choice has ended.
+    pub async fn next(&mut self) -> Option<Delta> {
+        if self.done {
+            return None;
+        }
+        let mut delta = Delta {
+            text: self.echo.take().unwrap_or_default(),
+            ..Default::default()
+        };
+        let event = match self.events.as_mut() {
+            Some(rx) => rx.recv().await,
+            None => None,
+        };
+        let Some(event) = event else {
+            self.done = true;
+            delta.error = Some("the scheduler dropped the request".into());
+            return Some(delta);
+        };
+        match event {
+            Event::Admitted { cached_tokens } => self.cached_tokens = cached_tokens,
+            Event::PromptLogprobs(lp) => delta.logprobs = lp,
+            Event::Token { id, logprob } => {
+                let now = Instant::now();
+                match self.last_token {
+                    None => {
+                        self.first_token = Some(now);
+                        self.metrics
+                            .time_to_first_token
+                            .observe(ms(now - self.arrival));
+                    }
+                    Some(last) => self.metrics.itl.observe(ms(now - last)),
+                }
+                self.last_token = Some(now);
+                self.completion_tokens += 1;
+                delta.logprobs.extend(logprob);
+                let t = Instant::now();
+                let piece = match u32::try_from(id).ok().map(|i| self.decode.push(i)) {
+                    Some(Ok(Some(p))) => p,
+                    _ => String::new(),
+                };
+                let (text, stopped) = self.text.push(&piece);
+                self.metrics.output_processing_time.observe(ms(t.elapsed()));
+                delta.text.push_str(&text);
+                if stopped {
+                    // Cancels the request in the scheduler.
+                    self.events = None;
+                    self.finish(&mut delta, "stop");
+                }
+            }
+            Event::Finished { reason, usage } => {
+                if let Ok(Some(rest)) = self.decode.flush() {
+                    let (text, _) = self.text.push(&rest);
+                    delta.text.push_str(&text);
+                }
+                delta.text.push_str(&self.text.flush());
+                self.cached_tokens = usage.cached_tokens;
+                self.finish(&mut delta, reason.as_str());
+            }
+            Event::Error(e) => {
+                self.done = true;
+                delta.error = Some(e);
+            }
+        }
+        Some(delta)
+    }
+
+    fn finish(&mut self, delta: &mut Delta, reason: &'static str) {
+        self.done = true;
+        delta.finish = Some(reason);
+        let usage = Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            cached_tokens: self.cached_tokens,
+        };
+        delta.usage = Some(usage);
+        let m = &self.metrics;
+        m.num_input_tokens.inc_by(usage.prompt_tokens as u64);
+        m.num_output_tokens.inc_by(usage.completion_tokens as u64);
+        m.input_tokens_per_request
+            .observe(usage.prompt_tokens as f64);
+        m.output_tokens_per_request
+            .observe(usage.completion_tokens as f64);
+        if let (Some(first), Some(last)) = (self.first_token, self.last_token) {
+            if usage.completion_tokens > 1 {
+                m.time_per_output_token
+                    .observe(ms(last - first) / (usage.completion_tokens - 1) as f64);
+            }
+        }
+    }
+}
+
+/// Milliseconds of `d`.
+pub fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TextState;
+
+    #[test]
+    fn stop_strings_are_cut_and_never_sent() {
+        let mut t = TextState::new(vec!["\n\n".into(), "END".into()]);
+        let mut sent = String::new();
+        for piece in ["Hello", " wor", "ld", "\n", "\nmore"] {
+            let (s, stop) = t.push(piece);
+            sent.push_str(&s);
+            if stop {
+                break;
+            }
+        }
+        assert_eq!(sent, "Hello world");
+        let mut t = TextState::new(vec!["END".into()]);
+        let (a, _) = t.push("abcE");
+        let (b, _) = t.push("N");
+        let (c, stop) = t.push("Dx");
+        assert_eq!(
+            (a.as_str(), b.as_str(), c.as_str(), stop),
+            ("ab", "c", "", true)
+        );
+        let mut t = TextState::new(vec![]);
+        assert_eq!(t.push("é").0, "é");
+    }
+}
