@@ -304,6 +304,12 @@ def test_every_metric_is_served_and_counts_are_exact(artifacts):
         assert m['maxserve_cache_misses_tokens_total'] + m['maxserve_cache_hits_tokens_total{tier="g0"}'] == 47
         assert m['maxserve_batch_size_count{batch_type="CE"}'] >= 3
         assert m['maxserve_model_load_time_milliseconds{component="engine"}'] > 0
+        # Four generation requests arrived (one refused); none waits or is buffered now.
+        assert m["maxserve_requests_awaiting_admission_count"] == 4
+        assert m["maxserve_num_requests_awaiting_admission"] == 0
+        assert m["maxserve_num_responses_buffered"] == 0
+        assert m["maxserve_response_queue_time_milliseconds_count"] >= 3
+        assert m["maxserve_num_requests_running"] == 0 and m["maxserve_num_requests_queued"] == 0
     finally:
         s.stop()
 

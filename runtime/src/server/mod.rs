@@ -365,6 +365,24 @@ fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     })
 }
 
+/// Counts a request awaiting admission (received, not yet handed to the scheduler) while alive.
+struct Awaiting(Arc<Metrics>);
+
+impl Awaiting {
+    fn new(m: &Arc<Metrics>) -> Self {
+        m.num_requests_awaiting_admission.inc();
+        m.requests_awaiting_admission
+            .observe(m.num_requests_awaiting_admission.get().max(0) as f64);
+        Awaiting(m.clone())
+    }
+}
+
+impl Drop for Awaiting {
+    fn drop(&mut self) {
+        self.0.num_requests_awaiting_admission.dec();
+    }
+}
+
 /// Counts a generation request in flight for the queue limit while alive.
 struct InFlight(Shared);
 
@@ -571,6 +589,7 @@ fn stops(c: &Common) -> Vec<String> {
 
 async fn completions(State(app): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
     let arrival = Instant::now();
+    let awaiting = Awaiting::new(&app.metrics);
     let result = async {
         let body = body_bytes(body)?;
         let req: CompletionRequest = openai::parse(&body)?;
@@ -657,7 +676,7 @@ async fn completions(State(app): State<Shared>, body: Result<Bytes, BytesRejecti
         })
     }
     .await;
-    respond(app, result, arrival).await
+    respond(app, result, arrival, awaiting).await
 }
 
 fn message_text(m: &openai::Message, i: usize) -> Result<String, ApiError> {
@@ -688,6 +707,7 @@ async fn chat_completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let arrival = Instant::now();
+    let awaiting = Awaiting::new(&app.metrics);
     let result = async {
         let body = body_bytes(body)?;
         let req: ChatRequest = openai::parse(&body)?;
@@ -762,11 +782,16 @@ async fn chat_completions(
         })
     }
     .await;
-    respond(app, result, arrival).await
+    respond(app, result, arrival, awaiting).await
 }
 
 /// Submits the plan's jobs and answers: one JSON response, or a stream of events.
-async fn respond(app: Shared, plan: Result<Plan, ApiError>, arrival: Instant) -> Response {
+async fn respond(
+    app: Shared,
+    plan: Result<Plan, ApiError>,
+    arrival: Instant,
+    awaiting: Awaiting,
+) -> Response {
     let plan = match plan {
         Ok(p) => p,
         Err(e) => return e.into_response(),
@@ -794,7 +819,7 @@ async fn respond(app: Shared, plan: Result<Plan, ApiError>, arrival: Instant) ->
         if plan.chat { "chatcmpl" } else { "cmpl" },
         app.next_id.fetch_add(1, Ordering::Relaxed)
     );
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<(usize, Delta)>();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<(usize, Delta, Instant)>();
     for (i, job) in plan.jobs.into_iter().enumerate() {
         let prompt_tokens = job.request.prompt.len();
         let events = l.sched.submit(job.request);
@@ -811,15 +836,23 @@ async fn respond(app: Shared, plan: Result<Plan, ApiError>, arrival: Instant) ->
             arrival,
         );
         let tx = tx.clone();
+        let metrics = app.metrics.clone();
         tokio::spawn(async move {
             while let Some(d) = choice.next().await {
-                if tx.send((i, d)).is_err() {
+                metrics.num_responses_buffered.inc();
+                if tx.send((i, d, Instant::now())).is_err() {
+                    metrics.num_responses_buffered.dec();
                     return;
                 }
             }
         });
     }
     drop(tx);
+    drop(awaiting);
+    let rx = Responses {
+        rx,
+        metrics: app.metrics.clone(),
+    };
     let ctx = Ctx {
         id,
         model: app.model.clone(),
@@ -932,11 +965,35 @@ fn add(total: &mut Usage, u: &Usage) {
     total.cached_tokens += u.cached_tokens;
 }
 
-async fn collect_response(
-    ctx: Ctx,
-    mut rx: UnboundedReceiver<(usize, Delta)>,
-    n: usize,
-) -> Response {
+/// The deltas of a response's choices, in the order they were produced; receiving one records
+/// the response-buffering metrics.
+struct Responses {
+    rx: UnboundedReceiver<(usize, Delta, Instant)>,
+    metrics: Arc<Metrics>,
+}
+
+impl Responses {
+    async fn recv(&mut self) -> Option<(usize, Delta)> {
+        let (i, d, at) = self.rx.recv().await?;
+        let m = &self.metrics;
+        m.responses_buffered
+            .observe(m.num_responses_buffered.get().max(0) as f64);
+        m.num_responses_buffered.dec();
+        m.response_queue_time.observe(ms(at.elapsed()));
+        Some((i, d))
+    }
+}
+
+impl Drop for Responses {
+    fn drop(&mut self) {
+        // Deltas never received are no longer buffered for anyone.
+        while self.rx.try_recv().is_ok() {
+            self.metrics.num_responses_buffered.dec();
+        }
+    }
+}
+
+async fn collect_response(ctx: Ctx, mut rx: Responses, n: usize) -> Response {
     #[derive(Default)]
     struct Acc {
         text: String,
@@ -995,14 +1052,14 @@ async fn collect_response(
 
 fn stream_response(
     ctx: Ctx,
-    rx: UnboundedReceiver<(usize, Delta)>,
+    rx: Responses,
     n: usize,
     include_usage: bool,
     guards: Vec<InFlight>,
 ) -> Response {
     struct St {
         ctx: Ctx,
-        rx: UnboundedReceiver<(usize, Delta)>,
+        rx: Responses,
         started: Vec<bool>,
         offsets: Vec<usize>,
         total: Usage,
