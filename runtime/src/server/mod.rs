@@ -409,6 +409,24 @@ struct Plan {
     logprobs: bool,
 }
 
+impl Plan {
+    fn new(c: &Common, jobs: Vec<Job>, chat: bool, logprobs: bool) -> Self {
+        Plan {
+            token_ids: c.return_tokens_as_token_ids.unwrap_or(false),
+            jobs,
+            stops: c.stop.as_ref().map(|s| s.strings()).unwrap_or_default(),
+            stream: c.stream.unwrap_or(false),
+            include_usage: c
+                .stream_options
+                .as_ref()
+                .and_then(|o| o.include_usage)
+                .unwrap_or(false),
+            chat,
+            logprobs,
+        }
+    }
+}
+
 fn check_range(
     param: &str,
     v: Option<f32>,
@@ -431,7 +449,6 @@ fn check_range(
 
 /// Validates the common fields and builds the request for `prompt`.
 fn request_for(
-    app: &App,
     l: &Loaded,
     c: &Common,
     prompt: Vec<i64>,
@@ -488,7 +505,6 @@ fn request_for(
         Some(m) => (m as usize).min(max_tokens),
         None => 0,
     };
-    let _ = app;
     let top_k = match c.top_k {
         Some(k) if k < -1 => {
             return Err(ApiError::invalid(
@@ -583,10 +599,6 @@ fn tokenizer(l: &Loaded, param: &str) -> Result<&'static Tokenizer, ApiError> {
         .ok_or_else(|| ApiError::invalid(param, "the artifact has no tokenizer: send token ids"))
 }
 
-fn stops(c: &Common) -> Vec<String> {
-    c.stop.as_ref().map(|s| s.strings()).unwrap_or_default()
-}
-
 async fn completions(State(app): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
     let arrival = Instant::now();
     let awaiting = Awaiting::new(&app.metrics);
@@ -636,7 +648,7 @@ async fn completions(State(app): State<Shared>, body: Result<Bytes, BytesRejecti
                 }
                 None => ids,
             };
-            let mut request = request_for(&app, l, &req.common, ids, "prompt")?;
+            let mut request = request_for(l, &req.common, ids, "prompt")?;
             request.logprobs = logprobs;
             request.prompt_logprobs = echo && logprobs.is_some();
             let echo_text = if echo {
@@ -660,20 +672,7 @@ async fn completions(State(app): State<Shared>, body: Result<Bytes, BytesRejecti
             });
         }
         app.metrics.input_processing_time.observe(ms(t.elapsed()));
-        Ok(Plan {
-            token_ids: req.common.return_tokens_as_token_ids.unwrap_or(false),
-            jobs,
-            stops: stops(&req.common),
-            stream: req.common.stream.unwrap_or(false),
-            include_usage: req
-                .common
-                .stream_options
-                .as_ref()
-                .and_then(|o| o.include_usage)
-                .unwrap_or(false),
-            chat: false,
-            logprobs: logprobs.is_some(),
-        })
+        Ok(Plan::new(&req.common, jobs, false, logprobs.is_some()))
     }
     .await;
     respond(app, result, arrival, awaiting).await
@@ -760,26 +759,14 @@ async fn chat_completions(
             }
             k => k.unwrap_or(0) as usize,
         };
-        let mut request = request_for(&app, l, &req.common, ids, "messages")?;
+        let mut request = request_for(l, &req.common, ids, "messages")?;
         request.logprobs = logprobs.then_some(top);
         app.metrics.input_processing_time.observe(ms(t.elapsed()));
-        Ok(Plan {
-            token_ids: req.common.return_tokens_as_token_ids.unwrap_or(false),
-            jobs: vec![Job {
-                request,
-                echo: None,
-            }],
-            stops: stops(&req.common),
-            stream: req.common.stream.unwrap_or(false),
-            include_usage: req
-                .common
-                .stream_options
-                .as_ref()
-                .and_then(|o| o.include_usage)
-                .unwrap_or(false),
-            chat: true,
-            logprobs,
-        })
+        let job = Job {
+            request,
+            echo: None,
+        };
+        Ok(Plan::new(&req.common, vec![job], true, logprobs))
     }
     .await;
     respond(app, result, arrival, awaiting).await
