@@ -228,3 +228,33 @@ fn a_cancelled_request_frees_its_pages() {
         s.engine().pages().total_pages()
     );
 }
+
+#[test]
+fn data_parallel_replicas_fill_their_own_batches_in_one_step() {
+    let (_t, a) = tmp_artifact(
+        "dp.maxc",
+        &[
+            "--max-batch-size",
+            "4",
+            "--data-parallel-degree",
+            "2",
+            "--max-batch-input-tokens",
+            "32",
+        ],
+    );
+    let mut s = scheduler(&a, true);
+    let ps = prompts(16);
+    let rx: Vec<_> = ps
+        .iter()
+        .map(|p| {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            s.submit(Request::greedy(p.clone(), 6), tx);
+            rx
+        })
+        .collect();
+    let (out, peak) = drain(&mut s, rx);
+    assert_eq!(peak, 8, "two replicas of four contexts each");
+    for (i, (tokens, _)) in out.iter().enumerate() {
+        assert_eq!(tokens, &alone(&a, &ps[i], 6), "request {i}");
+    }
+}
