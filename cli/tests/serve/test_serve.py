@@ -404,3 +404,19 @@ def test_a_port_in_use_is_a_clear_error(artifacts):
         assert f"127.0.0.1:{port}" in r.stderr and "in use" in r.stderr, r.stderr
     finally:
         sock.close()
+
+
+def test_an_artifact_that_fails_to_load_is_a_clear_error(artifacts, tmp_path):
+    import shutil
+    import subprocess
+    from conftest import MAXC
+    bad = tmp_path / "bad.maxc"
+    shutil.copytree(artifacts["tiny"], bad)
+    w = bad / "weights.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-10] ^= 0x40
+    w.write_bytes(bytes(data))
+    r = subprocess.run([MAXC, "serve", str(bad), "--host", "127.0.0.1", "--port", "0",
+                        "--metrics-port", "0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "weights.safetensors" in r.stderr and "sha256" in r.stderr, r.stderr

@@ -68,6 +68,14 @@ pub enum ServeError {
         #[source]
         source: std::io::Error,
     },
+    /// The artifact could not be loaded.
+    #[error("cannot serve {}: {message}", artifact.display())]
+    Load {
+        /// The artifact.
+        artifact: PathBuf,
+        /// Why.
+        message: String,
+    },
     /// The server stopped with an error.
     #[error("{0}")]
     Io(#[from] std::io::Error),
@@ -200,6 +208,7 @@ pub async fn serve(
         inflight: AtomicUsize::new(0),
         next_id: AtomicU64::new(1),
     });
+    let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<String>();
     {
         let app = app.clone();
         let opts = opts.clone();
@@ -209,8 +218,8 @@ pub async fn serve(
                 let _ = app.loaded.set(l);
             }
             Err(e) => {
-                tracing::error!("loading {}: {e}", opts.artifact.display());
-                let _ = app.load_error.set(e);
+                let _ = app.load_error.set(e.clone());
+                let _ = failed_tx.send(e);
             }
         });
     }
@@ -245,7 +254,25 @@ pub async fn serve(
         let _ = rx.changed().await;
     });
     let server = tokio::spawn(async move { server.await });
-    shutdown_signal().await;
+    // Until a signal, or until the artifact fails to load (then nothing could ever be served).
+    let load_failure = async {
+        match failed_rx.await {
+            Ok(e) => e,
+            Err(_) => std::future::pending().await,
+        }
+    };
+    let failure = tokio::select! {
+        _ = shutdown_signal() => None,
+        e = load_failure => Some(e),
+    };
+    if let Some(e) = failure {
+        let _ = stop_tx.send(true);
+        metrics_task.abort();
+        return Err(ServeError::Load {
+            artifact: opts.artifact.clone(),
+            message: e,
+        });
+    }
     tracing::info!("shutting down: draining in-flight requests");
     let _ = stop_tx.send(true);
     let drained = tokio::time::timeout(opts.shutdown_timeout, server).await;
