@@ -38,6 +38,8 @@ enum Command {
     Generate(commands::generate::Args),
     /// Show an artifact's roles, dims and bounds, kernels, arena and weights.
     Inspect(commands::inspect::Args),
+    /// Time every kernel launch of a prefill and decode steps (CPU); write a trace.
+    Profile(commands::profile::Args),
     /// Serve an artifact over an OpenAI-compatible HTTP API, with Prometheus metrics.
     Serve(commands::serve::Args),
     /// Tokenize a text with an artifact's tokenizer.
@@ -86,6 +88,7 @@ fn main() -> ExitCode {
         Command::Dump(a) => commands::dump::run(a),
         Command::Tokenize(a) => commands::tokenize::run(a),
         Command::Serve(a) => commands::serve::run(a),
+        Command::Profile(a) => commands::profile::run(a),
         Command::Diff(_) => unreachable!("handled above"),
     };
     match result {

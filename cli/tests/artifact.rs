@@ -474,3 +474,63 @@ fn engine_steps_are_transactional_and_truncation_recomputes_exactly() {
     engine.release(3);
     assert_eq!(engine.pages().free_pages(), engine.pages().total_pages());
 }
+
+#[test]
+fn profile_times_every_launch_and_writes_a_valid_trace() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = fresh(tmp.path(), "profile.maxc");
+    let trace = tmp.path().join("trace.json");
+    let o = maxc(&[
+        "profile",
+        a.to_str().unwrap(),
+        "--tokens",
+        "1,5,9,200,3,7,11,42",
+        "--steps",
+        "3",
+        "--batch",
+        "2",
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("prefill: 2 sequence(s) × 8 tokens"), "{out}");
+    assert!(out.contains("decode: 3 step(s) of 2 sequence(s)"), "{out}");
+    for kind in ["matmul_", "attention_", "rms_norm_", "kv_store_", "gather_"] {
+        assert!(out.contains(kind), "{kind} missing:\n{out}");
+    }
+    let manifest: Manifest =
+        serde_json::from_slice(&std::fs::read(a.join("manifest.json")).unwrap()).unwrap();
+    let launches = manifest.roles["decoder"].launches as usize;
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    let events = v["traceEvents"].as_array().expect("traceEvents");
+    let steps: Vec<&serde_json::Value> = events.iter().filter(|e| e["cat"] == "step").collect();
+    assert_eq!(steps.len(), 4, "a prefill and three decode steps");
+    for e in events {
+        assert_eq!(e["ph"], "X");
+        assert!(
+            e["name"].is_string() && e["pid"].is_u64() && e["tid"].is_u64(),
+            "{e}"
+        );
+        assert!(e["ts"].as_f64().unwrap() >= 0.0 && e["dur"].as_f64().unwrap() >= 0.0);
+    }
+    for s in &steps {
+        let (t0, t1) = (
+            s["ts"].as_f64().unwrap(),
+            s["ts"].as_f64().unwrap() + s["dur"].as_f64().unwrap(),
+        );
+        let inside: Vec<_> = events
+            .iter()
+            .filter(|e| e["cat"] != "step")
+            .filter(|e| {
+                let ts = e["ts"].as_f64().unwrap();
+                ts >= t0 && ts + e["dur"].as_f64().unwrap() <= t1 + 1e-3
+            })
+            .collect();
+        assert_eq!(
+            inside.len(),
+            launches,
+            "every launch of the step, inside it"
+        );
+    }
+}

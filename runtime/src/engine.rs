@@ -150,6 +150,32 @@ impl Engine {
         self.pages.len(seq)
     }
 
+    /// Times every kernel launch of the following steps (CPU only).
+    pub fn set_profiling(&mut self, on: bool) -> Result<()> {
+        match &mut self.exec {
+            Executor::Cpu(e) => {
+                e.set_profiling(on);
+                Ok(())
+            }
+            Executor::Cuda(_) => Err(RuntimeError::Target(
+                "per-kernel profiling runs on the CPU executor only for now".into(),
+            )),
+        }
+    }
+
+    /// The per-launch timings of the last step, while profiling.
+    pub fn last_profile(&self) -> Option<&crate::profile::StepProfile> {
+        match &self.exec {
+            Executor::Cpu(e) => e.last_profile(),
+            Executor::Cuda(_) => None,
+        }
+    }
+
+    /// The program of this engine's role.
+    pub fn program(&self) -> &crate::schema::Program {
+        self.exec.program()
+    }
+
     /// The KV cache's page table (read-only: steps and releases go through the engine).
     pub fn pages(&self) -> &PageTable {
         &self.pages

@@ -13,6 +13,7 @@ pub mod engine;
 pub mod error;
 pub mod logits;
 pub mod metrics;
+pub mod profile;
 pub mod sampling;
 pub mod scheduler;
 pub mod server;

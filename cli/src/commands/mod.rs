@@ -12,6 +12,7 @@ pub mod inspect;
 pub mod models;
 #[cfg(feature = "compile")]
 pub mod plan;
+pub mod profile;
 pub mod run;
 pub mod serve;
 pub mod tokenize;

@@ -6,6 +6,7 @@ use super::library;
 use crate::artifact::Artifact;
 use crate::error::{Result, RuntimeError};
 use crate::logits::Logits;
+use crate::profile::{LaunchTiming, StepProfile};
 use crate::schema::{
     DType, Extent, KernelBody, Program, Rows, StepDim, StepInputs, StepLimits, Storage,
 };
@@ -92,6 +93,8 @@ pub struct CpuExecutor {
     ints: BTreeMap<String, Vec<i32>>,
     threads: usize,
     matmul_policy: Option<u64>,
+    /// Where set, each step's launches are timed into it.
+    profile: Option<StepProfile>,
 }
 
 // SAFETY: the raw pointers a `CpuExecutor` holds point into its own allocations and into the
@@ -252,6 +255,7 @@ impl CpuExecutor {
             ints,
             threads: rayon::current_num_threads(),
             matmul_policy,
+            profile: None,
         })
     }
 
@@ -273,6 +277,7 @@ impl CpuExecutor {
     /// Runs one step and returns the `logits` output.
     pub fn execute(&mut self, s: &StepInputs) -> Result<Logits> {
         let dims = s.checked_dims(&self.limits)?;
+        let step_start = std::time::Instant::now();
         fill(&mut self.tokens, &s.tokens);
         let context = s.context_lengths();
         for (name, v) in [
@@ -315,15 +320,29 @@ impl CpuExecutor {
             });
         }
         let mut args: Vec<*mut u8> = Vec::new();
-        for launch in &self.program.launches {
+        let mut timings = self.profile.as_ref().map(|_| Vec::new());
+        for (i, launch) in self.program.launches.iter().enumerate() {
             let kernel = &self.program.kernels[launch.kernel as usize];
             args.clear();
             args.extend(launch.buffers.iter().map(|&b| ptrs[b as usize]));
-            match self.fns[launch.kernel as usize] {
+            let t = std::time::Instant::now();
+            let generated = match self.fns[launch.kernel as usize] {
                 Some(f) if self.generated_fits(&kernel.body, &dims) => {
-                    run_generated(f, &kernel.body, &args, &dims, self.threads)
+                    run_generated(f, &kernel.body, &args, &dims, self.threads);
+                    true
                 }
-                _ => self.run_library(&kernel.body, &launch.buffers, &args, &dims),
+                _ => {
+                    self.run_library(&kernel.body, &launch.buffers, &args, &dims);
+                    false
+                }
+            };
+            if let Some(v) = timings.as_mut() {
+                v.push(LaunchTiming {
+                    launch: i,
+                    start_ns: (t - step_start).as_nanos() as u64,
+                    dur_ns: t.elapsed().as_nanos() as u64,
+                    generated,
+                });
             }
         }
         let out = self.program.outputs.get("logits").ok_or_else(|| {
@@ -340,7 +359,28 @@ impl CpuExecutor {
         let data =
             unsafe { std::slice::from_raw_parts(ptrs[*out as usize].cast::<f32>(), rows * vocab) }
                 .to_vec();
+        if let (Some(p), Some(launches)) = (self.profile.as_mut(), timings) {
+            *p = StepProfile {
+                dims,
+                total_ns: step_start.elapsed().as_nanos() as u64,
+                launches,
+            };
+        }
         Ok(Logits { rows, vocab, data })
+    }
+
+    /// Times every launch of the following steps (or stops timing).
+    pub fn set_profiling(&mut self, on: bool) {
+        self.profile = on.then(|| StepProfile {
+            dims: [0; StepDim::COUNT],
+            total_ns: 0,
+            launches: Vec::new(),
+        });
+    }
+
+    /// The timings of the last step, while profiling.
+    pub fn last_profile(&self) -> Option<&StepProfile> {
+        self.profile.as_ref()
     }
 
     /// Whether a kernel with generated code runs it at these dims (matmuls may prefer gemm).

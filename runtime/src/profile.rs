@@ -1,0 +1,151 @@
+//! Per-launch timings of a step, for `maxc profile` and traces.
+
+use crate::schema::{KernelBody, Program, Rows, StepDim};
+
+/// One kernel launch of a profiled step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchTiming {
+    /// Index into the program's launches.
+    pub launch: usize,
+    /// Start, in nanoseconds since the step began.
+    pub start_ns: u64,
+    /// Duration in nanoseconds.
+    pub dur_ns: u64,
+    /// Whether it ran as generated code (else a library kernel).
+    pub generated: bool,
+}
+
+/// A profiled step: its sizes and every launch's timing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepProfile {
+    /// The step's dims in [`StepDim`] slot order.
+    pub dims: [u64; StepDim::COUNT],
+    /// Wall time of the whole step (inputs, launches, logits), in nanoseconds.
+    pub total_ns: u64,
+    /// The launches in order.
+    pub launches: Vec<LaunchTiming>,
+}
+
+/// Bytes a kernel moves and floating-point operations it does at `dims`, estimated from its
+/// body: every operand read once and every output written once (weights at their dtype's size,
+/// activations as f32), multiply-adds counted as two operations.
+pub fn kernel_cost(body: &KernelBody, dims: &[u64; StepDim::COUNT]) -> (u64, u64) {
+    let rows = |r: &Rows| match r {
+        Rows::Step(d) => dims[*d as usize],
+        Rows::Fixed(n) => *n,
+    };
+    let t = dims[StepDim::TotalSeqLen as usize];
+    match body {
+        KernelBody::Matmul {
+            rows: r,
+            n,
+            k,
+            weight_dtype,
+            bias,
+        } => {
+            let m = rows(r);
+            let w = n * k * weight_dtype.size() as u64 + if *bias { n * 4 } else { 0 };
+            (w + 4 * (m * k + m * n), 2 * m * n * k)
+        }
+        KernelBody::MoeExperts {
+            rows: r,
+            hidden,
+            ffn,
+            experts,
+            weight_dtype,
+        } => {
+            let m = rows(r);
+            let w = 3 * hidden * ffn * experts * weight_dtype.size() as u64;
+            (w + 8 * m * hidden, 6 * m * hidden * ffn * experts)
+        }
+        KernelBody::Attention {
+            heads,
+            kv_heads,
+            head_dim,
+            page_size,
+            ..
+        } => {
+            // Each row reads its context's keys and values: half the lookup table's span on
+            // average.
+            let ctx = (dims[StepDim::MaxNumPages as usize] * page_size).max(2) / 2;
+            let kv = 2 * ctx * kv_heads * head_dim * 4;
+            (
+                t * (kv + 8 * heads * head_dim),
+                4 * t * heads * head_dim * ctx,
+            )
+        }
+        other => {
+            let elems = other.work(dims);
+            (8 * elems, elems)
+        }
+    }
+}
+
+/// One kernel's share of a set of profiled steps.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct KernelSummary {
+    /// The kernel's name.
+    pub name: String,
+    /// Its kind.
+    pub kind: &'static str,
+    /// Launches.
+    pub launches: u64,
+    /// Total time, in nanoseconds.
+    pub total_ns: u64,
+    /// Estimated bytes moved.
+    pub bytes: u64,
+    /// Estimated floating-point operations.
+    pub flops: u64,
+}
+
+/// Per-kernel totals over `steps`, most expensive first.
+pub fn summarize(program: &Program, steps: &[StepProfile]) -> Vec<KernelSummary> {
+    let mut by: Vec<KernelSummary> = program
+        .kernels
+        .iter()
+        .map(|k| KernelSummary {
+            name: k.name.clone(),
+            kind: k.body.kind(),
+            ..Default::default()
+        })
+        .collect();
+    for s in steps {
+        for l in &s.launches {
+            let k = program.launches[l.launch].kernel as usize;
+            let (bytes, flops) = kernel_cost(&program.kernels[k].body, &s.dims);
+            let e = &mut by[k];
+            e.launches += 1;
+            e.total_ns += l.dur_ns;
+            e.bytes += bytes;
+            e.flops += flops;
+        }
+    }
+    by.retain(|k| k.launches > 0);
+    by.sort_by(|a, b| b.total_ns.cmp(&a.total_ns).then(a.name.cmp(&b.name)));
+    by
+}
+
+/// The steps as Chrome / Perfetto trace-event JSON: one `step` span per pass (thread 1) and
+/// one span per launch inside it (thread 2), times in microseconds.
+pub fn trace_json(program: &Program, steps: &[(String, StepProfile)]) -> serde_json::Value {
+    let mut events = Vec::new();
+    let mut t0 = 0u64;
+    for (label, s) in steps {
+        events.push(serde_json::json!({
+            "name": label, "cat": "step", "ph": "X", "pid": 1, "tid": 1,
+            "ts": t0 as f64 / 1e3, "dur": s.total_ns as f64 / 1e3,
+            "args": {"total_seq_len": s.dims[0], "batch_size": s.dims[1]},
+        }));
+        for l in &s.launches {
+            let launch = &program.launches[l.launch];
+            let k = &program.kernels[launch.kernel as usize];
+            events.push(serde_json::json!({
+                "name": k.name, "cat": k.body.kind(), "ph": "X", "pid": 1, "tid": 2,
+                "ts": (t0 + l.start_ns) as f64 / 1e3, "dur": l.dur_ns as f64 / 1e3,
+                "args": {"launch": l.launch, "nodes": launch.nodes, "generated": l.generated},
+            }));
+        }
+        t0 += s.total_ns;
+    }
+    serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms"})
+}
