@@ -198,7 +198,7 @@ fn main() {
         let out = tmp.join(format!("{}.maxc", artifacts.len()));
         let opts = CompileOptions {
             runtime: runtime(),
-            param_dtype: dtype,
+            weights: dtype.into(),
             all_logits: false,
             cpu_matmul: mm,
             force: true,
@@ -286,7 +286,7 @@ fn smollm2_bench(tmp: &Path) {
         rt.batch.max_batch_input_tokens = PROMPT;
         let opts = CompileOptions {
             runtime: rt,
-            param_dtype: dtype,
+            weights: dtype.into(),
             all_logits: false,
             cpu_matmul: CpuMatmul::Auto,
             force: true,

@@ -311,10 +311,11 @@ fn diff_reports_exactly_what_a_setting_changes() {
         );
     }
 
-    // bf16 weights: the weights and the kernels that read them.
-    let bf16 = tmp.path().join("bf16.maxc");
-    compile("tiny-llama", &bf16, &["--dtype", "bf16"]);
-    let (code, v) = diff(&a, &bf16);
+    // The fixture stores bf16 (kept by default); f32 weights change the weights and the
+    // kernels that read them.
+    let f32s = tmp.path().join("f32.maxc");
+    compile("tiny-llama", &f32s, &["--weights", "f32"]);
+    let (code, v) = diff(&a, &f32s);
     assert_eq!(code, 1);
     let files = changed_files(&v);
     assert!(

@@ -181,7 +181,7 @@ fn artifact_dir(model: &str, dtype: DType, all_logits: bool) -> PathBuf {
         let cuda = std::env::var("MAXC_GPU").as_deref() == Ok("1");
         let opts = CompileOptions {
             runtime: runtime(),
-            param_dtype: dtype,
+            weights: dtype.into(),
             all_logits,
             cpu_matmul: CpuMatmul::Auto,
             force: false,

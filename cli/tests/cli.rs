@@ -73,9 +73,11 @@ fn plan_reports_bounds_with_data_parallel_replicas() {
     assert_eq!(p["dims"]["max_num_pages"], 64);
     let params = &p["roles"]["decoder"]["parameters"];
     assert_eq!(params["count"], 39);
+    // The fixture stores bf16, kept by default.
+    assert_eq!(p["param_dtype"], "keep");
     assert_eq!(
-        params["bytes_by_dtype"]["f32"],
-        params["elements"].as_u64().unwrap() * 4
+        params["bytes_by_dtype"]["bf16"],
+        params["elements"].as_u64().unwrap() * 2
     );
 }
 

@@ -3,6 +3,7 @@
 //! GGUF dequantized to f32), and the download check.
 
 use maxc_exporter::{compile, CompileOptions, CpuMatmul};
+use maxc_graph::pipeline::WeightFormat;
 use maxc_graph::weights::{read_safetensors_file, StateDict};
 use maxc_graph::{DType, KvCacheParams, ModuleRuntime};
 use maxc_runtime::engine::GenerateOptions;
@@ -44,7 +45,17 @@ fn fetch() -> PathBuf {
 
 fn artifact() -> &'static PathBuf {
     static DIR: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    &DIR.get_or_init(|| {
+    &DIR.get_or_init(|| compiled(DType::F32.into())).1
+}
+
+/// The GGUF's Q4_1 and Q8_0 blocks kept as stored.
+fn blocks_artifact() -> &'static PathBuf {
+    static DIR: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
+    &DIR.get_or_init(|| compiled(WeightFormat::Keep)).1
+}
+
+fn compiled(weights: WeightFormat) -> (tempfile::TempDir, PathBuf) {
+    {
         let tmp = tempfile::tempdir().unwrap();
         let out = tmp.path().join("smollm2.maxc");
         let mut rt = ModuleRuntime::default();
@@ -57,7 +68,7 @@ fn artifact() -> &'static PathBuf {
         };
         let opts = CompileOptions {
             runtime: rt,
-            param_dtype: DType::F32,
+            weights,
             all_logits: false,
             cpu_matmul: CpuMatmul::Auto,
             force: false,
@@ -66,8 +77,7 @@ fn artifact() -> &'static PathBuf {
         };
         compile(&gguf(), &out, &opts, &mut |_| {}).expect("SmolLM2 compiles");
         (tmp, out)
-    })
-    .1
+    }
 }
 
 fn reference() -> StateDict {
@@ -76,8 +86,31 @@ fn reference() -> StateDict {
 
 #[test]
 fn last_position_logits_match_the_fixture() {
+    last_position_logits(artifact());
+}
+
+/// The fixture is transformers on the GGUF dequantized, so the blocks kept in the artifact and
+/// read by the block kernels must give the same logits.
+#[test]
+fn kept_q4_1_blocks_give_the_fixture_logits() {
+    let engine = Engine::open(blocks_artifact(), "decoder").unwrap();
+    let dtypes: std::collections::BTreeSet<String> = engine
+        .artifact()
+        .weights()
+        .values()
+        .map(|w| w.dtype.to_string())
+        .collect();
+    assert!(
+        dtypes.contains("q4_1") && dtypes.contains("q8_0"),
+        "{dtypes:?}"
+    );
+    drop(engine);
+    last_position_logits(blocks_artifact());
+}
+
+fn last_position_logits(artifact: &PathBuf) {
     let r = reference();
-    let mut engine = Engine::open(artifact(), "decoder").unwrap();
+    let mut engine = Engine::open(artifact, "decoder").unwrap();
     for i in 0..3 {
         let tokens = r.get(&format!("p{i}.tokens")).unwrap().to_i64("t").unwrap();
         let want = r.get(&format!("p{i}.last")).unwrap().to_f32("l").unwrap();

@@ -1,9 +1,9 @@
 //! The compile driver and the artifact writer.
 
 use crate::cuda;
-use maxc_graph::pipeline::{load_model, read_tokenizer, LoadOptions};
+use maxc_graph::pipeline::{load_model, read_tokenizer, LoadOptions, WeightFormat};
 use maxc_graph::weights::{write_safetensors_to, StateDict};
-use maxc_graph::{DType, ModuleRuntime, Registry};
+use maxc_graph::{ModuleRuntime, Registry};
 use maxc_lowering::cpu::compile_kernel;
 use maxc_lowering::{lower_graph, LowerOptions};
 use maxc_schema::sha256_hex;
@@ -69,8 +69,8 @@ pub const AUTO_MATMUL_MAX_ROWS: u64 = 16;
 pub struct CompileOptions {
     /// The deployment's bounds.
     pub runtime: ModuleRuntime,
-    /// The dtype weights are stored in.
-    pub param_dtype: DType,
+    /// The formats weights are stored in.
+    pub weights: WeightFormat,
     /// Logits for every token row instead of each sequence's last.
     pub all_logits: bool,
     /// How matmuls run on the CPU.
@@ -108,7 +108,7 @@ pub fn compile(
     progress(&format!("loading {}", model.display()));
     let load = LoadOptions {
         runtime: opts.runtime.clone(),
-        param_dtype: opts.param_dtype,
+        weights: opts.weights,
         all_logits: opts.all_logits,
         roles: Vec::new(),
     };
@@ -267,7 +267,9 @@ fn cpu_module(
     let total = program.kernels.len();
     for (i, k) in program.kernels.iter().enumerate() {
         let generate = k.body.is_generated_on_cpu()
-            || (matmul != CpuMatmul::Library && matches!(k.body, KernelBody::Matmul { .. }));
+            || (matmul != CpuMatmul::Library
+                && matches!(k.body, KernelBody::Matmul { .. })
+                && !k.body.reads_blocks());
         if !generate {
             entries.push(None);
             continue;
@@ -400,7 +402,7 @@ fn write_dir(
         maxc_version: env!("CARGO_PKG_VERSION").into(),
         architecture: loaded.spec.architecture().into(),
         config: loaded.config_json.clone(),
-        param_dtype: opts.param_dtype.name().into(),
+        param_dtype: opts.weights.name(),
         runtime: RuntimeSettings {
             max_batch_size: b.max_batch_size as u64,
             max_seq_len: b.max_seq_len as u64,

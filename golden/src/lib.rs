@@ -63,7 +63,7 @@ pub fn cases() -> Vec<Case> {
                 model,
                 options: CompileOptions {
                     runtime: rt.clone(),
-                    param_dtype: DType::F32,
+                    weights: DType::F32.into(),
                     all_logits: false,
                     cpu_matmul: CpuMatmul::Auto,
                     force: true,
@@ -79,7 +79,7 @@ pub fn cases() -> Vec<Case> {
             model,
             options: CompileOptions {
                 runtime: settings[0].1.clone(),
-                param_dtype: DType::BF16,
+                weights: DType::BF16.into(),
                 all_logits: false,
                 cpu_matmul: CpuMatmul::Auto,
                 force: true,

@@ -12,13 +12,90 @@ use crate::{DType, DeploymentConfig, Error, Graph, GraphRole, ModuleRuntime, Reg
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
+/// The formats weights are stored in: `--weights keep|f32|bf16|f16|q8_0|q4_0|q4_1|q5_0|q5_1|q4_k`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// Each weight as the checkpoint stores it (float types and GGUF blocks); block weights
+    /// bound where a kernel cannot read blocks (a norm, say) are dequantized to f32.
+    #[default]
+    Keep,
+    /// Every weight in this float type (blocks dequantized).
+    Float(DType),
+    /// Matmul weights and embedding tables quantized to this block type where their rows are
+    /// whole blocks (Q4_K falls back to Q5_0 as ggml does), the other weights kept.
+    Quantize(DType),
+}
+
+impl WeightFormat {
+    /// The name as the command line spells it.
+    pub fn name(&self) -> String {
+        match self {
+            WeightFormat::Keep => "keep".into(),
+            WeightFormat::Float(d) | WeightFormat::Quantize(d) => d.name().into(),
+        }
+    }
+
+    /// The dtype weight `w`, bound to a parameter that may (`blocks`) or may not hold blocks,
+    /// is stored in.
+    pub fn dtype_for(&self, w: &crate::weights::WeightTensor, blocks: bool) -> DType {
+        let kept = if w.dtype.is_quantized() && !blocks {
+            DType::F32
+        } else {
+            w.dtype
+        };
+        match *self {
+            WeightFormat::Keep => kept,
+            WeightFormat::Float(d) if w.dtype.is_real() => d,
+            WeightFormat::Float(_) => w.dtype,
+            WeightFormat::Quantize(q) if blocks && w.shape.len() == 2 => {
+                crate::weights::quantize::format_for(q, &w.shape).unwrap_or(kept)
+            }
+            WeightFormat::Quantize(_) => kept,
+        }
+    }
+}
+
+impl From<DType> for WeightFormat {
+    fn from(d: DType) -> Self {
+        if d.is_quantized() {
+            WeightFormat::Quantize(d)
+        } else {
+            WeightFormat::Float(d)
+        }
+    }
+}
+
+impl std::str::FromStr for WeightFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        const QUANTIZERS: [DType; 6] = [
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q5_0,
+            DType::Q5_1,
+            DType::Q4K,
+        ];
+        if s.eq_ignore_ascii_case("keep") {
+            return Ok(WeightFormat::Keep);
+        }
+        let expected = "keep, f32, bf16, f16, q8_0, q4_0, q4_1, q5_0, q5_1 or q4_k";
+        match s.parse::<DType>() {
+            Ok(d) if d.is_float() => Ok(WeightFormat::Float(d)),
+            Ok(d) if QUANTIZERS.contains(&d) => Ok(WeightFormat::Quantize(d)),
+            _ => Err(format!("unknown weight format `{s}` (expected {expected})")),
+        }
+    }
+}
+
 /// What to load, and how.
 #[derive(Clone, Debug)]
 pub struct LoadOptions {
     /// The deployment.
     pub runtime: ModuleRuntime,
-    /// The dtype float weights are converted to.
-    pub param_dtype: DType,
+    /// The formats weights are stored in.
+    pub weights: WeightFormat,
     /// Graphs output logits for every token row, not only each sequence's last.
     pub all_logits: bool,
     /// The roles to build; empty means every role of the model.
@@ -29,7 +106,7 @@ impl Default for LoadOptions {
     fn default() -> Self {
         LoadOptions {
             runtime: ModuleRuntime::default(),
-            param_dtype: DType::F32,
+            weights: WeightFormat::Keep,
             all_logits: false,
             roles: Vec::new(),
         }
@@ -188,7 +265,10 @@ pub fn load_model(dir: &Path, registry: &Registry, opts: &LoadOptions) -> Result
     check_outside_prefixes(&deployment, &spec.roles(), &prepared)?;
 
     let build = BuildOptions {
-        param_dtype: opts.param_dtype,
+        param_dtype: match opts.weights {
+            WeightFormat::Float(d) => d,
+            _ => DType::F32,
+        },
         page_size: opts.runtime.kv.page_size,
         all_logits: opts.all_logits,
         takes_batch_context_lengths: deployment.takes_batch_context_lengths,
@@ -196,10 +276,10 @@ pub fn load_model(dir: &Path, registry: &Registry, opts: &LoadOptions) -> Result
     };
     let mut built = BTreeMap::new();
     for role in roles {
-        let graph = spec.build(role, &build)?;
+        let mut graph = spec.build(role, &build)?;
         let selected = deployment.role_weights(role, &prepared);
         let prefix = deployment.weight_prefixes.get(&role).map(String::as_str);
-        let weights = bind_weights(role, &graph.params(), selected, prefix)?;
+        let weights = bind_weights(role, &mut graph, selected, prefix, opts.weights)?;
         built.insert(role, RoleGraph { graph, weights });
     }
     Ok(LoadedModel {
@@ -260,15 +340,19 @@ fn list_keys<'a>(keys: impl Iterator<Item = &'a String>) -> String {
 }
 
 /// Binds `weights` to the graph's parameters strictly: a missing, unused or mis-shaped key is an
-/// error naming it. Float weights are converted to the parameter's dtype.
+/// error naming it. Each weight is converted to the dtype `format` gives it, and its parameter
+/// in `graph` takes that dtype.
 pub fn bind_weights(
     role: GraphRole,
-    params: &BTreeMap<String, TensorType>,
+    graph: &mut Graph,
     weights: StateDict,
     prefix: Option<&str>,
+    format: WeightFormat,
 ) -> Result<StateDict> {
+    let params: BTreeMap<String, TensorType> = graph.params();
+    let block_params = graph.block_params();
     let mut bound = StateDict::new();
-    for (key, ty) in params {
+    for (key, ty) in &params {
         let expected: Vec<usize> = ty.shape.iter().map(|d| d.fixed().unwrap_or(0)).collect();
         let w = weights.get(key).ok_or_else(|| Error::MissingWeight {
             role: role.to_string(),
@@ -286,7 +370,9 @@ pub fn bind_weights(
                 expected,
             });
         }
-        bound.insert(key.clone(), w.convert(ty.dtype, key)?);
+        let dtype = format.dtype_for(w, block_params.contains(key));
+        bound.insert(key.clone(), w.convert(dtype, key)?);
+        graph.set_param_dtype(key, dtype)?;
     }
     let used: BTreeSet<&String> = params.keys().collect();
     let unused: Vec<&String> = weights.keys().filter(|k| !used.contains(k)).collect();

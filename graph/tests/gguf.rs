@@ -115,17 +115,36 @@ fn an_unknown_tensor_type_is_named() {
     write_gguf(
         &path,
         &[],
-        &[("blk.0.attn_q.weight", vec![256, 4], 12, vec![0; 576])],
+        &[("blk.0.attn_q.weight", vec![256, 4], 10, vec![0; 336])],
         0,
     );
     let e = GgufFile::open(&path)
         .err()
-        .expect("Q4_K is not read")
+        .expect("Q2_K is not read")
         .to_string();
     assert!(
-        e.contains("blk.0.attn_q.weight") && e.contains("tensor type 12"),
+        e.contains("blk.0.attn_q.weight") && e.contains("tensor type 10"),
         "{e}"
     );
+}
+
+#[test]
+fn k_quant_tensors_are_kept_as_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("k.gguf");
+    write_gguf(
+        &path,
+        &[],
+        &[("blk.0.attn_q.weight", vec![256, 4], 12, vec![0; 576])],
+        0,
+    );
+    let sd = GgufFile::open(&path).unwrap().state_dict().unwrap();
+    let w = sd.get("blk.0.attn_q.weight").unwrap();
+    assert_eq!(
+        (w.dtype, w.shape.clone()),
+        (maxc_graph::DType::Q4K, vec![4, 256])
+    );
+    assert_eq!(w.bytes().len(), 576);
 }
 
 #[test]

@@ -44,7 +44,7 @@ pub fn kernel_cost(body: &KernelBody, dims: &[u64; StepDim::COUNT]) -> (u64, u64
             bias,
         } => {
             let m = rows(r);
-            let w = n * k * weight_dtype.size() as u64 + if *bias { n * 4 } else { 0 };
+            let w = weight_dtype.bytes_for(n * k).unwrap_or(0) + if *bias { n * 4 } else { 0 };
             (w + 4 * (m * k + m * n), 2 * m * n * k)
         }
         KernelBody::MoeExperts {
@@ -55,7 +55,9 @@ pub fn kernel_cost(body: &KernelBody, dims: &[u64; StepDim::COUNT]) -> (u64, u64
             weight_dtype,
         } => {
             let m = rows(r);
-            let w = 3 * hidden * ffn * experts * weight_dtype.size() as u64;
+            let w = weight_dtype
+                .bytes_for(3 * hidden * ffn * experts)
+                .unwrap_or(0);
             (w + 8 * m * hidden, 6 * m * hidden * ffn * experts)
         }
         KernelBody::Attention {

@@ -4,7 +4,8 @@ use crate::runtime_args::RuntimeArgs;
 use anyhow::Result;
 use maxc_exporter::{compile, CompileOptions, CpuMatmul};
 use maxc_graph::pipeline::read_config;
-use maxc_graph::{DType, Registry};
+use maxc_graph::pipeline::WeightFormat;
+use maxc_graph::Registry;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -22,9 +23,11 @@ pub struct Args {
     /// The GPU architecture CUDA code is compiled and checked for.
     #[arg(long, default_value = "sm_90")]
     pub cuda_arch: String,
-    /// The dtype weights are stored in.
-    #[arg(long, default_value = "f32")]
-    pub dtype: DType,
+    /// The formats weights are stored in: `keep` (the checkpoint's own, GGUF blocks included),
+    /// a float type (`f32`, `bf16`, `f16`; blocks dequantized) or a block type that matmul
+    /// weights and embeddings are quantized to (`q8_0`, `q4_0`, `q4_1`, `q5_0`, `q5_1`, `q4_k`).
+    #[arg(long, alias = "dtype", default_value = "keep")]
+    pub weights: WeightFormat,
     #[command(flatten)]
     pub runtime: RuntimeArgs,
     /// Return logits for every token row, not only each sequence's last (for scoring and tests).
@@ -47,7 +50,7 @@ pub fn run(args: Args) -> Result<()> {
     let (_, spec) = read_config(&args.model, &Registry::builtin())?;
     let opts = CompileOptions {
         runtime: args.runtime.runtime(spec.as_ref()),
-        param_dtype: args.dtype,
+        weights: args.weights,
         all_logits: args.all_logits,
         cpu_matmul: match args.cpu_matmul.as_str() {
             "generated" => CpuMatmul::Generated,

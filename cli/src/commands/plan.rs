@@ -4,8 +4,8 @@
 use crate::runtime_args::RuntimeArgs;
 use anyhow::{Context, Result};
 use maxc_graph::ir::shape_string;
-use maxc_graph::pipeline::{load_model, read_config, LoadOptions};
-use maxc_graph::{DType, ModuleRuntime, Registry};
+use maxc_graph::pipeline::{load_model, read_config, LoadOptions, WeightFormat};
+use maxc_graph::{ModuleRuntime, Registry};
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -17,20 +17,25 @@ pub struct Args {
     model: PathBuf,
     #[command(flatten)]
     runtime: RuntimeArgs,
-    /// The dtype weights are converted to.
-    #[arg(long, default_value = "f32")]
-    dtype: DType,
+    /// The formats weights are stored in: `keep` (the checkpoint's), a float type (`f32`,
+    /// `bf16`, `f16`) or a block type to quantize matmul weights to (`q8_0`, `q4_0`, `q4_k`, ...).
+    #[arg(long, alias = "dtype", default_value = "keep")]
+    weights: WeightFormat,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
 }
 
 /// Builds the plan report as JSON.
-pub fn plan_json(model: &std::path::Path, runtime: &ModuleRuntime, dtype: DType) -> Result<Value> {
+pub fn plan_json(
+    model: &std::path::Path,
+    runtime: &ModuleRuntime,
+    weights: WeightFormat,
+) -> Result<Value> {
     let registry = Registry::builtin();
     let opts = LoadOptions {
         runtime: runtime.clone(),
-        param_dtype: dtype,
+        weights,
         ..Default::default()
     };
     let loaded = load_model(model, &registry, &opts)?;
@@ -72,7 +77,7 @@ pub fn plan_json(model: &std::path::Path, runtime: &ModuleRuntime, dtype: DType)
     Ok(json!({
         "model": model.display().to_string(),
         "architecture": loaded.spec.architecture(),
-        "param_dtype": dtype.name(),
+        "param_dtype": weights.name(),
         "runtime": runtime,
         "max_global_batch_size": b.max_global_batch_size(),
         "max_batch_active_tokens": b.max_batch_active_tokens(),
@@ -85,7 +90,7 @@ pub fn plan_json(model: &std::path::Path, runtime: &ModuleRuntime, dtype: DType)
 pub fn run(args: Args) -> Result<()> {
     let (_, spec) = read_config(&args.model, &Registry::builtin())?;
     let runtime = args.runtime.runtime(spec.as_ref());
-    let plan = plan_json(&args.model, &runtime, args.dtype)?;
+    let plan = plan_json(&args.model, &runtime, args.weights)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&plan)?);
         return Ok(());

@@ -103,6 +103,39 @@ impl Graph {
             .collect()
     }
 
+    /// The parameters that may hold a GGUF block type: those used only as a [`Op::Linear`]
+    /// weight or an [`Op::Embedding`] table, whose kernels read blocks.
+    pub fn block_params(&self) -> BTreeSet<String> {
+        self.dag
+            .node_indices()
+            .filter(|&n| self.dag[n].op == Op::Param)
+            .filter(|&n| {
+                self.dag.edges_directed(n, Direction::Outgoing).all(|e| {
+                    matches!(
+                        (&self.dag[e.target()].op, *e.weight()),
+                        (Op::Linear, 1) | (Op::Embedding, 0)
+                    )
+                })
+            })
+            .map(|n| self.dag[n].name.clone())
+            .collect()
+    }
+
+    /// Sets parameter `key`'s dtype (the weight bound to it decides), then checks the graph.
+    pub fn set_param_dtype(&mut self, key: &str, dtype: crate::DType) -> Result<()> {
+        let n = self
+            .dag
+            .node_indices()
+            .find(|&n| self.dag[n].op == Op::Param && self.dag[n].name == key)
+            .ok_or_else(|| Error::Graph {
+                node: key.into(),
+                op: "param".into(),
+                message: "no such parameter".into(),
+            })?;
+        self.dag[n].ty.dtype = dtype;
+        Ok(())
+    }
+
     /// How many nodes of each op, by op name (leaves excluded).
     pub fn op_counts(&self) -> BTreeMap<&'static str, usize> {
         let mut counts = BTreeMap::new();

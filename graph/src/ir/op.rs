@@ -178,7 +178,7 @@ impl Op {
             Op::Embedding => {
                 arity(xs, 2)?;
                 let (table, ids) = (xs[0], xs[1]);
-                float(table, "table")?;
+                real(table, "table")?;
                 rank(table, 2, "table")?;
                 rank(ids, 1, "ids")?;
                 integer(ids, "ids")?;
@@ -191,7 +191,7 @@ impl Op {
                 arity(xs, 2)?;
                 let (x, w) = (xs[0], xs[1]);
                 float(x, "x")?;
-                float(w, "w")?;
+                real(w, "w")?;
                 rank(w, 2, "w")?;
                 let k = x.shape.last().ok_or("x is a scalar")?;
                 same_dim(k, &w.shape[1], "x's last dim", "w's in-features (dim 1)")?;
@@ -420,6 +420,17 @@ fn float(x: &TensorType, what: &str) -> Result<(), String> {
     } else {
         Err(format!(
             "{what} has dtype {}, expected a float dtype",
+            x.dtype
+        ))
+    }
+}
+
+fn real(x: &TensorType, what: &str) -> Result<(), String> {
+    if x.dtype.is_real() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what} has dtype {}, expected a float or block dtype",
             x.dtype
         ))
     }

@@ -1,11 +1,9 @@
-//! A GGUF (v2, v3) reader: metadata, tensor infos, and tensors dequantized exactly with the
-//! formulas of the format (F32, F16, BF16 kept as stored; Q8_0, Q4_0, Q4_1 to f32). Every read
-//! is bounds-checked; a truncated file, an unknown tensor type or tensor data past the end of
+//! A GGUF (v2, v3) reader: metadata, tensor infos, and tensors as stored (F32, F16, BF16, and
+//! the block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K). Every read is bounds-checked; a truncated file, an unknown tensor type or tensor data past the end of
 //! the file is an error naming the file and what was being read.
 
 use super::{StateDict, WeightTensor};
 use crate::{DType, Error, Result};
-use half::f16;
 use memmap2::Mmap;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -62,46 +60,22 @@ impl GgufValue {
     }
 }
 
-/// Tensor storage types maxc reads.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GgmlType {
-    /// f32.
-    F32,
-    /// f16.
-    F16,
-    /// bf16.
-    BF16,
-    /// Blocks of 32: f16 scale, 32 × i8.
-    Q8_0,
-    /// Blocks of 32: f16 scale, 16 bytes of 4-bit values offset by 8.
-    Q4_0,
-    /// Blocks of 32: f16 scale, f16 minimum, 16 bytes of 4-bit values.
-    Q4_1,
-}
-
-impl GgmlType {
-    fn from_id(id: u32) -> Option<Self> {
-        Some(match id {
-            0 => GgmlType::F32,
-            1 => GgmlType::F16,
-            2 => GgmlType::Q4_0,
-            3 => GgmlType::Q4_1,
-            8 => GgmlType::Q8_0,
-            30 => GgmlType::BF16,
-            _ => return None,
-        })
-    }
-
-    /// (elements per block, bytes per block).
-    fn block(self) -> (u64, u64) {
-        match self {
-            GgmlType::F32 => (1, 4),
-            GgmlType::F16 | GgmlType::BF16 => (1, 2),
-            GgmlType::Q8_0 => (32, 34),
-            GgmlType::Q4_0 => (32, 18),
-            GgmlType::Q4_1 => (32, 20),
-        }
-    }
+/// The maxc dtype of GGUF tensor type `id`, where maxc reads it.
+fn dtype_of_ggml(id: u32) -> Option<DType> {
+    Some(match id {
+        0 => DType::F32,
+        1 => DType::F16,
+        2 => DType::Q4_0,
+        3 => DType::Q4_1,
+        6 => DType::Q5_0,
+        7 => DType::Q5_1,
+        8 => DType::Q8_0,
+        12 => DType::Q4K,
+        13 => DType::Q5K,
+        14 => DType::Q6K,
+        30 => DType::BF16,
+        _ => return None,
+    })
 }
 
 /// One tensor's header.
@@ -111,8 +85,8 @@ pub struct GgufTensorInfo {
     pub name: String,
     /// Dims, fastest first (GGUF order); the row-major shape is the reverse.
     pub dims: Vec<u64>,
-    /// Storage type.
-    pub ggml_type: GgmlType,
+    /// Storage type: a float type, or a block type kept as stored.
+    pub ggml_type: DType,
     /// Offset from the start of the data section.
     pub offset: u64,
 }
@@ -290,8 +264,8 @@ impl GgufFile {
                 .map(|_| r.u64(&what))
                 .collect::<Result<Vec<_>>>()?;
             let type_id = r.u32(&what)?;
-            let ggml_type = GgmlType::from_id(type_id).ok_or_else(|| {
-                Error::checkpoint(path, format!("{what} has tensor type {type_id}; maxc reads F32 (0), F16 (1), Q4_0 (2), Q4_1 (3), Q8_0 (8), BF16 (30)"))
+            let ggml_type = dtype_of_ggml(type_id).ok_or_else(|| {
+                Error::checkpoint(path, format!("{what} has tensor type {type_id}; maxc reads F32 (0), F16 (1), Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14), BF16 (30)"))
             })?;
             let offset = r.u64(&what)?;
             tensors.push(GgufTensorInfo {
@@ -334,10 +308,13 @@ impl GgufFile {
     /// Where `t`'s bytes are in the file, checked to lie inside it and to fit its dims.
     fn tensor_range(&self, t: &GgufTensorInfo) -> Result<std::ops::Range<usize>> {
         let elems = t.dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
-        let (block_elems, block_bytes) = t.ggml_type.block();
+        let row_whole = t
+            .dims
+            .first()
+            .is_some_and(|c| c % t.ggml_type.block().0 as u64 == 0);
         let bytes = elems
-            .filter(|e| e % block_elems == 0)
-            .and_then(|e| (e / block_elems).checked_mul(block_bytes))
+            .filter(|_| row_whole)
+            .and_then(|e| t.ggml_type.bytes_for(e))
             .ok_or_else(|| {
                 Error::checkpoint(
                     &self.path,
@@ -363,89 +340,23 @@ impl GgufFile {
         }
     }
 
-    /// Every tensor under its GGUF name: F32, F16 and BF16 as stored (memory-mapped, not
-    /// copied), quantized types dequantized to f32.
+    /// Every tensor under its GGUF name, as stored (memory-mapped, not copied): float types
+    /// and block types alike.
     pub fn state_dict(&self) -> Result<StateDict> {
         let mut out = StateDict::new();
         for t in &self.tensors {
             let range = self.tensor_range(t)?;
-            let shape = t.shape();
-            let mapped = |dtype| {
+            out.insert(
+                t.name.clone(),
                 WeightTensor::mapped(
-                    dtype,
-                    shape.clone(),
+                    t.ggml_type,
+                    t.shape(),
                     self.map.clone(),
                     range.start,
                     range.end,
-                )
-            };
-            let w = match t.ggml_type {
-                GgmlType::F32 => mapped(DType::F32),
-                GgmlType::F16 => mapped(DType::F16),
-                GgmlType::BF16 => mapped(DType::BF16),
-                q => {
-                    WeightTensor::from_f32(shape.clone(), &dequantize(q, &self.map[range.clone()]))
-                }
-            };
-            out.insert(t.name.clone(), w);
+                ),
+            );
         }
         Ok(out)
-    }
-}
-
-/// Dequantizes blocks of `q` to f32 with the format's formulas: Q8_0 `d·q`; Q4_0 `d·(q − 8)`;
-/// Q4_1 `d·q + m`; low nibbles are a block's first 16 elements, high nibbles its last 16.
-pub fn dequantize(q: GgmlType, bytes: &[u8]) -> Vec<f32> {
-    let (n, size) = q.block();
-    let mut out = Vec::with_capacity(bytes.len() / size as usize * n as usize);
-    let half = |b: &[u8], at: usize| f16::from_le_bytes([b[at], b[at + 1]]).to_f32();
-    for block in bytes.chunks_exact(size as usize) {
-        match q {
-            GgmlType::Q8_0 => {
-                let d = half(block, 0);
-                out.extend(block[2..34].iter().map(|&v| v as i8 as f32 * d));
-            }
-            GgmlType::Q4_0 => {
-                let d = half(block, 0);
-                let qs = &block[2..18];
-                out.extend(qs.iter().map(|&v| ((v & 0x0F) as i32 - 8) as f32 * d));
-                out.extend(qs.iter().map(|&v| ((v >> 4) as i32 - 8) as f32 * d));
-            }
-            GgmlType::Q4_1 => {
-                let (d, m) = (half(block, 0), half(block, 2));
-                let qs = &block[4..20];
-                out.extend(qs.iter().map(|&v| (v & 0x0F) as f32 * d + m));
-                out.extend(qs.iter().map(|&v| (v >> 4) as f32 * d + m));
-            }
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => unreachable!("not a block type"),
-        }
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn block_formulas() {
-        let d = f16::from_f32(0.5).to_le_bytes();
-        let m = f16::from_f32(-1.0).to_le_bytes();
-        // Q8_0: d · q.
-        let mut b = d.to_vec();
-        b.extend((0..32).map(|i| (i as i8 - 16) as u8));
-        let y = dequantize(GgmlType::Q8_0, &b);
-        assert_eq!((y[0], y[31]), (-8.0, 7.5));
-        // Q4_0: low nibbles first, offset 8.
-        let mut b = d.to_vec();
-        b.extend((0..16).map(|i| (i as u8) | (15 - i as u8) << 4));
-        let y = dequantize(GgmlType::Q4_0, &b);
-        assert_eq!((y[0], y[15], y[16], y[31]), (-4.0, 3.5, 3.5, -4.0));
-        // Q4_1: d · q + m.
-        let mut b = d.to_vec();
-        b.extend(m);
-        b.extend((0..16).map(|i| (i as u8) | 3 << 4));
-        let y = dequantize(GgmlType::Q4_1, &b);
-        assert_eq!((y[0], y[15], y[16]), (-1.0, 6.5, 0.5));
     }
 }

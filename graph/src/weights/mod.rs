@@ -2,6 +2,7 @@
 //! [`StateDict`] (weights by key, sorted), plus the safetensors reader and writer.
 
 pub mod gguf;
+pub mod quantize;
 mod safetensors_io;
 
 pub use safetensors_io::{
@@ -11,7 +12,6 @@ pub use safetensors_io::{
 use crate::{DType, Error, Result};
 use half::{bf16, f16};
 use memmap2::Mmap;
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -51,15 +51,20 @@ impl WeightTensor {
         }
     }
 
-    /// A weight owning `bytes`; `bytes.len()` must be `numel * dtype.size()`.
+    /// A weight owning `bytes`; `bytes.len()` must be `dtype.bytes_for(numel)` (whole blocks
+    /// of each row for block types).
     pub fn from_bytes(dtype: DType, shape: Vec<usize>, bytes: Vec<u8>) -> Result<Self> {
-        let want = shape.iter().product::<usize>() * dtype.size();
-        if bytes.len() != want {
+        let want = dtype.bytes_for(shape.iter().product::<usize>() as u64);
+        let rows_whole = shape
+            .last()
+            .is_none_or(|&c| c.is_multiple_of(dtype.block().0));
+        if want != Some(bytes.len() as u64) || !rows_whole {
             return Err(Error::WeightDtype {
                 key: "<new tensor>".into(),
                 message: format!(
-                    "{} bytes for {dtype}{shape:?}, expected {want}",
-                    bytes.len()
+                    "{} bytes for {dtype}{shape:?}, expected {}",
+                    bytes.len(),
+                    want.map_or("whole blocks per row".into(), |w| w.to_string())
                 ),
             });
         }
@@ -115,6 +120,10 @@ impl WeightTensor {
                     message: format!("holds {}, expected a float dtype", self.dtype),
                 })
             }
+            q => maxc_schema::blocks::dequantize(q, b).ok_or_else(|| Error::WeightDtype {
+                key: key.into(),
+                message: format!("{} bytes are not whole {q} blocks", b.len()),
+            })?,
         })
     }
 
@@ -139,18 +148,32 @@ impl WeightTensor {
         })
     }
 
-    /// The weight in `dtype` (float to float; rounding to nearest even). Same dtype: a cheap clone.
+    /// The weight in `dtype`: floats rounded to nearest even, block types dequantized, and
+    /// quantized to a block type row by row (see [`quantize`]). Same dtype: a cheap clone.
     pub fn convert(&self, dtype: DType, key: &str) -> Result<WeightTensor> {
         if dtype == self.dtype {
             return Ok(self.clone());
         }
-        if !dtype.is_float() {
+        if !dtype.is_real() || !self.dtype.is_real() {
             return Err(Error::WeightDtype {
                 key: key.into(),
                 message: format!("cannot convert {} to {dtype}", self.dtype),
             });
         }
         let values = self.to_f32(key)?;
+        if dtype.is_quantized() {
+            let bytes = quantize::quantize(dtype, &values, &self.shape).map_err(|message| {
+                Error::WeightDtype {
+                    key: key.into(),
+                    message,
+                }
+            })?;
+            return Ok(WeightTensor {
+                dtype,
+                shape: self.shape.clone(),
+                bytes: Bytes::Owned(Arc::new(bytes)),
+            });
+        }
         let bytes: Vec<u8> = match dtype {
             DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
             DType::F16 => values
@@ -161,28 +184,13 @@ impl WeightTensor {
                 .iter()
                 .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
                 .collect(),
-            DType::I32 | DType::I64 => unreachable!("checked above"),
+            _ => unreachable!("checked above"),
         };
         Ok(WeightTensor {
             dtype,
             shape: self.shape.clone(),
             bytes: Bytes::Owned(Arc::new(bytes)),
         })
-    }
-}
-
-impl safetensors::View for &WeightTensor {
-    fn dtype(&self) -> safetensors::Dtype {
-        self.dtype.to_safetensors()
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(self.bytes())
-    }
-    fn data_len(&self) -> usize {
-        self.bytes().len()
     }
 }
 

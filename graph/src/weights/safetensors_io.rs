@@ -22,23 +22,58 @@ pub fn read_safetensors_file(path: &Path) -> Result<StateDict> {
     let map = Arc::new(unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?);
     let parsed = safetensors::SafeTensors::deserialize(&map)
         .map_err(|e| Error::checkpoint(path, format!("not a valid safetensors file: {e}")))?;
+    let (_, header) = safetensors::SafeTensors::read_metadata(&map)
+        .map_err(|e| Error::checkpoint(path, format!("not a valid safetensors file: {e}")))?;
+    let meta = header.metadata().clone().unwrap_or_default();
     let base = map.as_ptr() as usize;
     let mut out = StateDict::new();
     for (key, view) in parsed.tensors() {
-        let dtype = DType::from_safetensors(view.dtype()).ok_or_else(|| {
-            Error::checkpoint(
-                path,
-                format!(
-                    "tensor `{key}` has dtype {:?}; maxc reads F32, F16, BF16, I32, I64",
-                    view.dtype()
-                ),
-            )
-        })?;
+        let (dtype, shape) = match meta.get(&DType::metadata_key(&key)) {
+            Some(name) => {
+                let dtype = name
+                    .parse::<DType>()
+                    .ok()
+                    .filter(|d| d.is_quantized() && view.dtype() == safetensors::Dtype::U8)
+                    .ok_or_else(|| {
+                        Error::checkpoint(
+                            path,
+                            format!(
+                                "metadata `{}` is `{name}` for a {:?} tensor; expected a block type of a U8 tensor",
+                                DType::metadata_key(&key),
+                                view.dtype()
+                            ),
+                        )
+                    })?;
+                let shape = dtype.logical_shape(view.shape()).ok_or_else(|| {
+                    Error::checkpoint(
+                        path,
+                        format!(
+                            "tensor `{key}` ({dtype}) has {:?} bytes per row, not whole blocks",
+                            view.shape().last()
+                        ),
+                    )
+                })?;
+                (dtype, shape)
+            }
+            None => (
+                DType::from_safetensors(view.dtype()).ok_or_else(|| {
+                    Error::checkpoint(
+                        path,
+                        format!(
+                            "tensor `{key}` has dtype {:?}; maxc reads F32, F16, BF16, I32, I64 \
+                             (and U8 blocks named in the metadata)",
+                            view.dtype()
+                        ),
+                    )
+                })?,
+                view.shape().to_vec(),
+            ),
+        };
         let start = view.data().as_ptr() as usize - base;
         let end = start + view.data().len();
         out.insert(
             key,
-            WeightTensor::mapped(dtype, view.shape().to_vec(), map.clone(), start, end),
+            WeightTensor::mapped(dtype, shape, map.clone(), start, end),
         );
     }
     Ok(out)
@@ -147,18 +182,30 @@ pub fn write_safetensors_to(
     metadata: Option<BTreeMap<String, String>>,
 ) -> std::result::Result<u64, String> {
     use safetensors::tensor::{Metadata, TensorInfo};
-    use safetensors::View;
     let mut order: Vec<(&String, &WeightTensor)> = tensors.iter().collect();
-    order.sort_by(|(a, x), (b, y)| y.dtype().cmp(&x.dtype()).then(a.cmp(b)));
+    order.sort_by(|(a, x), (b, y)| {
+        let (x, y) = (x.dtype.to_safetensors(), y.dtype.to_safetensors());
+        y.cmp(&x).then(a.cmp(b))
+    });
     let mut infos = Vec::with_capacity(order.len());
     let mut offset = 0usize;
+    let mut metadata = metadata;
     for (key, t) in &order {
-        let n = t.data_len();
+        let n = t.bytes().len();
+        let shape = t
+            .dtype
+            .stored_shape(&t.shape)
+            .ok_or_else(|| format!("`{key}`: {}{:?} is not whole blocks", t.dtype, t.shape))?;
+        if t.dtype.is_quantized() {
+            metadata
+                .get_or_insert_with(BTreeMap::new)
+                .insert(DType::metadata_key(key), t.dtype.name().to_string());
+        }
         infos.push((
             key.to_string(),
             TensorInfo {
-                dtype: t.dtype(),
-                shape: t.shape.clone(),
+                dtype: t.dtype.to_safetensors(),
+                shape,
                 data_offsets: (offset, offset + n),
             },
         ));
@@ -204,11 +251,40 @@ mod tests {
         for metadata in [None, Some(meta)] {
             let mut ours = Vec::new();
             let n = write_safetensors_to(&mut ours, &sd, metadata.clone()).unwrap();
-            let views: Vec<(&String, &WeightTensor)> = sd.iter().collect();
+            let views: Vec<(&String, safetensors::tensor::TensorView)> = sd
+                .iter()
+                .map(|(k, t)| {
+                    let v = safetensors::tensor::TensorView::new(
+                        t.dtype.to_safetensors(),
+                        t.shape.clone(),
+                        t.bytes(),
+                    );
+                    (k, v.unwrap())
+                })
+                .collect();
             let theirs =
                 safetensors::serialize(views, metadata.map(|m| m.into_iter().collect())).unwrap();
             assert_eq!(ours, theirs);
             assert_eq!(n as usize, ours.len());
         }
+    }
+
+    #[test]
+    fn block_weights_round_trip_with_their_dtype_in_the_metadata() {
+        let values: Vec<f32> = (0..2 * 64).map(|i| (i as f32 * 0.37).sin()).collect();
+        let w = WeightTensor::from_f32(vec![2, 64], &values)
+            .convert(DType::Q4_1, "w")
+            .unwrap();
+        let mut sd = StateDict::new();
+        sd.insert("w", w.clone());
+        sd.insert("n", WeightTensor::from_f32(vec![2], &[1.0, 2.0]));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.safetensors");
+        write_safetensors(&path, &sd, None).unwrap();
+        let back = read_safetensors_file(&path).unwrap();
+        let r = back.get("w").unwrap();
+        assert_eq!((r.dtype, r.shape.clone()), (DType::Q4_1, vec![2, 64]));
+        assert_eq!(r.bytes(), w.bytes());
+        assert_eq!(back.get("n").unwrap().dtype, DType::F32);
     }
 }

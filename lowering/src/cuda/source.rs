@@ -49,6 +49,11 @@ impl Ctx<'_> {
             DType::F32 => Ok("float"),
             DType::BF16 => Ok("__nv_bfloat16"),
             DType::F16 => Ok("__half"),
+            other if other.is_quantized() => Err(self.invalid(format!(
+                "`{field}` is {}: the CUDA backend has no kernels on GGUF blocks yet; compile \
+                 with `--weights bf16` (or f16, f32) for `--target cuda`",
+                other.name()
+            ))),
             other => Err(self.invalid(format!(
                 "`{field}` is {}, expected f32, f16 or bf16",
                 other.name()

@@ -6,8 +6,8 @@ use crate::error::Result;
 use crate::kgraph::{KGraph, ValueKind};
 use maxc_schema::{EwInstr, KernelBody};
 
-/// Guarantee: a matmul whose only consumer adds a `[n]` weight to it becomes a matmul with a
-/// bias; the add disappears.
+/// Guarantee: a matmul whose only consumer adds a `[n]` weight of the matmul's weight dtype to
+/// it becomes a matmul with a bias; the add disappears.
 pub struct FuseMatmulBias;
 
 impl Pass for FuseMatmulBias {
@@ -20,6 +20,7 @@ impl Pass for FuseMatmulBias {
             let KernelBody::Matmul {
                 bias: false,
                 n: width,
+                weight_dtype,
                 ..
             } = n.body
             else {
@@ -47,7 +48,8 @@ impl Pass for FuseMatmulBias {
             let b = add.inputs[1];
             let is_bias = inputs[1].broadcast
                 && matches!(g.values[b].kind, ValueKind::Param(_))
-                && g.values[b].shape == [maxc_schema::Extent::Fixed(width)];
+                && g.values[b].shape == [maxc_schema::Extent::Fixed(width)]
+                && g.values[b].dtype == weight_dtype;
             if !is_bias {
                 continue;
             }

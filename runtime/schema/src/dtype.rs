@@ -18,21 +18,105 @@ pub enum DType {
     I32,
     /// 64-bit signed integer.
     I64,
+    /// GGUF blocks of 32: f16 scale `d`, 32 × i8 (`d·q`).
+    #[serde(rename = "q8_0")]
+    Q8_0,
+    /// GGUF blocks of 32: f16 `d`, 16 bytes of nibbles (`d·(q − 8)`).
+    #[serde(rename = "q4_0")]
+    Q4_0,
+    /// GGUF blocks of 32: f16 `d`, f16 `m`, 16 bytes of nibbles (`d·q + m`).
+    #[serde(rename = "q4_1")]
+    Q4_1,
+    /// GGUF blocks of 32: f16 `d`, 32 high bits, 16 bytes of nibbles (`d·(q − 16)`).
+    #[serde(rename = "q5_0")]
+    Q5_0,
+    /// GGUF blocks of 32: f16 `d`, f16 `m`, 32 high bits, 16 bytes of nibbles (`d·q + m`).
+    #[serde(rename = "q5_1")]
+    Q5_1,
+    /// GGUF super-blocks of 256: f16 `d` and `dmin`, eight 6-bit scales and mins, 4-bit values.
+    #[serde(rename = "q4_k")]
+    Q4K,
+    /// GGUF super-blocks of 256: as [`DType::Q4K`] with a fifth bit per value.
+    #[serde(rename = "q5_k")]
+    Q5K,
+    /// GGUF super-blocks of 256: 6-bit values in sixteen groups with i8 scales, f16 `d`.
+    #[serde(rename = "q6_k")]
+    Q6K,
 }
 
 impl DType {
-    /// Bytes per element.
+    /// Every dtype.
+    pub const ALL: [DType; 13] = [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::I32,
+        DType::I64,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q4K,
+        DType::Q5K,
+        DType::Q6K,
+    ];
+
+    /// Bytes per element of a scalar type; for a block type, bytes per block (see
+    /// [`DType::block`]). Sizes of tensors go through [`DType::bytes_for`].
     pub fn size(self) -> usize {
+        self.block().1
+    }
+
+    /// (elements, bytes) of the storage unit: one element for scalar types, one block for
+    /// the GGUF block types.
+    pub fn block(self) -> (usize, usize) {
+        use crate::blocks::*;
         match self {
-            DType::F32 | DType::I32 => 4,
-            DType::F16 | DType::BF16 => 2,
-            DType::I64 => 8,
+            DType::F32 | DType::I32 => (1, 4),
+            DType::F16 | DType::BF16 => (1, 2),
+            DType::I64 => (1, 8),
+            DType::Q8_0 => (QK, std::mem::size_of::<BlockQ8_0>()),
+            DType::Q4_0 => (QK, std::mem::size_of::<BlockQ4_0>()),
+            DType::Q4_1 => (QK, std::mem::size_of::<BlockQ4_1>()),
+            DType::Q5_0 => (QK, std::mem::size_of::<BlockQ5_0>()),
+            DType::Q5_1 => (QK, std::mem::size_of::<BlockQ5_1>()),
+            DType::Q4K => (QK_K, std::mem::size_of::<BlockQ4K>()),
+            DType::Q5K => (QK_K, std::mem::size_of::<BlockQ5K>()),
+            DType::Q6K => (QK_K, std::mem::size_of::<BlockQ6K>()),
+        }
+    }
+
+    /// Bytes of `elements` values, or `None` where they are not whole blocks (or overflow).
+    pub fn bytes_for(self, elements: u64) -> Option<u64> {
+        let (n, b) = self.block();
+        elements
+            .is_multiple_of(n as u64)
+            .then(|| (elements / n as u64).checked_mul(b as u64))?
+    }
+
+    /// The alignment a weight of this type needs in memory (block types are read bytewise).
+    pub fn align(self) -> usize {
+        if self.is_quantized() {
+            1
+        } else {
+            self.size()
         }
     }
 
     /// True for the floating-point types.
     pub fn is_float(self) -> bool {
         matches!(self, DType::F32 | DType::F16 | DType::BF16)
+    }
+
+    /// True for the GGUF block types (real values stored as scaled small integers).
+    pub fn is_quantized(self) -> bool {
+        self.block().0 > 1
+    }
+
+    /// True for the types that hold real numbers: float or quantized.
+    pub fn is_real(self) -> bool {
+        self.is_float() || self.is_quantized()
     }
 
     /// The short name (`f32`, `bf16`, ...), as the CLI and manifests spell it.
@@ -43,6 +127,14 @@ impl DType {
             DType::BF16 => "bf16",
             DType::I32 => "i32",
             DType::I64 => "i64",
+            DType::Q8_0 => "q8_0",
+            DType::Q4_0 => "q4_0",
+            DType::Q4_1 => "q4_1",
+            DType::Q5_0 => "q5_0",
+            DType::Q5_1 => "q5_1",
+            DType::Q4K => "q4_k",
+            DType::Q5K => "q5_k",
+            DType::Q6K => "q6_k",
         }
     }
 
@@ -58,7 +150,9 @@ impl DType {
         })
     }
 
-    /// The safetensors dtype of this dtype.
+    /// The safetensors dtype this dtype is stored as: block types are `U8` tensors of shape
+    /// `[rows, bytes per row]` with the dtype's name in the file's metadata (see
+    /// [`DType::metadata_key`]).
     pub fn to_safetensors(self) -> safetensors::Dtype {
         match self {
             DType::F32 => safetensors::Dtype::F32,
@@ -66,7 +160,45 @@ impl DType {
             DType::BF16 => safetensors::Dtype::BF16,
             DType::I32 => safetensors::Dtype::I32,
             DType::I64 => safetensors::Dtype::I64,
+            _ => safetensors::Dtype::U8,
         }
+    }
+
+    /// The safetensors metadata key that names the block type of the `U8` tensor `key`:
+    /// `maxc.dtype.<key>`, whose value is the type's name (`q4_1`, `q6_k`, ...).
+    pub fn metadata_key(key: &str) -> String {
+        format!("maxc.dtype.{key}")
+    }
+
+    /// The shape a tensor of `shape` (logical, outermost first) is stored with in safetensors:
+    /// the last dim counted in bytes for block types. `None` where the last dim is not whole
+    /// blocks.
+    pub fn stored_shape(self, shape: &[usize]) -> Option<Vec<usize>> {
+        let mut s = shape.to_vec();
+        if !self.is_quantized() {
+            return Some(s);
+        }
+        if let Some(last) = s.last_mut() {
+            *last = self.bytes_for(*last as u64)? as usize;
+        }
+        Some(s)
+    }
+
+    /// The logical shape of a tensor stored with `stored` (the inverse of
+    /// [`DType::stored_shape`]); `None` where the bytes are not whole blocks.
+    pub fn logical_shape(self, stored: &[usize]) -> Option<Vec<usize>> {
+        let (n, b) = self.block();
+        let mut s = stored.to_vec();
+        if !self.is_quantized() {
+            return Some(s);
+        }
+        if let Some(last) = s.last_mut() {
+            if *last % b != 0 {
+                return None;
+            }
+            *last = *last / b * n;
+        }
+        Some(s)
     }
 }
 
@@ -87,11 +219,15 @@ impl FromStr for DType {
             "bf16" | "bfloat16" => DType::BF16,
             "i32" | "int32" => DType::I32,
             "i64" | "int64" => DType::I64,
-            other => {
-                return Err(format!(
-                    "unknown dtype `{other}` (expected f32, f16, bf16, i32 or i64)"
-                ))
-            }
+            other => match DType::ALL.into_iter().find(|d| d.name() == other) {
+                Some(d) => d,
+                None => {
+                    return Err(format!(
+                        "unknown dtype `{other}` (expected one of {})",
+                        DType::ALL.map(DType::name).join(", ")
+                    ))
+                }
+            },
         })
     }
 }

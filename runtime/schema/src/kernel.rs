@@ -345,13 +345,28 @@ impl KernelBody {
         sha2::Sha256::digest(&bytes).into()
     }
 
-    /// Whether the CPU backend runs this kernel as generated native code (otherwise as a
-    /// library kernel of the runtime).
+    /// Whether the kernel reads weights stored in a GGUF block type.
+    pub fn reads_blocks(&self) -> bool {
+        match self {
+            KernelBody::Gather { src_dtype: d, .. }
+            | KernelBody::Matmul {
+                weight_dtype: d, ..
+            }
+            | KernelBody::MoeExperts {
+                weight_dtype: d, ..
+            } => d.is_quantized(),
+            _ => false,
+        }
+    }
+
+    /// Whether the CPU backend always runs this kernel as generated native code. Matmuls run
+    /// generated or as a library kernel as the CPU module says; the MoE experts and every kernel
+    /// that reads blocks run as library kernels of the runtime.
     pub fn is_generated_on_cpu(&self) -> bool {
         !matches!(
             self,
             KernelBody::Matmul { .. } | KernelBody::MoeExperts { .. }
-        )
+        ) && !self.reads_blocks()
     }
 }
 

@@ -3,6 +3,7 @@
 //! (bincode 2) with the kernel IR and [`Program::validate`], the per-step inputs with their one
 //! check, and the paged KV cache's page table that builds them. Nothing here runs a kernel.
 
+pub mod blocks;
 pub mod dtype;
 pub mod kernel;
 pub mod manifest;
@@ -31,7 +32,7 @@ pub use manifest::{
 /// The artifact format this runtime reads and the exporter writes. Bumped on any change to a
 /// bincode type (bincode records no field names, so an older file cannot be read as a newer
 /// type); readers refuse every other version and ask for a recompile.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 
 /// Lowercase hex sha256 of `bytes`, as the manifest records files.
 pub fn sha256_hex(bytes: &[u8]) -> String {

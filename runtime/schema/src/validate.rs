@@ -150,6 +150,14 @@ fn float(d: DType, what: &str) -> Result<(), ValidationError> {
     }
 }
 
+fn real(d: DType, what: &str) -> Result<(), ValidationError> {
+    if d.is_real() {
+        Ok(())
+    } else {
+        err(format!("{what} is {d}, expected a float or block type"))
+    }
+}
+
 impl Program {
     /// Checks the program against the schema's rules (see the module docs) and `env`; the
     /// error names the launch, kernel, buffer or field at fault.
@@ -227,9 +235,22 @@ impl Program {
         for (id, b) in self.buffers.iter().enumerate() {
             let what = format!("buffer {id} ({})", b.name);
             let elements = cx.elements(&b.shape, &what)?;
-            let bytes = elements
-                .checked_mul(b.dtype.size() as u64)
-                .ok_or_else(|| ValidationError(format!("{what}: size overflows")))?;
+            let bytes = b.dtype.bytes_for(elements).ok_or_else(|| {
+                ValidationError(format!(
+                    "{what}: {elements} {} elements overflow or are not whole blocks",
+                    b.dtype
+                ))
+            })?;
+            let rows_whole = match b.shape.last() {
+                Some(Extent::Fixed(c)) => c.is_multiple_of(b.dtype.block().0 as u64),
+                _ => !b.dtype.is_quantized(),
+            };
+            if !rows_whole {
+                return err(format!(
+                    "{what}: {} rows must be a fixed whole number of blocks",
+                    b.dtype
+                ));
+            }
             let n = match &b.storage {
                 Storage::Arena { offset } => {
                     if offset % ARENA_ALIGN != 0 {
@@ -258,11 +279,11 @@ impl Program {
                             w.dtype, w.elements, b.dtype
                         ));
                     }
-                    if w.offset % b.dtype.size() as u64 != 0 {
+                    if w.offset % b.dtype.align() as u64 != 0 {
                         return err(format!(
                             "{what}: weight `{key}` starts at byte {}, not aligned to its {}-byte elements",
                             w.offset,
-                            b.dtype.size()
+                            b.dtype.align()
                         ));
                     }
                     elements
@@ -490,6 +511,9 @@ fn check_use(
             }
             if b.dtype != dtype {
                 return err(format!("{at}: is {}, the kernel reads {dtype}", b.dtype));
+            }
+            if dtype.is_quantized() && !matches!(b.storage, Storage::Param { .. }) {
+                return err(format!("{at}: {dtype} blocks are read only from weights"));
             }
             if allocated < elements {
                 return err(format!(
@@ -737,7 +761,7 @@ fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(),
         Ok(())
     };
     match body {
-        KernelBody::Gather { src_dtype, .. } => float(*src_dtype, "src_dtype"),
+        KernelBody::Gather { src_dtype, .. } => real(*src_dtype, "src_dtype"),
         KernelBody::Positions => Ok(()),
         KernelBody::RmsNorm {
             eps, weight_dtype, ..
@@ -813,7 +837,14 @@ fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(),
             }
             Ok(())
         }
-        KernelBody::Matmul { weight_dtype, .. } => float(*weight_dtype, "weight_dtype"),
+        KernelBody::Matmul {
+            weight_dtype, bias, ..
+        } => {
+            if *bias && weight_dtype.is_quantized() {
+                return err(format!("a bias of {weight_dtype} blocks"));
+            }
+            real(*weight_dtype, "weight_dtype")
+        }
         KernelBody::MoeExperts {
             weight_dtype,
             experts,
@@ -842,6 +873,12 @@ impl CpuModule {
         }
         for (i, (k, entry)) in program.kernels.iter().zip(&self.entries).enumerate() {
             match entry {
+                Some(_) if k.body.reads_blocks() => {
+                    return err(format!(
+                        "kernel {i} ({}) reads block weights, which only the runtime's library kernels read, yet has native code",
+                        k.name
+                    ));
+                }
                 Some(off) => {
                     if *off >= self.code.len() as u64 || off % CODE_ALIGN != 0 {
                         return err(format!(

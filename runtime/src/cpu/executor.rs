@@ -3,12 +3,13 @@
 
 use super::code::{ExecutableCode, KernelFn};
 use super::library;
+use super::weights;
 use crate::artifact::Artifact;
 use crate::error::{Result, RuntimeError};
 use crate::logits::Logits;
 use crate::profile::{LaunchTiming, StepProfile};
 use crate::schema::{
-    DType, Extent, KernelBody, Program, Rows, StepDim, StepInputs, StepLimits, Storage,
+    DType, Extent, GatherIndex, KernelBody, Program, Rows, StepDim, StepInputs, StepLimits, Storage,
 };
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -46,6 +47,8 @@ impl Aligned {
 /// needs f32 and the artifact stores another dtype.
 struct Param {
     ptr: *const u8,
+    len: usize,
+    dtype: DType,
     f32_copy: Option<Vec<f32>>,
 }
 
@@ -118,6 +121,7 @@ fn to_f32(dtype: DType, bytes: &[u8]) -> Option<Vec<f32>> {
                 .collect(),
         ),
         DType::I32 | DType::I64 => None,
+        q => crate::schema::blocks::dequantize(q, bytes),
     }
 }
 
@@ -161,16 +165,27 @@ impl CpuExecutor {
                 _ => None,
             });
         }
-        // Weights read by library kernels are widened to f32 once.
+        // Matmul weights and gathered tables are read as stored; the other operands of
+        // library kernels (biases, MoE experts) are widened to f32 once.
         let mut library_params = std::collections::BTreeSet::new();
         let matmul_policy = module.generated_matmul_max_rows;
         for l in &program.launches {
-            let is_matmul = matches!(
-                program.kernels[l.kernel as usize].body,
-                KernelBody::Matmul { .. }
-            );
-            if fns[l.kernel as usize].is_none() || (is_matmul && matmul_policy.is_some()) {
-                library_params.extend(l.buffers.iter().copied());
+            let body = &program.kernels[l.kernel as usize].body;
+            let read_as_stored: &[usize] = match body {
+                KernelBody::Matmul { .. } => &[1],
+                KernelBody::Gather { .. } => &[0],
+                _ => &[],
+            };
+            let library = fns[l.kernel as usize].is_none()
+                || (matches!(body, KernelBody::Matmul { .. }) && matmul_policy.is_some());
+            if library {
+                library_params.extend(
+                    l.buffers
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, _)| !read_as_stored.contains(i))
+                        .map(|(_, &b)| b),
+                );
             }
         }
         let mut params = BTreeMap::new();
@@ -195,6 +210,8 @@ impl CpuExecutor {
                     id as u32,
                     Param {
                         ptr: bytes.as_ptr(),
+                        len: bytes.len(),
+                        dtype: view.dtype,
                         f32_copy,
                     },
                 );
@@ -416,12 +433,61 @@ impl CpuExecutor {
             } => {
                 let (rows, n, k) = (rows_of(rows), *n as usize, *k as usize);
                 let x = unsafe { std::slice::from_raw_parts(args[0].cast::<f32>(), rows * k) };
-                let w = self.param_f32(buffers[1], args[1], n * k);
                 let b = bias.then(|| self.param_f32(buffers[2], args[2], n));
                 let out_arg = args[args.len() - 1];
                 let out =
                     unsafe { std::slice::from_raw_parts_mut(out_arg.cast::<f32>(), rows * n) };
-                library::matmul(x, w, b, out, rows, n, k);
+                match self.params.get(&buffers[1]) {
+                    Some(p) => {
+                        // SAFETY: the weight's mapped bytes, `len` of them.
+                        let w = unsafe { std::slice::from_raw_parts(p.ptr, p.len) };
+                        weights::matmul(x, w, p.dtype, out, rows, n, k, self.threads);
+                    }
+                    None => {
+                        let w = self.param_f32(buffers[1], args[1], n * k);
+                        library::matmul(x, w, None, out, rows, n, k);
+                    }
+                }
+                if let Some(b) = b {
+                    for row in out.chunks_exact_mut(n) {
+                        for (o, b) in row.iter_mut().zip(b) {
+                            *o += b;
+                        }
+                    }
+                }
+            }
+            KernelBody::Gather {
+                rows,
+                cols,
+                index,
+                src_dtype,
+            } => {
+                let (rows, cols) = (rows_of(rows), *cols as usize);
+                let p = &self.params[&buffers[0]];
+                // SAFETY: the table's mapped bytes; validated to hold `vocab` rows of `cols`.
+                let table = unsafe { std::slice::from_raw_parts(p.ptr, p.len) };
+                let table_rows =
+                    p.len as u64 / src_dtype.bytes_for(cols as u64).unwrap_or(1).max(1);
+                let out =
+                    unsafe { std::slice::from_raw_parts_mut(args[2].cast::<f32>(), rows * cols) };
+                for (r, o) in out.chunks_exact_mut(cols).enumerate() {
+                    let src = match index {
+                        GatherIndex::Tokens => {
+                            // SAFETY: `index` holds the step's token ids, one per row.
+                            let id = unsafe { *args[1].cast::<i64>().add(r) };
+                            u64::try_from(id).ok().filter(|&i| i < table_rows)
+                        }
+                        GatherIndex::LastRows => {
+                            // SAFETY: row offsets hold batch_size + 1 values.
+                            let end = unsafe { *args[1].cast::<i32>().add(r + 1) };
+                            u64::try_from(end - 1).ok().filter(|&i| i < table_rows)
+                        }
+                    };
+                    match src {
+                        Some(i) => weights::gather_row(table, *src_dtype, cols, i as usize, o),
+                        None => o.fill(0.0),
+                    }
+                }
             }
             KernelBody::MoeExperts {
                 rows,

@@ -3,5 +3,6 @@
 pub mod code;
 pub mod executor;
 pub mod library;
+pub mod weights;
 
 pub use executor::CpuExecutor;

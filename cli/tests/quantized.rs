@@ -1,0 +1,151 @@
+//! Quantized artifacts against the reference interpreter on the same weights: every tiny model
+//! compiled with each block format the compiler quantizes to (`--weights q8_0`, ...) gives, for
+//! every fixture prompt alone, all prompts as one ragged batch (the many-row kernels), and
+//! greedy decode steps (the one-row kernels), the logits the interpreter gives on those blocks
+//! dequantized. maxc's kernels keep activations and accumulation in f32, so the bound is far
+//! inside issue 11's 0.05.
+
+use maxc_exporter::{compile, CompileOptions, CpuMatmul};
+use maxc_golden::fixtures;
+use maxc_graph::interp::{Interpreter, Session};
+use maxc_graph::pipeline::{load_model, LoadOptions, WeightFormat};
+use maxc_graph::weights::read_safetensors_file;
+use maxc_graph::{DType, GraphRole, KvCacheParams, ModuleRuntime, Registry};
+use maxc_runtime::Engine;
+
+const PAGE: usize = 16;
+const MAX_LEN: usize = 160;
+/// Max |logit diff| allowed against the interpreter on the dequantized weights.
+const TOL: f32 = 2e-3;
+
+fn runtime() -> ModuleRuntime {
+    let mut rt = ModuleRuntime::default();
+    rt.batch.max_batch_size = 4;
+    rt.batch.max_seq_len = MAX_LEN;
+    rt.batch.max_batch_input_tokens = 256;
+    rt.kv = KvCacheParams {
+        page_size: PAGE,
+        num_pages: Some(48),
+    };
+    rt
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn check(model: &str, role: GraphRole, prefix: &str, format: DType) {
+    let dir = fixtures().join(model);
+    let weights = WeightFormat::Quantize(format);
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("a.maxc");
+    let opts = CompileOptions {
+        runtime: runtime(),
+        weights,
+        all_logits: true,
+        cpu_matmul: CpuMatmul::Auto,
+        force: false,
+        cpu: true,
+        cuda_arch: None,
+    };
+    compile(&dir, &out, &opts, &mut |_| {}).expect("compiles");
+    let load = LoadOptions {
+        runtime: runtime(),
+        weights,
+        all_logits: true,
+        roles: vec![role],
+    };
+    let mut loaded = load_model(&dir, &Registry::builtin(), &load).expect("loads");
+    let rg = loaded.roles.remove(&role).unwrap();
+    let quantized = rg
+        .weights
+        .iter()
+        .filter(|(_, w)| w.dtype.is_quantized())
+        .count();
+    assert!(quantized > 0, "{model} {format}: no weight was quantized");
+    let interp = Interpreter::new(rg.graph, &rg.weights).unwrap();
+    let mut engine = Engine::open(&out, role.name()).expect("opens");
+    let reference = read_safetensors_file(&dir.join("reference.safetensors")).unwrap();
+    let prompts: Vec<Vec<i64>> = (0..)
+        .map_while(|i| reference.get(&format!("{prefix}p{i}.tokens")))
+        .map(|t| t.to_i64("tokens").unwrap())
+        .collect();
+    let what = format!("{model} ({}) as {format}", role.name());
+
+    // Each prompt alone, then greedy decode steps of one row.
+    for (i, tokens) in prompts.iter().enumerate() {
+        let mut session = Session::new(&interp, 48, MAX_LEN.div_ceil(PAGE));
+        let seq = i as u64;
+        let want = session.step(&[(seq, tokens)]).unwrap().data;
+        let got = engine.step(&[(seq, tokens)]).unwrap().data;
+        let d = max_diff(&got, &want);
+        assert!(d < TOL, "{what}, prompt {i}: max |diff| {d}");
+        let mut next = *tokens.last().unwrap();
+        for step in 0..8 {
+            let want = session.step(&[(seq, &[next])]).unwrap().data;
+            let got = engine.step(&[(seq, &[next])]).unwrap().data;
+            let d = max_diff(&got, &want);
+            assert!(
+                d < TOL,
+                "{what}, prompt {i}, decode step {step}: max |diff| {d}"
+            );
+            next = want
+                .iter()
+                .enumerate()
+                .fold(0, |b, (j, v)| if *v > want[b] { j } else { b }) as i64;
+        }
+        engine.release(seq);
+    }
+    // All prompts as one ragged batch.
+    let mut session = Session::new(&interp, 48, MAX_LEN.div_ceil(PAGE));
+    let chunks: Vec<(u64, &[i64])> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (100 + i as u64, t.as_slice()))
+        .collect();
+    let want = session.step(&chunks).unwrap().data;
+    let got = engine.step(&chunks).unwrap().data;
+    let d = max_diff(&got, &want);
+    assert!(d < TOL, "{what}, ragged batch: max |diff| {d}");
+}
+
+macro_rules! formats {
+    ($name:ident, $model:literal, $role:expr, $prefix:literal) => {
+        mod $name {
+            use super::*;
+            #[test]
+            fn q8_0() {
+                check($model, $role, $prefix, DType::Q8_0);
+            }
+            #[test]
+            fn q4_0() {
+                check($model, $role, $prefix, DType::Q4_0);
+            }
+            #[test]
+            fn q4_1() {
+                check($model, $role, $prefix, DType::Q4_1);
+            }
+            #[test]
+            fn q5_0() {
+                check($model, $role, $prefix, DType::Q5_0);
+            }
+            #[test]
+            fn q5_1() {
+                check($model, $role, $prefix, DType::Q5_1);
+            }
+            #[test]
+            fn q4_k() {
+                check($model, $role, $prefix, DType::Q4K);
+            }
+        }
+    };
+}
+
+formats!(tiny_llama, "tiny-llama", GraphRole::Decoder, "");
+formats!(tiny_qwen2, "tiny-qwen2", GraphRole::Decoder, "");
+formats!(tiny_mixtral, "tiny-mixtral", GraphRole::Decoder, "");
+formats!(tiny_roles_draft, "tiny-roles", GraphRole::Draft, "draft.");

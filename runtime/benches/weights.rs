@@ -1,0 +1,111 @@
+//! `cargo bench -p maxc-runtime --bench weights`: the weight kernels at SmolLM2's decode and
+//! prefill shapes, per storage format: time per call, weight bytes streamed per second, and the
+//! ratio to a memory-bandwidth probe (a plain f32 sum over 256 MiB) measured in the same run.
+
+use maxc_runtime::cpu::weights::{isa_name, matmul};
+use maxc_runtime::schema::DType;
+use std::time::Instant;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// A sum in 16 independent lanes (vectorizable, unlike a sequential float sum).
+fn lane_sum(a: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 16];
+    for c in a.chunks_exact(16) {
+        for l in 0..16 {
+            acc[l] += c[l];
+        }
+    }
+    acc.iter().sum()
+}
+
+/// Bytes per second of a streaming read of 256 MiB split over `threads` threads.
+fn bandwidth(threads: usize) -> f64 {
+    let data = vec![1.0f32; 64 << 20];
+    let reps: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            let s: f32 = std::thread::scope(|sc| {
+                let parts: Vec<_> = data
+                    .chunks(data.len().div_ceil(threads))
+                    .map(|p| sc.spawn(move || lane_sum(p)))
+                    .collect();
+                parts.into_iter().map(|h| h.join().unwrap()).sum()
+            });
+            std::hint::black_box(s);
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    (data.len() * 4) as f64 / median(reps)
+}
+
+fn main() {
+    let threads = rayon::current_num_threads();
+    let bw = bandwidth(threads);
+    println!(
+        "isa {}, {threads} threads, bandwidth probe {:.1} GB/s",
+        isa_name(),
+        bw / 1e9
+    );
+    let formats = [
+        DType::F32,
+        DType::BF16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q4K,
+        DType::Q6K,
+    ];
+    // A stack of weights larger than the caches, cycled through, so each call streams from
+    // memory as decode does.
+    let (n, k) = (1536usize, 768usize);
+    let copies = 48;
+    for rows in [1usize, 8, 128] {
+        println!("rows {rows}: [{n}, {k}] weights, {copies} copies cycled");
+        for dtype in formats {
+            let bytes = dtype.bytes_for((n * k) as u64).unwrap() as usize;
+            let ws: Vec<Vec<u8>> = (0..copies)
+                .map(|c| {
+                    let mut w: Vec<u8> = (0..bytes)
+                        .map(|i| ((i * 131 + c * 7) % 251) as u8)
+                        .collect();
+                    if dtype == DType::F32 || dtype == DType::BF16 {
+                        // Small finite values.
+                        for (i, b) in w.iter_mut().enumerate() {
+                            if i % dtype.size() == dtype.size() - 1 {
+                                *b = 0x3c;
+                            }
+                        }
+                    }
+                    w
+                })
+                .collect();
+            let x: Vec<f32> = (0..rows * k).map(|i| (i % 17) as f32 * 0.01).collect();
+            let mut out = vec![0.0f32; rows * n];
+            let calls = if rows >= 128 { 24 } else { 240 };
+            let reps: Vec<f64> = (0..5)
+                .map(|_| {
+                    let t = Instant::now();
+                    for c in 0..calls {
+                        matmul(&x, &ws[c % copies], dtype, &mut out, rows, n, k, threads);
+                    }
+                    t.elapsed().as_secs_f64() / calls as f64
+                })
+                .collect();
+            let s = median(reps);
+            let gbs = bytes as f64 / s;
+            println!(
+                "  {:>5}  {:>8.1} us  {:>6.1} GB/s  {:>5.2} of bandwidth  {:>6.1} GFLOP/s",
+                dtype.name(),
+                s * 1e6,
+                gbs / 1e9,
+                gbs / bw,
+                2.0 * (rows * n * k) as f64 / s / 1e9
+            );
+        }
+    }
+}

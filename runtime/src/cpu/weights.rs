@@ -1,0 +1,516 @@
+//! Library kernels on weights in their stored format (f32, f16, bf16 and the GGUF block types),
+//! without widening them in memory: matmuls and row gathers. Values are f32, accumulation is
+//! f32; a block's values are dequantized into a small buffer that stays in L1 and used at once.
+//!
+//! - Few rows (decode): each weight row (output column) is read once for all the step's rows,
+//!   block by block; output columns are split across threads, so every core streams weights.
+//! - Many rows (prefill): panels of weight rows are dequantized to f32 and multiplied with
+//!   `gemm`, panels split across threads.
+//!
+//! The inner loops are plain Rust, compiled three times (AVX-512, AVX2 + FMA, and the
+//! baseline), and the best the CPU supports is chosen at run time.
+
+use maxc_schema::blocks::{
+    f16_to_f32, Block, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K,
+    BlockQ8_0,
+};
+use maxc_schema::DType;
+use rayon::prelude::*;
+
+/// f32 lanes of the accumulators (one 512-bit or two 256-bit registers).
+const LANES: usize = 16;
+/// Steps up to this many rows run the row-streaming kernel; larger ones the panel kernel.
+pub const STREAM_MAX_ROWS: usize = 16;
+/// Weight rows per panel of the panel kernel.
+const PANEL: usize = 64;
+/// Below this many weight bytes a matmul runs on the calling thread.
+const SPLIT_BYTES: usize = 1 << 16;
+
+/// A storage format of weight rows: how to get a block of f32 values.
+trait Format: Sync {
+    /// Values per block.
+    const ELEMS: usize;
+    /// Bytes per block.
+    const BYTES: usize;
+    /// Writes block `b` of `row` to `out[..ELEMS]`.
+    fn load(row: &[u8], b: usize, out: &mut [f32]);
+    /// Element `i` of `row`, for a row's last `cols % ELEMS` elements (scalar types only:
+    /// block types' rows are whole blocks).
+    fn one(row: &[u8], i: usize) -> f32;
+}
+
+struct F32s;
+struct F16s;
+struct Bf16s;
+struct Blocks<B>(std::marker::PhantomData<B>);
+
+impl Format for F32s {
+    const ELEMS: usize = 32;
+    const BYTES: usize = 128;
+    #[inline(always)]
+    fn load(row: &[u8], b: usize, out: &mut [f32]) {
+        let src = &row[b * 128..b * 128 + 128];
+        for (o, c) in out[..32].iter_mut().zip(src.chunks_exact(4)) {
+            *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        }
+    }
+    fn one(row: &[u8], i: usize) -> f32 {
+        f32::from_le_bytes([row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]])
+    }
+}
+
+impl Format for Bf16s {
+    const ELEMS: usize = 32;
+    const BYTES: usize = 64;
+    #[inline(always)]
+    fn load(row: &[u8], b: usize, out: &mut [f32]) {
+        let src = &row[b * 64..b * 64 + 64];
+        for (o, c) in out[..32].iter_mut().zip(src.chunks_exact(2)) {
+            *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+        }
+    }
+    fn one(row: &[u8], i: usize) -> f32 {
+        f32::from_bits((u16::from_le_bytes([row[2 * i], row[2 * i + 1]]) as u32) << 16)
+    }
+}
+
+impl Format for F16s {
+    const ELEMS: usize = 32;
+    const BYTES: usize = 64;
+    #[inline(always)]
+    fn load(row: &[u8], b: usize, out: &mut [f32]) {
+        let src = &row[b * 64..b * 64 + 64];
+        for (o, c) in out[..32].iter_mut().zip(src.chunks_exact(2)) {
+            *o = f16_to_f32(u16::from_le_bytes([c[0], c[1]]));
+        }
+    }
+    fn one(row: &[u8], i: usize) -> f32 {
+        f16_to_f32(u16::from_le_bytes([row[2 * i], row[2 * i + 1]]))
+    }
+}
+
+impl<B: Block + Sync> Format for Blocks<B> {
+    const ELEMS: usize = B::ELEMS;
+    const BYTES: usize = std::mem::size_of::<B>();
+    #[inline(always)]
+    fn load(row: &[u8], b: usize, out: &mut [f32]) {
+        let bytes = &row[b * Self::BYTES..(b + 1) * Self::BYTES];
+        // SAFETY: block types are byte arrays (alignment 1, every bit pattern valid) and
+        // `bytes` is exactly one block.
+        let block = unsafe { &*bytes.as_ptr().cast::<B>() };
+        block.dequantize(out);
+    }
+    fn one(_: &[u8], _: usize) -> f32 {
+        unreachable!("block rows are whole blocks")
+    }
+}
+
+/// `Σ a[i]·b[i]` into per-lane accumulators (no horizontal sum per block).
+#[inline(always)]
+fn dot_lanes(a: &[f32], b: &[f32], acc: &mut [f32; LANES]) {
+    for (a, b) in a.chunks_exact(LANES).zip(b.chunks_exact(LANES)) {
+        for l in 0..LANES {
+            acc[l] = a[l].mul_add(b[l], acc[l]);
+        }
+    }
+}
+
+/// Output columns `cols` of `out[rows, n] = x[rows, k] · wᵀ` for `rows ≤ STREAM_MAX_ROWS`;
+/// `out` holds columns `cols` of every row, row-major with stride `n` starting at column
+/// `cols.start`.
+#[inline(always)]
+fn stream_cols<F: Format>(
+    x: &[f32],
+    w: &[u8],
+    out: &mut [f32],
+    rows: usize,
+    n: usize,
+    k: usize,
+    cols: std::ops::Range<usize>,
+) {
+    let row_bytes = row_bytes::<F>(k);
+    let whole = k / F::ELEMS * F::ELEMS;
+    let mut buf = [0.0f32; 256];
+    if rows == 1 {
+        // One row (batch-1 decode): the accumulator stays in registers.
+        for j in cols.clone() {
+            let wrow = &w[j * row_bytes..(j + 1) * row_bytes];
+            let mut acc = [0.0f32; LANES];
+            for b in 0..k / F::ELEMS {
+                F::load(wrow, b, &mut buf);
+                dot_lanes(
+                    &buf[..F::ELEMS],
+                    &x[b * F::ELEMS..(b + 1) * F::ELEMS],
+                    &mut acc,
+                );
+            }
+            let mut sum: f32 = acc.iter().sum();
+            for (i, &xi) in x.iter().enumerate().take(k).skip(whole) {
+                sum = F::one(wrow, i).mul_add(xi, sum);
+            }
+            out[j - cols.start] = sum;
+        }
+        return;
+    }
+    let mut acc = [[0.0f32; LANES]; STREAM_MAX_ROWS];
+    for j in cols.clone() {
+        let wrow = &w[j * row_bytes..(j + 1) * row_bytes];
+        for a in acc[..rows].iter_mut() {
+            *a = [0.0; LANES];
+        }
+        for b in 0..k / F::ELEMS {
+            F::load(wrow, b, &mut buf);
+            let vals = &buf[..F::ELEMS];
+            for (r, a) in acc[..rows].iter_mut().enumerate() {
+                let xs = &x[r * k + b * F::ELEMS..r * k + (b + 1) * F::ELEMS];
+                dot_lanes(vals, xs, a);
+            }
+        }
+        for i in whole..k {
+            let v = F::one(wrow, i);
+            for (r, a) in acc[..rows].iter_mut().enumerate() {
+                a[0] = v.mul_add(x[r * k + i], a[0]);
+            }
+        }
+        for (r, a) in acc[..rows].iter().enumerate() {
+            out[r * n + j - cols.start] = a.iter().sum();
+        }
+    }
+}
+
+/// Weight rows `j0..j0 + panel.len() / k` dequantized into `panel`.
+#[inline(always)]
+fn dequant_rows<F: Format>(w: &[u8], k: usize, j0: usize, panel: &mut [f32]) {
+    let row_bytes = row_bytes::<F>(k);
+    let whole = k / F::ELEMS * F::ELEMS;
+    for (i, prow) in panel.chunks_exact_mut(k).enumerate() {
+        let wrow = &w[(j0 + i) * row_bytes..(j0 + i + 1) * row_bytes];
+        for (b, out) in prow[..whole].chunks_exact_mut(F::ELEMS).enumerate() {
+            F::load(wrow, b, out);
+        }
+        for (t, out) in prow[whole..].iter_mut().enumerate() {
+            *out = F::one(wrow, whole + t);
+        }
+    }
+}
+
+/// Bytes of a weight row of `k` values.
+#[inline(always)]
+fn row_bytes<F: Format>(k: usize) -> usize {
+    k / F::ELEMS * F::BYTES + (k % F::ELEMS) * (F::BYTES / F::ELEMS)
+}
+
+/// The instruction sets the inner loops are compiled for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isa {
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    Baseline,
+}
+
+fn isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *ISA.get_or_init(|| {
+            if std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512bw")
+                && std::is_x86_feature_detected!("avx512vl")
+                && std::is_x86_feature_detected!("f16c")
+            {
+                Isa::Avx512
+            } else if std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c")
+            {
+                Isa::Avx2
+            } else {
+                Isa::Baseline
+            }
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    Isa::Baseline
+}
+
+/// The name of the instruction set the weight kernels use on this CPU.
+pub fn isa_name() -> &'static str {
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => "avx512",
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => "avx2+fma",
+        Isa::Baseline => "baseline",
+    }
+}
+
+macro_rules! multiversion {
+    ($name:ident, $inner:ident, ($($arg:ident: $ty:ty),*)) => {
+        fn $name<F: Format>($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+                unsafe fn avx512<F: Format>($($arg: $ty),*) {
+                    $inner::<F>($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn avx2<F: Format>($($arg: $ty),*) {
+                    $inner::<F>($($arg),*)
+                }
+                match isa() {
+                    // SAFETY: the CPU has the features these versions are compiled for.
+                    Isa::Avx512 => return unsafe { avx512::<F>($($arg),*) },
+                    Isa::Avx2 => return unsafe { avx2::<F>($($arg),*) },
+                    Isa::Baseline => {}
+                }
+            }
+            $inner::<F>($($arg),*)
+        }
+    };
+}
+
+multiversion!(stream_cols_mv, stream_cols, (x: &[f32], w: &[u8], out: &mut [f32], rows: usize, n: usize, k: usize, cols: std::ops::Range<usize>));
+multiversion!(dequant_rows_mv, dequant_rows, (w: &[u8], k: usize, j0: usize, panel: &mut [f32]));
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: threads write disjoint columns (or disjoint panels) of the output.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The pointer (a method, so closures capture the `Send` wrapper, not its field).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+fn matmul_as<F: Format>(
+    x: &[f32],
+    w: &[u8],
+    out: &mut [f32],
+    rows: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+) {
+    let chunks = if w.len() < SPLIT_BYTES {
+        1
+    } else {
+        threads.max(1)
+    };
+    let optr = OutPtr(out.as_mut_ptr());
+    if rows <= STREAM_MAX_ROWS {
+        let run = |c: usize| {
+            let cols = n * c / chunks..n * (c + 1) / chunks;
+            // SAFETY: `out` holds rows × n values; this call writes only columns `cols` of
+            // each row, which no other call writes. The slice starts at column `cols.start`
+            // and ends after the last row's last column of the range.
+            let len = (rows - 1) * n + cols.len();
+            let o = unsafe { std::slice::from_raw_parts_mut(optr.get().add(cols.start), len) };
+            stream_cols_mv::<F>(x, w, o, rows, n, k, cols);
+        };
+        if chunks == 1 {
+            run(0);
+        } else {
+            (0..chunks).into_par_iter().for_each(run);
+        }
+        return;
+    }
+    let panels = n.div_ceil(PANEL);
+    (0..panels).into_par_iter().for_each_init(
+        || vec![0.0f32; PANEL * k],
+        |panel, p| {
+            let j0 = p * PANEL;
+            let m = PANEL.min(n - j0);
+            let panel = &mut panel[..m * k];
+            dequant_rows_mv::<F>(w, k, j0, panel);
+            // SAFETY: out[rows, n] row-major; this call writes columns j0..j0+m of every row
+            // (disjoint across panels); x is [rows, k] and panel [m, k], read as panelᵀ.
+            unsafe {
+                gemm::gemm::<f32>(
+                    rows,
+                    m,
+                    k,
+                    optr.get().add(j0),
+                    1,
+                    n as isize,
+                    false,
+                    x.as_ptr(),
+                    1,
+                    k as isize,
+                    panel.as_ptr(),
+                    k as isize,
+                    1,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+        },
+    );
+}
+
+/// `out[rows, n] = x[rows, k] · wᵀ`, `w` the bytes of an `[n, k]` weight of `dtype` (f32,
+/// f16, bf16 or a block type; `k` whole blocks). `threads` is how many ways to split the work.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    x: &[f32],
+    w: &[u8],
+    dtype: DType,
+    out: &mut [f32],
+    rows: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+) {
+    if rows == 0 || n == 0 {
+        return;
+    }
+    debug_assert!(x.len() >= rows * k && out.len() >= rows * n);
+    debug_assert_eq!(dtype.bytes_for((n * k) as u64), Some(w.len() as u64));
+    match dtype {
+        DType::F32 if rows > STREAM_MAX_ROWS => {
+            // SAFETY: f32 weights are 4-aligned (validated) and hold n·k values.
+            let wf = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), n * k) };
+            super::library::matmul(x, wf, None, out, rows, n, k);
+        }
+        DType::F32 => matmul_as::<F32s>(x, w, out, rows, n, k, threads),
+        DType::F16 => matmul_as::<F16s>(x, w, out, rows, n, k, threads),
+        DType::BF16 => matmul_as::<Bf16s>(x, w, out, rows, n, k, threads),
+        DType::Q8_0 => matmul_as::<Blocks<BlockQ8_0>>(x, w, out, rows, n, k, threads),
+        DType::Q4_0 => matmul_as::<Blocks<BlockQ4_0>>(x, w, out, rows, n, k, threads),
+        DType::Q4_1 => matmul_as::<Blocks<BlockQ4_1>>(x, w, out, rows, n, k, threads),
+        DType::Q5_0 => matmul_as::<Blocks<BlockQ5_0>>(x, w, out, rows, n, k, threads),
+        DType::Q5_1 => matmul_as::<Blocks<BlockQ5_1>>(x, w, out, rows, n, k, threads),
+        DType::Q4K => matmul_as::<Blocks<BlockQ4K>>(x, w, out, rows, n, k, threads),
+        DType::Q5K => matmul_as::<Blocks<BlockQ5K>>(x, w, out, rows, n, k, threads),
+        DType::Q6K => matmul_as::<Blocks<BlockQ6K>>(x, w, out, rows, n, k, threads),
+        DType::I32 | DType::I64 => unreachable!("validated: matmul weights are real"),
+    }
+}
+
+fn gather_as<F: Format>(w: &[u8], k: usize, row: usize, out: &mut [f32]) {
+    dequant_rows::<F>(w, k, row, &mut out[..k]);
+}
+
+/// Row `row` of an `[_, k]` weight of `dtype` (bytes `w`), as f32, into `out[..k]`.
+pub fn gather_row(w: &[u8], dtype: DType, k: usize, row: usize, out: &mut [f32]) {
+    match dtype {
+        DType::F32 => gather_as::<F32s>(w, k, row, out),
+        DType::F16 => gather_as::<F16s>(w, k, row, out),
+        DType::BF16 => gather_as::<Bf16s>(w, k, row, out),
+        DType::Q8_0 => gather_as::<Blocks<BlockQ8_0>>(w, k, row, out),
+        DType::Q4_0 => gather_as::<Blocks<BlockQ4_0>>(w, k, row, out),
+        DType::Q4_1 => gather_as::<Blocks<BlockQ4_1>>(w, k, row, out),
+        DType::Q5_0 => gather_as::<Blocks<BlockQ5_0>>(w, k, row, out),
+        DType::Q5_1 => gather_as::<Blocks<BlockQ5_1>>(w, k, row, out),
+        DType::Q4K => gather_as::<Blocks<BlockQ4K>>(w, k, row, out),
+        DType::Q5K => gather_as::<Blocks<BlockQ5K>>(w, k, row, out),
+        DType::Q6K => gather_as::<Blocks<BlockQ6K>>(w, k, row, out),
+        DType::I32 | DType::I64 => unreachable!("validated: gathered tables are real"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reference(x: &[f32], w: &[f32], rows: usize, n: usize, k: usize) -> Vec<f32> {
+        let mut out = vec![0.0; rows * n];
+        for r in 0..rows {
+            for j in 0..n {
+                out[r * n + j] = (0..k).map(|i| x[r * k + i] * w[j * k + i]).sum();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_format_and_row_count_matches_the_dequantized_reference() {
+        let (n, k) = (70, 512);
+        let x: Vec<f32> = (0..40 * k)
+            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        for dtype in DType::ALL.into_iter().filter(|d| d.is_real()) {
+            // Bytes of any pattern are valid blocks; keep scales small and finite.
+            let (be, bb) = dtype.block();
+            let nbytes = n * k / be * bb;
+            let mut w: Vec<u8> = (0..nbytes).map(|i| ((i * 131) % 251) as u8).collect();
+            if dtype.is_float() {
+                let vals: Vec<f32> = (0..n * k)
+                    .map(|i| ((i * 37) % 97) as f32 / 97.0 - 0.5)
+                    .collect();
+                w = match dtype {
+                    DType::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    DType::F16 => vals
+                        .iter()
+                        .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                        .collect(),
+                    _ => vals
+                        .iter()
+                        .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                        .collect(),
+                };
+            } else {
+                // f16 scales at the block types' offsets would be arbitrary: overwrite every
+                // f16-sized field that may be a scale with a small value by dequantizing and
+                // checking finiteness instead.
+                for blk in w.chunks_exact_mut(bb) {
+                    let small = half::f16::from_f32(0.01).to_le_bytes();
+                    match dtype {
+                        DType::Q6K => blk[bb - 2..].copy_from_slice(&small),
+                        DType::Q4K | DType::Q5K | DType::Q4_1 | DType::Q5_1 => {
+                            blk[..2].copy_from_slice(&small);
+                            blk[2..4].copy_from_slice(&small);
+                        }
+                        _ => blk[..2].copy_from_slice(&small),
+                    }
+                }
+            }
+            let wf: Vec<f32> = if dtype.is_quantized() {
+                maxc_schema::blocks::dequantize(dtype, &w).unwrap()
+            } else {
+                let mut v = vec![0.0; n * k];
+                for j in 0..n {
+                    gather_row(&w, dtype, k, j, &mut v[j * k..]);
+                }
+                v
+            };
+            for rows in [1, 3, 16, 17, 40] {
+                let want = reference(&x, &wf, rows, n, k);
+                for threads in [1, 2] {
+                    let mut out = vec![f32::NAN; rows * n];
+                    matmul(&x, &w, dtype, &mut out, rows, n, k, threads);
+                    for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+                        assert!(
+                            (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                            "{dtype} rows {rows} threads {threads} at {i}: {a} vs {b}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn float_rows_that_are_not_whole_blocks_have_their_tail_counted() {
+        let (n, k) = (5, 100);
+        let x: Vec<f32> = (0..20 * k).map(|i| (i % 13) as f32 - 6.0).collect();
+        let wf: Vec<f32> = (0..n * k).map(|i| (i % 7) as f32 * 0.25).collect();
+        let w: Vec<u8> = wf
+            .iter()
+            .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+            .collect();
+        for rows in [1, 20] {
+            let mut out = vec![0.0; rows * n];
+            matmul(&x, &w, DType::BF16, &mut out, rows, n, k, 2);
+            assert_eq!(out, reference(&x, &wf, rows, n, k));
+        }
+    }
+}
