@@ -108,7 +108,7 @@ fn kept_q4_1_blocks_give_the_fixture_logits() {
     last_position_logits(blocks_artifact());
 }
 
-fn last_position_logits(artifact: &PathBuf) {
+fn last_position_logits(artifact: &std::path::Path) {
     let r = reference();
     let mut engine = Engine::open(artifact, "decoder").unwrap();
     for i in 0..3 {
