@@ -333,44 +333,8 @@ fn index_weights(map: &Mmap, path: &Path) -> Result<BTreeMap<String, WeightView>
     let base = map.as_ptr() as usize;
     let mut out = BTreeMap::new();
     for (key, view) in parsed.tensors() {
-        let block = meta.get(&DType::metadata_key(&key));
-        let (dtype, shape) = match block {
-            Some(name) => {
-                let dtype = name
-                    .parse::<DType>()
-                    .ok()
-                    .filter(|d| d.is_quantized() && view.dtype() == safetensors::Dtype::U8)
-                    .ok_or_else(|| {
-                        RuntimeError::artifact(
-                            path,
-                            format!(
-                                "metadata `{}` names `{name}` for a {:?} tensor; expected a block type of a U8 tensor",
-                                DType::metadata_key(&key),
-                                view.dtype()
-                            ),
-                        )
-                    })?;
-                let shape = dtype.logical_shape(view.shape()).ok_or_else(|| {
-                    RuntimeError::artifact(
-                        path,
-                        format!(
-                            "weight `{key}` ({dtype}): rows of {:?} bytes are not whole blocks",
-                            view.shape().last()
-                        ),
-                    )
-                })?;
-                (dtype, shape)
-            }
-            None => {
-                let dtype = DType::from_safetensors(view.dtype()).ok_or_else(|| {
-                    RuntimeError::artifact(
-                        path,
-                        format!("weight `{key}` has dtype {:?}", view.dtype()),
-                    )
-                })?;
-                (dtype, view.shape().to_vec())
-            }
-        };
+        let (dtype, shape) = DType::of_safetensors_tensor(&key, view.dtype(), view.shape(), &meta)
+            .map_err(|m| RuntimeError::artifact(path, m))?;
         let start = view.data().as_ptr() as usize - base;
         out.insert(
             key,

@@ -28,47 +28,8 @@ pub fn read_safetensors_file(path: &Path) -> Result<StateDict> {
     let base = map.as_ptr() as usize;
     let mut out = StateDict::new();
     for (key, view) in parsed.tensors() {
-        let (dtype, shape) = match meta.get(&DType::metadata_key(&key)) {
-            Some(name) => {
-                let dtype = name
-                    .parse::<DType>()
-                    .ok()
-                    .filter(|d| d.is_quantized() && view.dtype() == safetensors::Dtype::U8)
-                    .ok_or_else(|| {
-                        Error::checkpoint(
-                            path,
-                            format!(
-                                "metadata `{}` is `{name}` for a {:?} tensor; expected a block type of a U8 tensor",
-                                DType::metadata_key(&key),
-                                view.dtype()
-                            ),
-                        )
-                    })?;
-                let shape = dtype.logical_shape(view.shape()).ok_or_else(|| {
-                    Error::checkpoint(
-                        path,
-                        format!(
-                            "tensor `{key}` ({dtype}) has {:?} bytes per row, not whole blocks",
-                            view.shape().last()
-                        ),
-                    )
-                })?;
-                (dtype, shape)
-            }
-            None => (
-                DType::from_safetensors(view.dtype()).ok_or_else(|| {
-                    Error::checkpoint(
-                        path,
-                        format!(
-                            "tensor `{key}` has dtype {:?}; maxc reads F32, F16, BF16, I32, I64 \
-                             (and U8 blocks named in the metadata)",
-                            view.dtype()
-                        ),
-                    )
-                })?,
-                view.shape().to_vec(),
-            ),
-        };
+        let (dtype, shape) = DType::of_safetensors_tensor(&key, view.dtype(), view.shape(), &meta)
+            .map_err(|m| Error::checkpoint(path, m))?;
         let start = view.data().as_ptr() as usize - base;
         let end = start + view.data().len();
         out.insert(

@@ -170,6 +170,45 @@ impl DType {
         format!("maxc.dtype.{key}")
     }
 
+    /// The dtype and logical shape of the safetensors tensor `key` (stored dtype `stored`,
+    /// stored shape `shape`), given the file's metadata: a `U8` tensor named in
+    /// [`DType::metadata_key`] is blocks of that type; any other tensor is its own dtype. The
+    /// error says what does not fit.
+    pub fn of_safetensors_tensor(
+        key: &str,
+        stored: safetensors::Dtype,
+        shape: &[usize],
+        metadata: &std::collections::HashMap<String, String>,
+    ) -> Result<(DType, Vec<usize>), String> {
+        let meta_key = DType::metadata_key(key);
+        let Some(name) = metadata.get(&meta_key) else {
+            let dtype = DType::from_safetensors(stored).ok_or_else(|| {
+                format!(
+                    "tensor `{key}` has dtype {stored:?}; maxc reads F32, F16, BF16, I32, I64 \
+                     (and U8 blocks named in the metadata)"
+                )
+            })?;
+            return Ok((dtype, shape.to_vec()));
+        };
+        let dtype = name
+            .parse::<DType>()
+            .ok()
+            .filter(|d| d.is_quantized() && stored == safetensors::Dtype::U8)
+            .ok_or_else(|| {
+                format!(
+                    "metadata `{meta_key}` names `{name}` for a {stored:?} tensor; expected a \
+                     block type of a U8 tensor"
+                )
+            })?;
+        let logical = dtype.logical_shape(shape).ok_or_else(|| {
+            format!(
+                "tensor `{key}` ({dtype}): rows of {:?} bytes are not whole blocks",
+                shape.last()
+            )
+        })?;
+        Ok((dtype, logical))
+    }
+
     /// The shape a tensor of `shape` (logical, outermost first) is stored with in safetensors:
     /// the last dim counted in bytes for block types. `None` where the last dim is not whole
     /// blocks.
