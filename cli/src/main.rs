@@ -40,6 +40,9 @@ enum Command {
     Inspect(commands::inspect::Args),
     /// Time every kernel launch of a prefill and decode steps (CPU); write a trace.
     Profile(commands::profile::Args),
+    /// Prefill and decode tokens/s, load time and peak memory, against rooflines measured in
+    /// the same run.
+    Bench(commands::bench::Args),
     /// Serve an artifact over an OpenAI-compatible HTTP API, with Prometheus metrics.
     Serve(commands::serve::Args),
     /// Tokenize a text with an artifact's tokenizer.
@@ -89,6 +92,7 @@ fn main() -> ExitCode {
         Command::Tokenize(a) => commands::tokenize::run(a),
         Command::Serve(a) => commands::serve::run(a),
         Command::Profile(a) => commands::profile::run(a),
+        Command::Bench(a) => commands::bench::run(a),
         Command::Diff(_) => unreachable!("handled above"),
     };
     match result {

@@ -535,3 +535,39 @@ fn profile_times_every_launch_and_writes_a_valid_trace() {
         );
     }
 }
+
+#[test]
+fn bench_measures_each_shape_against_its_probe() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = fresh(tmp.path(), "bench.maxc");
+    let o = maxc(&["bench", a.to_str().unwrap(), "--steps", "3", "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["probes"]["bandwidth_gbs"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(v["probes"]["gemm_gflops"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(v["load_s"].as_f64().unwrap() > 0.0, "{v}");
+    let rows = v["measurements"].as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "prefill_128",
+            "prefill_512",
+            "decode_b1",
+            "decode_b8",
+            "decode_b32"
+        ]
+    );
+    let mut measured = 0;
+    for r in rows {
+        if r["skipped"].is_string() {
+            continue;
+        }
+        measured += 1;
+        assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0, "{r}");
+        let ratio = r["roofline_ratio"].as_f64().unwrap();
+        assert!(ratio > 0.0 && ratio.is_finite(), "{r}");
+    }
+    // The fresh artifact's bounds allow at least a 128-token prefill and batch-1 decode.
+    assert!(measured >= 2, "{v}");
+}

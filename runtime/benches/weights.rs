@@ -2,7 +2,7 @@
 //! prefill shapes, per storage format: time per call, weight bytes streamed per second, and the
 //! ratio to a memory-bandwidth probe (a plain f32 sum over 256 MiB) measured in the same run.
 
-use maxc_runtime::cpu::weights::{isa_name, matmul};
+use maxc_runtime::cpu::weights::{isa_name, matmul, set_hand_kernels};
 use maxc_runtime::schema::DType;
 use std::time::Instant;
 
@@ -87,24 +87,30 @@ fn main() {
             let x: Vec<f32> = (0..rows * k).map(|i| (i % 17) as f32 * 0.01).collect();
             let mut out = vec![0.0f32; rows * n];
             let calls = if rows >= 128 { 24 } else { 240 };
-            let reps: Vec<f64> = (0..5)
-                .map(|_| {
-                    let t = Instant::now();
-                    for c in 0..calls {
-                        matmul(&x, &ws[c % copies], dtype, &mut out, rows, n, k, threads);
-                    }
-                    t.elapsed().as_secs_f64() / calls as f64
-                })
-                .collect();
-            let s = median(reps);
+            let mut time = |hand: bool| {
+                set_hand_kernels(hand);
+                let reps: Vec<f64> = (0..5)
+                    .map(|_| {
+                        let t = Instant::now();
+                        for c in 0..calls {
+                            matmul(&x, &ws[c % copies], dtype, &mut out, rows, n, k, threads);
+                        }
+                        t.elapsed().as_secs_f64() / calls as f64
+                    })
+                    .collect();
+                median(reps)
+            };
+            let s = time(true);
+            let generic = time(false);
             let gbs = bytes as f64 / s;
             println!(
-                "  {:>5}  {:>8.1} us  {:>6.1} GB/s  {:>5.2} of bandwidth  {:>6.1} GFLOP/s",
+                "  {:>5}  {:>8.1} us  {:>6.1} GB/s  {:>5.2} of bandwidth  {:>6.1} GFLOP/s  {:>5.2}x the generic kernel",
                 dtype.name(),
                 s * 1e6,
                 gbs / 1e9,
                 gbs / bw,
-                2.0 * (rows * n * k) as f64 / s / 1e9
+                2.0 * (rows * n * k) as f64 / s / 1e9,
+                generic / s
             );
         }
     }

@@ -136,6 +136,11 @@ impl Engine {
         self.max_step_tokens
     }
 
+    /// Most sequences in one step (the `batch_size` bound: every data-parallel replica's).
+    pub fn max_batch_size(&self) -> usize {
+        self.exec.bounds()[StepDim::BatchSize as usize] as usize
+    }
+
     /// Whether the program returns logits for every token row (else one row per sequence).
     pub fn all_logits(&self) -> bool {
         let p = self.exec.program();

@@ -4,6 +4,7 @@
 //! [`schema`].
 
 pub mod artifact;
+pub mod bench;
 pub mod chat;
 pub mod cpu;
 pub mod cuda;

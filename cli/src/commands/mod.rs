@@ -1,5 +1,6 @@
 //! One module per `maxc` subcommand.
 
+pub mod bench;
 #[cfg(feature = "compile")]
 pub mod compile;
 pub mod diff;

@@ -9,9 +9,9 @@ use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::types::{F32, F32X4, I64};
 use cranelift_codegen::ir::{InstBuilder, StackSlotData, StackSlotKind, Value};
 
-/// Emits [`maxc_schema::KernelBody::Attention`]. For each row `r` of this call's
-/// slice: its sequence `b` and position `p`; for every query head `h` (KV head
-/// `h / (heads / kv_heads)`), a walk over the sequence's pages covering positions `0..=p`
+/// Emits [`maxc_schema::KernelBody::Attention`]. For each (row `r`, KV head) of this call's
+/// slice: the row's sequence `b` and position `p`; for every query head `h` of the KV head's
+/// group (`h / (heads / kv_heads)` is the KV head), a walk over the sequence's pages covering positions `0..=p`
 /// keeping a running max `m`, running sum `l` and a `head_dim` f32 accumulator in a stack
 /// slot: per position, `s = (q·k)·scale` (four f32x4 accumulators),
 /// `acc = acc·e^(m-m') + e^(s-m')·v`; finally `out = acc / l`.
@@ -61,26 +61,27 @@ pub(crate) fn emit(
         scale,
     };
     let (start, end) = (kb.start(), kb.end());
-    kb.for_range(start, end, 1, |kb, r| {
+    // Item `i` of the parallel range is KV head `i % kv_heads` of row `i / kv_heads`, so that a
+    // single decode row still splits across threads.
+    kb.for_range(start, end, 1, |kb, i| {
+        let kv_heads = kb.i64c(cache.kv_heads);
+        let r = kb.b.ins().udiv(i, kv_heads);
+        let kvh = kb.b.ins().urem(i, kv_heads);
         let (b, p) = seqs.locate(kb, r);
         let q_row = kb.addr(q, r, heads * hd * 4);
         let out_row = kb.addr(out, r, heads * hd * 4);
         let zero = kb.i64c(0);
-        let kv_heads = kb.i64c(cache.kv_heads);
-        kb.for_range(zero, kv_heads, 1, |kb, kvh| {
-            let zero = kb.i64c(0);
-            let group_v = kb.i64c(group);
-            kb.for_range(zero, group_v, 1, |kb, g| {
-                let first = kb.b.ins().imul_imm_s(kvh, group as i64);
-                let h = kb.b.ins().iadd(first, g);
-                let head = Head {
-                    q: kb.addr(q_row, h, hd * 4),
-                    out: kb.addr(out_row, h, hd * 4),
-                    kv_head: kvh,
-                    acc,
-                };
-                attend(kb, &ctx, &head, b, p);
-            });
+        let group_v = kb.i64c(group);
+        kb.for_range(zero, group_v, 1, |kb, g| {
+            let first = kb.b.ins().imul_imm_s(kvh, group as i64);
+            let h = kb.b.ins().iadd(first, g);
+            let head = Head {
+                q: kb.addr(q_row, h, hd * 4),
+                out: kb.addr(out_row, h, hd * 4),
+                kv_head: kvh,
+                acc,
+            };
+            attend(kb, &ctx, &head, b, p);
         });
     });
     Ok(())

@@ -193,7 +193,8 @@ pub enum KernelBody {
     /// KV head `h / (heads / kv_heads)`. Scores `q·k · scale`, softmax, weighted sum of values.
     /// Buffers: `q [T, heads, head_dim]`, `kv_cache`, `kv_lookup_table [B, P]`,
     /// `cache_lengths [B]`, `input_row_offsets [B+1]`, `out [T, heads, head_dim]`.
-    /// Parallel range: rows `0..T`.
+    /// Parallel range: (row, KV head) pairs `0..T·kv_heads`, item `i` being KV head
+    /// `i % kv_heads` (and its query heads) of row `i / kv_heads`.
     Attention {
         /// The layer's slot in the cache.
         layer: u64,
@@ -295,9 +296,8 @@ impl KernelBody {
             | KernelBody::Softmax { rows: r, .. }
             | KernelBody::TopK { rows: r, .. } => rows(r),
             KernelBody::Positions => dims[StepDim::BatchSize as usize],
-            KernelBody::Rope { .. } | KernelBody::KvStore { .. } | KernelBody::Attention { .. } => {
-                t
-            }
+            KernelBody::Rope { .. } | KernelBody::KvStore { .. } => t,
+            KernelBody::Attention { kv_heads, .. } => t.saturating_mul(*kv_heads),
             KernelBody::Matmul { n, .. } => *n,
             KernelBody::MoeExperts { experts, .. } => *experts,
         }

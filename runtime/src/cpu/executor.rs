@@ -12,7 +12,6 @@ use crate::schema::{
     DType, Extent, GatherIndex, KernelBody, Program, Rows, StepDim, StepInputs, StepLimits, Storage,
 };
 use half::{bf16, f16};
-use rayon::prelude::*;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -270,7 +269,7 @@ impl CpuExecutor {
             limits,
             tokens,
             ints,
-            threads: rayon::current_num_threads(),
+            threads: super::pool::threads(),
             matmul_policy,
             profile: None,
         })
@@ -562,7 +561,8 @@ fn run_generated(
         unsafe { f(p.0, p.1, 0, extent) };
         return;
     }
-    (0..chunks).into_par_iter().for_each(|c| {
+    super::pool::run(chunks as usize, &|c| {
+        let c = c as u64;
         let (start, end) = (extent * c / chunks, extent * (c + 1) / chunks);
         // SAFETY: as above; the slices [start, end) are disjoint.
         unsafe { p.call(f, start, end) };

@@ -3,6 +3,8 @@
 pub mod code;
 pub mod executor;
 pub mod library;
+pub mod pool;
+mod simd;
 pub mod weights;
 
 pub use executor::CpuExecutor;

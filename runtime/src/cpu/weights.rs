@@ -202,7 +202,7 @@ fn row_bytes<F: Format>(k: usize) -> usize {
 
 /// The instruction sets the inner loops are compiled for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Isa {
+pub(crate) enum Isa {
     #[cfg(target_arch = "x86_64")]
     Avx512,
     #[cfg(target_arch = "x86_64")]
@@ -210,7 +210,7 @@ enum Isa {
     Baseline,
 }
 
-fn isa() -> Isa {
+pub(crate) fn isa() -> Isa {
     #[cfg(target_arch = "x86_64")]
     {
         static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
@@ -287,6 +287,16 @@ impl OutPtr {
     }
 }
 
+/// Whether the hand-vectorized kernels of [`super::simd`] run where they exist (on by default;
+/// off to compare them with the generic ones).
+static HAND_KERNELS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Turns the hand-vectorized kernels on or off (for benchmarks).
+pub fn set_hand_kernels(on: bool) {
+    HAND_KERNELS.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+#[allow(clippy::too_many_arguments)]
 fn matmul_as<F: Format>(
     x: &[f32],
     w: &[u8],
@@ -295,7 +305,9 @@ fn matmul_as<F: Format>(
     n: usize,
     k: usize,
     threads: usize,
+    fast: Option<super::simd::StreamFn>,
 ) {
+    let fast = fast.filter(|_| HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed));
     let chunks = if w.len() < SPLIT_BYTES {
         1
     } else {
@@ -310,13 +322,13 @@ fn matmul_as<F: Format>(
             // and ends after the last row's last column of the range.
             let len = (rows - 1) * n + cols.len();
             let o = unsafe { std::slice::from_raw_parts_mut(optr.get().add(cols.start), len) };
-            stream_cols_mv::<F>(x, w, o, rows, n, k, cols);
+            match fast {
+                // SAFETY: `stream_kernel` chose it for this CPU's features and this format.
+                Some(f) => unsafe { f(x, w, o, rows, n, k, cols) },
+                None => stream_cols_mv::<F>(x, w, o, rows, n, k, cols),
+            }
         };
-        if chunks == 1 {
-            run(0);
-        } else {
-            (0..chunks).into_par_iter().for_each(run);
-        }
+        super::pool::run(chunks, &run);
         return;
     }
     let panels = n.div_ceil(PANEL);
@@ -374,23 +386,24 @@ pub fn matmul(
     }
     debug_assert!(x.len() >= rows * k && out.len() >= rows * n);
     debug_assert_eq!(dtype.bytes_for((n * k) as u64), Some(w.len() as u64));
+    let fast = super::simd::stream_kernel(dtype, isa());
     match dtype {
         DType::F32 if rows > STREAM_MAX_ROWS => {
             // SAFETY: f32 weights are 4-aligned (validated) and hold n·k values.
             let wf = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), n * k) };
             super::library::matmul(x, wf, None, out, rows, n, k);
         }
-        DType::F32 => matmul_as::<F32s>(x, w, out, rows, n, k, threads),
-        DType::F16 => matmul_as::<F16s>(x, w, out, rows, n, k, threads),
-        DType::BF16 => matmul_as::<Bf16s>(x, w, out, rows, n, k, threads),
-        DType::Q8_0 => matmul_as::<Blocks<BlockQ8_0>>(x, w, out, rows, n, k, threads),
-        DType::Q4_0 => matmul_as::<Blocks<BlockQ4_0>>(x, w, out, rows, n, k, threads),
-        DType::Q4_1 => matmul_as::<Blocks<BlockQ4_1>>(x, w, out, rows, n, k, threads),
-        DType::Q5_0 => matmul_as::<Blocks<BlockQ5_0>>(x, w, out, rows, n, k, threads),
-        DType::Q5_1 => matmul_as::<Blocks<BlockQ5_1>>(x, w, out, rows, n, k, threads),
-        DType::Q4K => matmul_as::<Blocks<BlockQ4K>>(x, w, out, rows, n, k, threads),
-        DType::Q5K => matmul_as::<Blocks<BlockQ5K>>(x, w, out, rows, n, k, threads),
-        DType::Q6K => matmul_as::<Blocks<BlockQ6K>>(x, w, out, rows, n, k, threads),
+        DType::F32 => matmul_as::<F32s>(x, w, out, rows, n, k, threads, None),
+        DType::F16 => matmul_as::<F16s>(x, w, out, rows, n, k, threads, None),
+        DType::BF16 => matmul_as::<Bf16s>(x, w, out, rows, n, k, threads, None),
+        DType::Q8_0 => matmul_as::<Blocks<BlockQ8_0>>(x, w, out, rows, n, k, threads, fast),
+        DType::Q4_0 => matmul_as::<Blocks<BlockQ4_0>>(x, w, out, rows, n, k, threads, fast),
+        DType::Q4_1 => matmul_as::<Blocks<BlockQ4_1>>(x, w, out, rows, n, k, threads, fast),
+        DType::Q5_0 => matmul_as::<Blocks<BlockQ5_0>>(x, w, out, rows, n, k, threads, fast),
+        DType::Q5_1 => matmul_as::<Blocks<BlockQ5_1>>(x, w, out, rows, n, k, threads, fast),
+        DType::Q4K => matmul_as::<Blocks<BlockQ4K>>(x, w, out, rows, n, k, threads, fast),
+        DType::Q5K => matmul_as::<Blocks<BlockQ5K>>(x, w, out, rows, n, k, threads, fast),
+        DType::Q6K => matmul_as::<Blocks<BlockQ6K>>(x, w, out, rows, n, k, threads, fast),
         DType::I32 | DType::I64 => unreachable!("validated: matmul weights are real"),
     }
 }

@@ -1,0 +1,206 @@
+//! `maxc bench ARTIFACT`: prefill (128 and 512 tokens) and decode (batch 1, 8, 32) tokens/s,
+//! load time and peak memory, each next to its roofline measured in the same run: decode bytes
+//! per step over a memory-bandwidth probe, prefill FLOP/s over a GEMM probe.
+
+use anyhow::Result;
+use maxc_runtime::bench::{bandwidth, gemm_flops, peak_rss};
+use maxc_runtime::profile::kernel_cost;
+use maxc_runtime::Engine;
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Arguments of `maxc bench`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The artifact directory.
+    pub artifact: PathBuf,
+    /// Decode steps timed per batch size.
+    #[arg(long, default_value = "32")]
+    pub steps: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// The role to benchmark.
+    #[arg(long, default_value = "decoder")]
+    pub role: String,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// A made-up prompt of `n` tokens inside the vocabulary.
+fn prompt(n: usize, vocab: i64, salt: i64) -> Vec<i64> {
+    (0..n as i64)
+        .map(|i| (i * 7919 + 13 + salt * 31) % vocab.clamp(1, 1000) + 3.min(vocab - 1))
+        .collect()
+}
+
+/// Bytes and FLOPs of the last step's launches (the program at the step's dims).
+fn step_cost(engine: &Engine) -> (u64, u64) {
+    let Some(p) = engine.last_profile() else {
+        return (0, 0);
+    };
+    let program = engine.program();
+    program.launches.iter().fold((0, 0), |(b, f), l| {
+        let (lb, lf) = kernel_cost(&program.kernels[l.kernel as usize].body, &p.dims);
+        (b + lb, f + lf)
+    })
+}
+
+/// Runs the benchmark and prints it.
+pub fn run(args: Args) -> Result<()> {
+    // Load time with the files in the page cache (the first open warms it).
+    let mut loads = Vec::new();
+    for _ in 0..4 {
+        let t = Instant::now();
+        drop(Engine::open(&args.artifact, &args.role)?);
+        loads.push(t.elapsed().as_secs_f64());
+    }
+    loads.remove(0);
+    let mut engine = Engine::open(&args.artifact, &args.role)?;
+    engine.set_profiling(true)?;
+    let vocab = engine.vocab_size() as i64;
+    let bw = bandwidth();
+    let gemm = gemm_flops();
+    let mut rows: Vec<Value> = Vec::new();
+    let mut seq = 0u64;
+
+    for n in [128usize, 512] {
+        if n > engine.max_step_tokens() || n > engine.max_seq_len() {
+            rows.push(json!({"name": format!("prefill_{n}"), "skipped": format!("the artifact's step budget is {} tokens", engine.max_step_tokens())}));
+            continue;
+        }
+        let p = prompt(n, vocab, 0);
+        let mut times = Vec::new();
+        let mut cost = (0, 0);
+        for _ in 0..3 {
+            seq += 1;
+            let t = Instant::now();
+            engine.step(&[(seq, &p)])?;
+            times.push(t.elapsed().as_secs_f64());
+            cost = step_cost(&engine);
+            engine.release(seq);
+        }
+        let s = median(times);
+        let flops = cost.1 as f64 / s;
+        rows.push(json!({
+            "name": format!("prefill_{n}"),
+            "tokens_per_s": n as f64 / s,
+            "step_ms": s * 1e3,
+            "flop_per_step": cost.1,
+            "achieved_gflops": flops / 1e9,
+            "roofline": "gemm_probe",
+            "roofline_ratio": flops / gemm,
+        }));
+    }
+
+    let max_batch = engine.max_batch_size();
+    for batch in [1usize, 8, 32] {
+        if batch > max_batch {
+            rows.push(json!({"name": format!("decode_b{batch}"), "skipped": format!("the artifact's max batch size is {max_batch}")}));
+            continue;
+        }
+        let seqs: Vec<u64> = (0..batch as u64).map(|i| 1000 + i).collect();
+        let prompts: Vec<Vec<i64>> = (0..batch).map(|b| prompt(16, vocab, b as i64)).collect();
+        for (s, p) in seqs.iter().zip(&prompts) {
+            engine.step(&[(*s, p)])?;
+        }
+        if 16 + args.steps > engine.max_seq_len() {
+            anyhow::bail!(
+                "--steps {}: 16 prompt tokens + the steps exceed max_seq_len {}",
+                args.steps,
+                engine.max_seq_len()
+            );
+        }
+        let mut next: Vec<[i64; 1]> = (0..batch).map(|b| [(b as i64 * 17 + 5) % vocab]).collect();
+        let mut times = Vec::new();
+        let mut bytes = 0u64;
+        for step in 0..args.steps {
+            let chunks: Vec<(u64, &[i64])> =
+                seqs.iter().zip(&next).map(|(&s, t)| (s, &t[..])).collect();
+            let t = Instant::now();
+            let l = engine.step(&chunks)?;
+            times.push(t.elapsed().as_secs_f64());
+            bytes = step_cost(&engine).0;
+            for (b, n) in next.iter_mut().enumerate() {
+                n[0] = maxc_runtime::sampling::argmax(l.row(b)) as i64 ^ (step as i64 & 1);
+            }
+        }
+        for s in &seqs {
+            engine.release(*s);
+        }
+        let s = median(times);
+        let gbs = bytes as f64 / s;
+        rows.push(json!({
+            "name": format!("decode_b{batch}"),
+            "tokens_per_s": batch as f64 / s,
+            "step_ms": s * 1e3,
+            "bytes_per_step": bytes,
+            "achieved_gbs": gbs / 1e9,
+            "roofline": "bandwidth_probe",
+            "roofline_ratio": gbs / bw,
+        }));
+    }
+    let report = json!({
+        "artifact": args.artifact.display().to_string(),
+        "role": args.role,
+        "threads": maxc_runtime::cpu::pool::threads(),
+        "weight_kernels": maxc_runtime::cpu::weights::isa_name(),
+        "load_s": median(loads.clone()),
+        "peak_rss_bytes": peak_rss(),
+        "probes": {"bandwidth_gbs": bw / 1e9, "gemm_gflops": gemm / 1e9},
+        "measurements": rows,
+    });
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!(
+        "{}: {} threads, weight kernels {}",
+        args.artifact.display(),
+        report["threads"],
+        report["weight_kernels"].as_str().unwrap_or("")
+    );
+    println!(
+        "probes: memory bandwidth {:.1} GB/s, f32 GEMM {:.1} GFLOP/s",
+        bw / 1e9,
+        gemm / 1e9
+    );
+    println!(
+        "load {:.3} s (files cached), peak resident memory {}",
+        median(loads),
+        peak_rss().map_or("unknown".into(), |b| format!(
+            "{:.0} MiB",
+            b as f64 / 1048576.0
+        ))
+    );
+    for r in &rows {
+        let name = r["name"].as_str().unwrap_or("");
+        if let Some(why) = r["skipped"].as_str() {
+            println!("{name:<12} skipped: {why}");
+            continue;
+        }
+        let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
+        if name.starts_with("prefill") {
+            println!(
+                "{name:<12} {:>9.1} tokens/s  {:>8.2} ms/step  {:>7.1} GFLOP/s  {:>5.2} of the GEMM probe",
+                f("tokens_per_s"),
+                f("step_ms"),
+                f("achieved_gflops"),
+                f("roofline_ratio")
+            );
+        } else {
+            println!(
+                "{name:<12} {:>9.1} tokens/s  {:>8.2} ms/step  {:>7.1} GB/s     {:>5.2} of the bandwidth probe",
+                f("tokens_per_s"),
+                f("step_ms"),
+                f("achieved_gbs"),
+                f("roofline_ratio")
+            );
+        }
+    }
+    Ok(())
+}

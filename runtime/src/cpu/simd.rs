@@ -1,0 +1,426 @@
+//! Hand-vectorized row-streaming matmul kernels (`std::arch`) for the block formats of the
+//! default model (Q8_0, Q4_0, Q4_1), AVX-512 and AVX2 + FMA. The block's scale is factored out
+//! of the dot product (`Σ x·(d·q + m) = d·Σ x·q + m·Σ x`, with `Σ x` per block computed once per
+//! call), values are widened to f32 and accumulated in f32: the same arithmetic as the generic
+//! kernels in another order. Each weight block is unpacked once for up to four rows.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use maxc_schema::blocks::{as_blocks, Block, BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
+
+/// A streaming kernel: columns `cols` of `out[rows, n] = x[rows, k] · wᵀ`, `out` starting at
+/// column `cols.start` of row 0 (row stride `n`).
+pub type StreamFn = unsafe fn(
+    x: &[f32],
+    w: &[u8],
+    out: &mut [f32],
+    rows: usize,
+    n: usize,
+    k: usize,
+    cols: std::ops::Range<usize>,
+);
+
+/// Per row of `x` and per 32-value block, the sum of the block's values.
+fn block_sums(x: &[f32], rows: usize, k: usize) -> Vec<f32> {
+    x[..rows * k]
+        .chunks_exact(QK)
+        .map(|c| c.iter().sum())
+        .collect()
+}
+
+/// f16 bits to f32 with F16C.
+///
+/// # Safety
+/// F16C must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn half_to_f32(bits: u16) -> f32 {
+    // SAFETY: the caller has F16C (SSE2 is baseline).
+    unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))) }
+}
+
+/// The scalar parts of a 32-value block: scale, offset (Q4_1's `m`; 0 otherwise).
+trait Small: Block {
+    fn scales(&self) -> (u16, u16);
+}
+impl Small for BlockQ8_0 {
+    #[inline(always)]
+    fn scales(&self) -> (u16, u16) {
+        (u16::from_le_bytes(self.d), 0)
+    }
+}
+impl Small for BlockQ4_0 {
+    #[inline(always)]
+    fn scales(&self) -> (u16, u16) {
+        (u16::from_le_bytes(self.d), 0)
+    }
+}
+impl Small for BlockQ4_1 {
+    #[inline(always)]
+    fn scales(&self) -> (u16, u16) {
+        (u16::from_le_bytes(self.d), u16::from_le_bytes(self.m))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::*;
+
+    /// The block's 32 values as integers widened to f32, elements 0..16 and 16..32.
+    pub(super) trait Unpack: Small {
+        /// # Safety
+        /// AVX-512F/BW must be available.
+        unsafe fn unpack(&self) -> (__m512, __m512);
+    }
+
+    impl Unpack for BlockQ8_0 {
+        #[inline(always)]
+        unsafe fn unpack(&self) -> (__m512, __m512) {
+            let p = self.qs.as_ptr().cast::<__m128i>();
+            // SAFETY: 32 bytes of qs, read unaligned.
+            unsafe {
+                (
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))),
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(1)))),
+                )
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn nibbles(qs: &[u8; 16], offset: i8) -> (__m512, __m512) {
+        // SAFETY: 16 bytes, read unaligned; the caller has AVX-512.
+        unsafe {
+            let q = _mm_loadu_si128(qs.as_ptr().cast());
+            let mask = _mm_set1_epi8(0x0F);
+            let off = _mm_set1_epi8(offset);
+            let lo = _mm_sub_epi8(_mm_and_si128(q, mask), off);
+            let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), mask), off);
+            (
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)),
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)),
+            )
+        }
+    }
+
+    impl Unpack for BlockQ4_0 {
+        #[inline(always)]
+        unsafe fn unpack(&self) -> (__m512, __m512) {
+            // SAFETY: as `nibbles`.
+            unsafe { nibbles(&self.qs, 8) }
+        }
+    }
+
+    impl Unpack for BlockQ4_1 {
+        #[inline(always)]
+        unsafe fn unpack(&self) -> (__m512, __m512) {
+            // SAFETY: as `nibbles`.
+            unsafe { nibbles(&self.qs, 0) }
+        }
+    }
+
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn columns<B: Unpack, const R: usize>(
+        x: &[f32],
+        xs: &[f32],
+        w: &[B],
+        out: &mut [f32],
+        row0: usize,
+        n: usize,
+        k: usize,
+        cols: std::ops::Range<usize>,
+    ) {
+        let nb = k / QK;
+        for j in cols.clone() {
+            let blocks = &w[j * nb..(j + 1) * nb];
+            let mut acc = [_mm512_setzero_ps(); R];
+            let mut offs = [0.0f32; R];
+            for (b, blk) in blocks.iter().enumerate() {
+                let (d, m) = blk.scales();
+                // SAFETY: the caller has AVX-512F/BW and F16C; every x row holds k values.
+                unsafe {
+                    let d = _mm512_set1_ps(half_to_f32(d));
+                    let m = half_to_f32(m);
+                    let (lo, hi) = blk.unpack();
+                    for r in 0..R {
+                        let px = x.as_ptr().add((row0 + r) * k + b * QK);
+                        let p = _mm512_fmadd_ps(
+                            hi,
+                            _mm512_loadu_ps(px.add(16)),
+                            _mm512_mul_ps(lo, _mm512_loadu_ps(px)),
+                        );
+                        acc[r] = _mm512_fmadd_ps(d, p, acc[r]);
+                        offs[r] += m * xs[(row0 + r) * nb + b];
+                    }
+                }
+            }
+            for r in 0..R {
+                // SAFETY: AVX-512F.
+                out[(row0 + r) * n + j - cols.start] =
+                    unsafe { _mm512_reduce_add_ps(acc[r]) } + offs[r];
+            }
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F/BW/VL and F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+    pub(super) unsafe fn stream<B: Unpack>(
+        x: &[f32],
+        w: &[u8],
+        out: &mut [f32],
+        rows: usize,
+        n: usize,
+        k: usize,
+        cols: std::ops::Range<usize>,
+    ) {
+        let Some(w) = as_blocks::<B>(w) else { return };
+        let xs = block_sums(x, rows, k);
+        let mut r = 0;
+        while r < rows {
+            let left = rows - r;
+            // SAFETY: this function's features; rows r..r+R exist.
+            unsafe {
+                match left {
+                    1 => columns::<B, 1>(x, &xs, w, out, r, n, k, cols.clone()),
+                    2 => columns::<B, 2>(x, &xs, w, out, r, n, k, cols.clone()),
+                    3 => columns::<B, 3>(x, &xs, w, out, r, n, k, cols.clone()),
+                    _ => columns::<B, 4>(x, &xs, w, out, r, n, k, cols.clone()),
+                }
+            }
+            r += left.min(4);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+
+    /// The block's 32 values as integers widened to f32, in four groups of eight.
+    pub(super) trait Unpack: Small {
+        /// # Safety
+        /// AVX2 must be available.
+        unsafe fn unpack(&self) -> [__m256; 4];
+    }
+
+    #[inline(always)]
+    unsafe fn widen(q: __m128i) -> [__m256; 2] {
+        // SAFETY: the caller has AVX2.
+        unsafe {
+            [
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))),
+            ]
+        }
+    }
+
+    impl Unpack for BlockQ8_0 {
+        #[inline(always)]
+        unsafe fn unpack(&self) -> [__m256; 4] {
+            let p = self.qs.as_ptr().cast::<__m128i>();
+            // SAFETY: 32 bytes of qs, read unaligned.
+            unsafe {
+                let [a, b] = widen(_mm_loadu_si128(p));
+                let [c, d] = widen(_mm_loadu_si128(p.add(1)));
+                [a, b, c, d]
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn nibbles(qs: &[u8; 16], offset: i8) -> [__m256; 4] {
+        // SAFETY: 16 bytes, read unaligned; the caller has AVX2.
+        unsafe {
+            let q = _mm_loadu_si128(qs.as_ptr().cast());
+            let mask = _mm_set1_epi8(0x0F);
+            let off = _mm_set1_epi8(offset);
+            let lo = _mm_sub_epi8(_mm_and_si128(q, mask), off);
+            let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), mask), off);
+            let [a, b] = widen(lo);
+            let [c, d] = widen(hi);
+            [a, b, c, d]
+        }
+    }
+
+    impl Unpack for BlockQ4_0 {
+        #[inline(always)]
+        unsafe fn unpack(&self) -> [__m256; 4] {
+            // SAFETY: as `nibbles`.
+            unsafe { nibbles(&self.qs, 8) }
+        }
+    }
+
+    impl Unpack for BlockQ4_1 {
+        #[inline(always)]
+        unsafe fn unpack(&self) -> [__m256; 4] {
+            // SAFETY: as `nibbles`.
+            unsafe { nibbles(&self.qs, 0) }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        // SAFETY: the caller has AVX2.
+        unsafe {
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+            _mm_cvtss_f32(s)
+        }
+    }
+
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn columns<B: Unpack, const R: usize>(
+        x: &[f32],
+        xs: &[f32],
+        w: &[B],
+        out: &mut [f32],
+        row0: usize,
+        n: usize,
+        k: usize,
+        cols: std::ops::Range<usize>,
+    ) {
+        let nb = k / QK;
+        for j in cols.clone() {
+            let blocks = &w[j * nb..(j + 1) * nb];
+            let mut acc = [_mm256_setzero_ps(); R];
+            let mut offs = [0.0f32; R];
+            for (b, blk) in blocks.iter().enumerate() {
+                let (d, m) = blk.scales();
+                // SAFETY: the caller has AVX2, FMA and F16C; every x row holds k values.
+                unsafe {
+                    let d = _mm256_set1_ps(half_to_f32(d));
+                    let m = half_to_f32(m);
+                    let q = blk.unpack();
+                    for r in 0..R {
+                        let px = x.as_ptr().add((row0 + r) * k + b * QK);
+                        let mut p = _mm256_mul_ps(q[0], _mm256_loadu_ps(px));
+                        p = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(px.add(8)), p);
+                        p = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(px.add(16)), p);
+                        p = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(px.add(24)), p);
+                        acc[r] = _mm256_fmadd_ps(d, p, acc[r]);
+                        offs[r] += m * xs[(row0 + r) * nb + b];
+                    }
+                }
+            }
+            for r in 0..R {
+                // SAFETY: AVX2.
+                out[(row0 + r) * n + j - cols.start] = unsafe { hsum(acc[r]) } + offs[r];
+            }
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn stream<B: Unpack>(
+        x: &[f32],
+        w: &[u8],
+        out: &mut [f32],
+        rows: usize,
+        n: usize,
+        k: usize,
+        cols: std::ops::Range<usize>,
+    ) {
+        let Some(w) = as_blocks::<B>(w) else { return };
+        let xs = block_sums(x, rows, k);
+        let mut r = 0;
+        while r < rows {
+            let left = rows - r;
+            // SAFETY: this function's features; rows r..r+R exist.
+            unsafe {
+                match left {
+                    1 => columns::<B, 1>(x, &xs, w, out, r, n, k, cols.clone()),
+                    2 => columns::<B, 2>(x, &xs, w, out, r, n, k, cols.clone()),
+                    3 => columns::<B, 3>(x, &xs, w, out, r, n, k, cols.clone()),
+                    _ => columns::<B, 4>(x, &xs, w, out, r, n, k, cols.clone()),
+                }
+            }
+            r += left.min(4);
+        }
+    }
+}
+
+/// The hand-vectorized streaming kernel for `dtype` on this CPU, where there is one.
+pub fn stream_kernel(dtype: maxc_schema::DType, isa: super::weights::Isa) -> Option<StreamFn> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::weights::Isa;
+        use maxc_schema::DType;
+        return match (isa, dtype) {
+            (Isa::Avx512, DType::Q8_0) => Some(avx512::stream::<BlockQ8_0>),
+            (Isa::Avx512, DType::Q4_0) => Some(avx512::stream::<BlockQ4_0>),
+            (Isa::Avx512, DType::Q4_1) => Some(avx512::stream::<BlockQ4_1>),
+            (Isa::Avx2, DType::Q8_0) => Some(avx2::stream::<BlockQ8_0>),
+            (Isa::Avx2, DType::Q4_0) => Some(avx2::stream::<BlockQ4_0>),
+            (Isa::Avx2, DType::Q4_1) => Some(avx2::stream::<BlockQ4_1>),
+            _ => None,
+        };
+    }
+    #[allow(unreachable_code)]
+    {
+        let _ = (dtype, isa);
+        None
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+    use crate::cpu::weights::Isa;
+    use maxc_schema::DType;
+
+    #[test]
+    fn hand_kernels_match_the_dequantized_reference_on_every_isa_the_host_has() {
+        let (n, k) = (9, 256);
+        let x: Vec<f32> = (0..6 * k)
+            .map(|i| ((i * 31) % 19) as f32 * 0.1 - 0.9)
+            .collect();
+        let mut isas = Vec::new();
+        if std::is_x86_feature_detected!("avx512bw") && std::is_x86_feature_detected!("f16c") {
+            isas.push(Isa::Avx512);
+        }
+        if std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+        {
+            isas.push(Isa::Avx2);
+        }
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            let size = dtype.block().1;
+            let mut w: Vec<u8> = (0..n * k / QK * size)
+                .map(|i| ((i * 73) % 256) as u8)
+                .collect();
+            for (i, b) in w.chunks_exact_mut(size).enumerate() {
+                b[..2]
+                    .copy_from_slice(&half::f16::from_f32(0.01 * (1 + i % 5) as f32).to_le_bytes());
+                if dtype == DType::Q4_1 {
+                    b[2..4].copy_from_slice(&half::f16::from_f32(-0.05).to_le_bytes());
+                }
+            }
+            let wf = maxc_schema::blocks::dequantize(dtype, &w).unwrap();
+            for &isa in &isas {
+                let f = stream_kernel(dtype, isa).expect("a hand kernel");
+                for rows in [1, 2, 3, 4, 5, 6] {
+                    let mut out = vec![f32::NAN; rows * n];
+                    // SAFETY: the host has the ISA (checked above).
+                    unsafe { f(&x, &w, &mut out, rows, n, k, 0..n) };
+                    for r in 0..rows {
+                        for j in 0..n {
+                            let want: f32 = (0..k).map(|i| x[r * k + i] * wf[j * k + i]).sum();
+                            let got = out[r * n + j];
+                            assert!(
+                                (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                                "{dtype} {isa:?} rows {rows} ({r}, {j}): {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
