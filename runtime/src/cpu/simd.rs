@@ -1,5 +1,5 @@
 //! Hand-vectorized row-streaming matmul kernels (`std::arch`) for the block formats of the
-//! default model (Q8_0, Q4_0, Q4_1), AVX-512 and AVX2 + FMA. The block's scale is factored out
+//! default model (Q8_0, Q4_0, Q4_1; AVX-512 and AVX2 + FMA) and for bf16 (AVX-512). The block's scale is factored out
 //! of the dot product (`Σ x·(d·q + m) = d·Σ x·q + m·Σ x`, with `Σ x` per block computed once per
 //! call), values are widened to f32 and accumulated in f32: the same arithmetic as the generic
 //! kernels in another order. Each weight block is unpacked once for up to four rows.
@@ -196,6 +196,173 @@ mod avx512 {
 }
 
 #[cfg(target_arch = "x86_64")]
+mod bf16_avx512 {
+    use super::*;
+
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn columns<const R: usize>(
+        x: &[f32],
+        w: &[u8],
+        out: &mut [f32],
+        row0: usize,
+        n: usize,
+        k: usize,
+        cols: std::ops::Range<usize>,
+    ) {
+        for j in cols.clone() {
+            let wrow = &w[j * k * 2..(j + 1) * k * 2];
+            let mut acc = [_mm512_setzero_ps(); R];
+            // SAFETY: the caller has AVX-512F/BW; 16 values (32 bytes) per step lie in the row
+            // and in every x row (k is a multiple of 16 here).
+            unsafe {
+                for c in 0..k / 16 {
+                    let raw = _mm256_loadu_si256(wrow.as_ptr().add(c * 32).cast());
+                    let wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+                    for r in 0..R {
+                        let xv = _mm512_loadu_ps(x.as_ptr().add((row0 + r) * k + c * 16));
+                        acc[r] = _mm512_fmadd_ps(wv, xv, acc[r]);
+                    }
+                }
+                for r in 0..R {
+                    out[(row0 + r) * n + j - cols.start] = _mm512_reduce_add_ps(acc[r]);
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F/BW/VL; `k` is a multiple of 16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    pub(super) unsafe fn stream(
+        x: &[f32],
+        w: &[u8],
+        out: &mut [f32],
+        rows: usize,
+        n: usize,
+        k: usize,
+        cols: std::ops::Range<usize>,
+    ) {
+        let mut r = 0;
+        while r < rows {
+            let left = rows - r;
+            // SAFETY: this function's features; rows r..r+R exist.
+            unsafe {
+                match left {
+                    1 => columns::<1>(x, w, out, r, n, k, cols.clone()),
+                    2 => columns::<2>(x, w, out, r, n, k, cols.clone()),
+                    3 => columns::<3>(x, w, out, r, n, k, cols.clone()),
+                    _ => columns::<4>(x, w, out, r, n, k, cols.clone()),
+                }
+            }
+            r += left.min(4);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod q4k_avx512 {
+    use super::*;
+    use maxc_schema::blocks::{BlockQ4K, QK_K};
+
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn columns<const R: usize>(
+        x: &[f32],
+        xs: &[f32],
+        w: &[BlockQ4K],
+        out: &mut [f32],
+        row0: usize,
+        n: usize,
+        k: usize,
+        cols: std::ops::Range<usize>,
+    ) {
+        let (nb, ng) = (k / QK_K, k / QK);
+        for j in cols.clone() {
+            let mut acc = [_mm512_setzero_ps(); R];
+            let mut offs = [0.0f32; R];
+            for (b, blk) in w[j * nb..(j + 1) * nb].iter().enumerate() {
+                // SAFETY: the caller has AVX-512F/BW and F16C; the block's 128 bytes of nibbles
+                // and every x row's 256 values of this super-block are in bounds.
+                unsafe {
+                    let d = half_to_f32(u16::from_le_bytes(blk.d));
+                    let dmin = half_to_f32(u16::from_le_bytes(blk.dmin));
+                    let mask = _mm256_set1_epi8(0x0F);
+                    for c in 0..4 {
+                        let q = _mm256_loadu_si256(blk.qs.as_ptr().add(c * 32).cast());
+                        let lo = _mm256_and_si256(q, mask);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+                        let v = [
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo))),
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1))),
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi))),
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1))),
+                        ];
+                        let (sc1, m1) = blk.scale_min(2 * c);
+                        let (sc2, m2) = blk.scale_min(2 * c + 1);
+                        let d1 = _mm512_set1_ps(d * sc1 as f32);
+                        let d2 = _mm512_set1_ps(d * sc2 as f32);
+                        let (m1, m2) = (dmin * m1 as f32, dmin * m2 as f32);
+                        for r in 0..R {
+                            let px = x.as_ptr().add((row0 + r) * k + b * QK_K + c * 64);
+                            let p1 = _mm512_fmadd_ps(
+                                v[1],
+                                _mm512_loadu_ps(px.add(16)),
+                                _mm512_mul_ps(v[0], _mm512_loadu_ps(px)),
+                            );
+                            let p2 = _mm512_fmadd_ps(
+                                v[3],
+                                _mm512_loadu_ps(px.add(48)),
+                                _mm512_mul_ps(v[2], _mm512_loadu_ps(px.add(32))),
+                            );
+                            acc[r] = _mm512_fmadd_ps(d1, p1, acc[r]);
+                            acc[r] = _mm512_fmadd_ps(d2, p2, acc[r]);
+                            let g = (row0 + r) * ng + b * 8 + 2 * c;
+                            offs[r] -= m1 * xs[g] + m2 * xs[g + 1];
+                        }
+                    }
+                }
+            }
+            for r in 0..R {
+                // SAFETY: AVX-512F.
+                out[(row0 + r) * n + j - cols.start] =
+                    unsafe { _mm512_reduce_add_ps(acc[r]) } + offs[r];
+            }
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F/BW/VL and F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c,fma")]
+    pub(super) unsafe fn stream(
+        x: &[f32],
+        w: &[u8],
+        out: &mut [f32],
+        rows: usize,
+        n: usize,
+        k: usize,
+        cols: std::ops::Range<usize>,
+    ) {
+        let Some(w) = as_blocks::<BlockQ4K>(w) else { return };
+        let xs = block_sums(x, rows, k);
+        let mut r = 0;
+        while r < rows {
+            let left = rows - r;
+            // SAFETY: this function's features; rows r..r+R exist.
+            unsafe {
+                match left {
+                    1 => columns::<1>(x, &xs, w, out, r, n, k, cols.clone()),
+                    2 => columns::<2>(x, &xs, w, out, r, n, k, cols.clone()),
+                    3 => columns::<3>(x, &xs, w, out, r, n, k, cols.clone()),
+                    _ => columns::<4>(x, &xs, w, out, r, n, k, cols.clone()),
+                }
+            }
+            r += left.min(4);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
 
@@ -345,13 +512,20 @@ mod avx2 {
     }
 }
 
-/// The hand-vectorized streaming kernel for `dtype` on this CPU, where there is one.
-pub fn stream_kernel(dtype: maxc_schema::DType, isa: super::weights::Isa) -> Option<StreamFn> {
+/// The hand-vectorized streaming kernel for `dtype` weights with rows of `k` values on this
+/// CPU, where there is one.
+pub fn stream_kernel(
+    dtype: maxc_schema::DType,
+    k: usize,
+    isa: super::weights::Isa,
+) -> Option<StreamFn> {
     #[cfg(target_arch = "x86_64")]
     {
         use super::weights::Isa;
         use maxc_schema::DType;
         return match (isa, dtype) {
+            (Isa::Avx512, DType::BF16) if k.is_multiple_of(16) => Some(bf16_avx512::stream),
+            (Isa::Avx512, DType::Q4K) => Some(q4k_avx512::stream),
             (Isa::Avx512, DType::Q8_0) => Some(avx512::stream::<BlockQ8_0>),
             (Isa::Avx512, DType::Q4_0) => Some(avx512::stream::<BlockQ4_0>),
             (Isa::Avx512, DType::Q4_1) => Some(avx512::stream::<BlockQ4_1>),
@@ -363,7 +537,7 @@ pub fn stream_kernel(dtype: maxc_schema::DType, isa: super::weights::Isa) -> Opt
     }
     #[allow(unreachable_code)]
     {
-        let _ = (dtype, isa);
+        let _ = (dtype, k, isa);
         None
     }
 }
@@ -390,21 +564,46 @@ mod tests {
         {
             isas.push(Isa::Avx2);
         }
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
-            let size = dtype.block().1;
-            let mut w: Vec<u8> = (0..n * k / QK * size)
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4K, DType::BF16] {
+            let (elems, size) = dtype.block();
+            let mut w: Vec<u8> = (0..n * k / elems * size)
                 .map(|i| ((i * 73) % 256) as u8)
                 .collect();
             for (i, b) in w.chunks_exact_mut(size).enumerate() {
+                if dtype == DType::BF16 {
+                    break;
+                }
                 b[..2]
                     .copy_from_slice(&half::f16::from_f32(0.01 * (1 + i % 5) as f32).to_le_bytes());
                 if dtype == DType::Q4_1 {
                     b[2..4].copy_from_slice(&half::f16::from_f32(-0.05).to_le_bytes());
                 }
             }
-            let wf = maxc_schema::blocks::dequantize(dtype, &w).unwrap();
+            if matches!(dtype, DType::Q4K) {
+                for b in w.chunks_exact_mut(size) {
+                    b[2..4].copy_from_slice(&half::f16::from_f32(0.02).to_le_bytes());
+                }
+            }
+            if dtype == DType::BF16 {
+                for (i, b) in w.chunks_exact_mut(2).enumerate() {
+                    b.copy_from_slice(&half::bf16::from_f32((i % 11) as f32 * 0.1 - 0.5).to_le_bytes());
+                }
+            }
+            let wf = match dtype {
+                DType::BF16 => w
+                    .chunks_exact(2)
+                    .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                    .collect(),
+                _ => maxc_schema::blocks::dequantize(dtype, &w).unwrap(),
+            };
             for &isa in &isas {
-                let f = stream_kernel(dtype, isa).expect("a hand kernel");
+                let Some(f) = stream_kernel(dtype, k, isa) else {
+                    assert!(
+                        isa == Isa::Avx2 && matches!(dtype, DType::Q4K | DType::BF16),
+                        "{dtype} has no {isa:?} kernel"
+                    );
+                    continue;
+                };
                 for rows in [1, 2, 3, 4, 5, 6] {
                     let mut out = vec![f32::NAN; rows * n];
                     // SAFETY: the host has the ISA (checked above).

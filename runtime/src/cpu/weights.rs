@@ -386,7 +386,7 @@ pub fn matmul(
     }
     debug_assert!(x.len() >= rows * k && out.len() >= rows * n);
     debug_assert_eq!(dtype.bytes_for((n * k) as u64), Some(w.len() as u64));
-    let fast = super::simd::stream_kernel(dtype, isa());
+    let fast = super::simd::stream_kernel(dtype, k, isa());
     match dtype {
         DType::F32 if rows > STREAM_MAX_ROWS => {
             // SAFETY: f32 weights are 4-aligned (validated) and hold n·k values.
@@ -395,7 +395,7 @@ pub fn matmul(
         }
         DType::F32 => matmul_as::<F32s>(x, w, out, rows, n, k, threads, None),
         DType::F16 => matmul_as::<F16s>(x, w, out, rows, n, k, threads, None),
-        DType::BF16 => matmul_as::<Bf16s>(x, w, out, rows, n, k, threads, None),
+        DType::BF16 => matmul_as::<Bf16s>(x, w, out, rows, n, k, threads, fast),
         DType::Q8_0 => matmul_as::<Blocks<BlockQ8_0>>(x, w, out, rows, n, k, threads, fast),
         DType::Q4_0 => matmul_as::<Blocks<BlockQ4_0>>(x, w, out, rows, n, k, threads, fast),
         DType::Q4_1 => matmul_as::<Blocks<BlockQ4_1>>(x, w, out, rows, n, k, threads, fast),

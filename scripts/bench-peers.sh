@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# maxc against llama.cpp on the same GGUF files, same threads, same prompt length, in one run:
+# prefill of 128 tokens and batch-1 decode, tokens/s, with maxc/llama.cpp ratios.
+#
+#   bash scripts/bench-peers.sh [GGUF]      (default: the SmolLM2 Q4_1 file of scripts/fetch-smollm2.sh)
+#
+# llama.cpp comes from PyPI's llama-cpp-python source distribution (its vendored llama.cpp),
+# built once with CMake (from PyPI too) into .tools/peers (git-ignored, cached). The variants
+# (Q8_0, BF16, F32) are made from GGUF with llama.cpp's own llama-quantize, so both engines read
+# the very same files. llama-bench reports prefill (pp128) and decode (tg64) medians over 5
+# repetitions; maxc bench the median of its prefill_128 and decode_b1 steps (decode after a
+# 16-token prompt). Not part of CI: it builds llama.cpp (minutes) and needs quiet cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+peers=.tools/peers
+version=0.3.36
+threads=${THREADS:-$(nproc)}
+mkdir -p "$peers"
+
+gguf=${1:-}
+if [ -z "$gguf" ]; then
+  gguf=$(bash scripts/fetch-smollm2.sh)
+fi
+
+# CMake from PyPI where the machine has none.
+if ! command -v cmake >/dev/null; then
+  if [ ! -x "$peers/cmake/bin/cmake" ]; then
+    python3 -m pip install --quiet --disable-pip-version-check --target "$peers/cmake-py" cmake==4.4.5 >&2
+    mkdir -p "$peers/cmake/bin"
+    printf '#!/usr/bin/env bash\nPYTHONPATH=%s exec python3 -m cmake "$@"\n' "$root/$peers/cmake-py" > "$peers/cmake/bin/cmake"
+    chmod +x "$peers/cmake/bin/cmake"
+  fi
+  export PATH="$root/$peers/cmake/bin:$PATH"
+fi
+
+# llama.cpp's sources from the llama-cpp-python sdist.
+src="$peers/llama_cpp_python-$version/vendor/llama.cpp"
+if [ ! -f "$src/CMakeLists.txt" ]; then
+  python3 -m pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: \
+    "llama-cpp-python==$version" -d "$peers/sdist" >&2
+  tar -xzf "$peers/sdist/llama_cpp_python-$version.tar.gz" -C "$peers"
+fi
+bin="$src/build/bin"
+if [ ! -x "$bin/llama-bench" ] || [ ! -x "$bin/llama-quantize" ]; then
+  cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
+  cmake --build "$src/build" --target llama-bench llama-quantize -j "$threads" >&2
+fi
+
+# The variants, made by llama-quantize from the given file.
+base=$(basename "$gguf" .gguf)
+files=("$gguf")
+for t in Q8_0 BF16 F32; do
+  out="$peers/$base.$t.gguf"
+  if [ ! -f "$out" ]; then
+    "$bin/llama-quantize" --allow-requantize "$gguf" "$out" "$t" >/dev/null 2>&1
+  fi
+  files+=("$out")
+done
+
+cargo build --release --locked -p maxc-cli >&2
+maxc=target/release/maxc
+
+printf '%-34s %12s %12s %7s %12s %12s %7s\n' file "llama pp128" "maxc pp128" ratio "llama tg" "maxc tg" ratio
+for f in "${files[@]}"; do
+  art="$peers/$(basename "$f" .gguf).maxc"
+  "$maxc" compile "$f" --out "$art" --weights keep --max-batch-size 1 --max-seq-len 512 \
+    --max-batch-input-tokens 512 --force --quiet
+  llama=$("$bin/llama-bench" -m "$f" -t "$threads" -p 128 -n 64 -r 5 -o json 2>/dev/null)
+  ours=$("$maxc" bench "$art" --json --steps 64)
+  python3 - "$f" "$llama" "$ours" <<'EOF'
+import json, os, sys
+name, llama, ours = os.path.basename(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
+pp = next(r["avg_ts"] for r in llama if r["n_prompt"] == 128 and r["n_gen"] == 0)
+tg = next(r["avg_ts"] for r in llama if r["n_gen"] == 64 and r["n_prompt"] == 0)
+m = {r["name"]: r for r in ours["measurements"]}
+mp, mt = m["prefill_128"]["tokens_per_s"], m["decode_b1"]["tokens_per_s"]
+print(f"{name:<34} {pp:12.1f} {mp:12.1f} {mp / pp:6.2f}x {tg:12.1f} {mt:12.1f} {mt / tg:6.2f}x")
+EOF
+done
