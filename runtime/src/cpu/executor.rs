@@ -23,14 +23,24 @@ struct Aligned {
 }
 
 impl Aligned {
-    /// Zeroed memory of `bytes` bytes; an error (naming `what`) where it cannot be had.
+    /// Zeroed memory of `bytes` bytes; an error (naming `what`) where it cannot be had. The
+    /// memory comes zeroed from the allocator (fresh pages from the system for large sizes), so
+    /// it costs no time at load and no resident memory until a step touches it.
     fn zeroed(bytes: u64, what: &str) -> Result<Self> {
         let len = usize::try_from(bytes.div_ceil(4)).unwrap_or(usize::MAX);
-        let mut buf = Vec::new();
-        buf.try_reserve_exact(len.saturating_add(16)).map_err(|_| {
-            RuntimeError::Target(format!("cannot allocate {bytes} bytes for the {what}"))
-        })?;
-        buf.resize(len + 16, 0.0f32);
+        let cannot =
+            || RuntimeError::Target(format!("cannot allocate {bytes} bytes for the {what}"));
+        let total = len.checked_add(16).ok_or_else(cannot)?;
+        let layout = std::alloc::Layout::array::<f32>(total).map_err(|_| cannot())?;
+        // SAFETY: a non-zero-sized layout (at least 16 values); on success the pointer owns
+        // `total` zeroed f32s, handed to a Vec with exactly that capacity and length.
+        let buf = unsafe {
+            let ptr = std::alloc::alloc_zeroed(layout).cast::<f32>();
+            if ptr.is_null() {
+                return Err(cannot());
+            }
+            Vec::from_raw_parts(ptr, total, total)
+        };
         let start = buf.as_ptr().align_offset(64);
         Ok(Aligned { buf, start, len })
     }

@@ -3,6 +3,10 @@
 //! of the dot product (`Σ x·(d·q + m) = d·Σ x·q + m·Σ x`, with `Σ x` per block computed once per
 //! call), values are widened to f32 and accumulated in f32: the same arithmetic as the generic
 //! kernels in another order. Each weight block is unpacked once for up to four rows.
+//!
+//! Rows are indexed (`acc[r]`, `x[(row0 + r) * k ..]`) in loops of a constant count that the
+//! compiler unrolls into registers.
+#![allow(clippy::needless_range_loop)]
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -294,9 +298,13 @@ mod q4k_avx512 {
                         let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
                         let v = [
                             _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo))),
-                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1))),
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(
+                                lo, 1,
+                            ))),
                             _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi))),
-                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1))),
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(
+                                hi, 1,
+                            ))),
                         ];
                         let (sc1, m1) = blk.scale_min(2 * c);
                         let (sc2, m2) = blk.scale_min(2 * c + 1);
@@ -343,7 +351,9 @@ mod q4k_avx512 {
         k: usize,
         cols: std::ops::Range<usize>,
     ) {
-        let Some(w) = as_blocks::<BlockQ4K>(w) else { return };
+        let Some(w) = as_blocks::<BlockQ4K>(w) else {
+            return;
+        };
         let xs = block_sums(x, rows, k);
         let mut r = 0;
         while r < rows {
@@ -564,7 +574,13 @@ mod tests {
         {
             isas.push(Isa::Avx2);
         }
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4K, DType::BF16] {
+        for dtype in [
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q4K,
+            DType::BF16,
+        ] {
             let (elems, size) = dtype.block();
             let mut w: Vec<u8> = (0..n * k / elems * size)
                 .map(|i| ((i * 73) % 256) as u8)
@@ -586,7 +602,9 @@ mod tests {
             }
             if dtype == DType::BF16 {
                 for (i, b) in w.chunks_exact_mut(2).enumerate() {
-                    b.copy_from_slice(&half::bf16::from_f32((i % 11) as f32 * 0.1 - 0.5).to_le_bytes());
+                    b.copy_from_slice(
+                        &half::bf16::from_f32((i % 11) as f32 * 0.1 - 0.5).to_le_bytes(),
+                    );
                 }
             }
             let wf = match dtype {

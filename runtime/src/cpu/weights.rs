@@ -15,7 +15,6 @@ use maxc_schema::blocks::{
     BlockQ8_0,
 };
 use maxc_schema::DType;
-use rayon::prelude::*;
 
 /// f32 lanes of the accumulators (one 512-bit or two 256-bit registers).
 const LANES: usize = 16;
@@ -332,40 +331,32 @@ fn matmul_as<F: Format>(
         return;
     }
     let panels = n.div_ceil(PANEL);
-    (0..panels).into_par_iter().for_each_init(
-        || vec![0.0f32; PANEL * k],
-        |panel, p| {
-            let j0 = p * PANEL;
-            let m = PANEL.min(n - j0);
-            let panel = &mut panel[..m * k];
-            dequant_rows_mv::<F>(w, k, j0, panel);
-            // SAFETY: out[rows, n] row-major; this call writes columns j0..j0+m of every row
-            // (disjoint across panels); x is [rows, k] and panel [m, k], read as panelᵀ.
-            unsafe {
-                gemm::gemm::<f32>(
-                    rows,
-                    m,
-                    k,
-                    optr.get().add(j0),
-                    1,
-                    n as isize,
-                    false,
-                    x.as_ptr(),
-                    1,
-                    k as isize,
-                    panel.as_ptr(),
-                    k as isize,
-                    1,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
+    let chunks = threads.max(1).min(panels);
+    super::pool::run(chunks, &|c| {
+        PANEL_SCRATCH.with(|scratch| {
+            let mut scratch = scratch.borrow_mut();
+            if scratch.len() < PANEL * k {
+                scratch.resize(PANEL * k, 0.0);
             }
-        },
-    );
+            for p in (c..panels).step_by(chunks) {
+                let j0 = p * PANEL;
+                let m = PANEL.min(n - j0);
+                let panel = &mut scratch[..m * k];
+                dequant_rows_mv::<F>(w, k, j0, panel);
+                // SAFETY: out[rows, n] row-major; this call writes columns j0..j0+m of every
+                // row (disjoint across panels); the panel holds weight rows j0..j0+m, read as
+                // rows 0..m of an [m, k] weight.
+                unsafe {
+                    super::library::gemm_columns(x, panel, optr.get().add(j0), rows, n, k, 0, m)
+                };
+            }
+        })
+    });
+}
+
+thread_local! {
+    /// Each thread's dequantized panel, kept between calls.
+    static PANEL_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `out[rows, n] = x[rows, k] · wᵀ`, `w` the bytes of an `[n, k]` weight of `dtype` (f32,
