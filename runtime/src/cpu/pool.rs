@@ -93,6 +93,11 @@ fn worker(s: &'static Shared, index: usize) {
                 break e;
             }
             spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(64) {
+                // Spinning politely: on an oversubscribed machine the thread this one waits for
+                // may need the core.
+                std::thread::yield_now();
+            }
             if spins.is_multiple_of(1024) && start.elapsed() > SPIN {
                 let guard = s.sleep.lock().unwrap_or_else(|e| e.into_inner());
                 if s.epoch.load(Ordering::Acquire) == seen {
@@ -149,7 +154,7 @@ pub fn run<'a>(chunks: usize, f: &'a (dyn Fn(usize) + Sync + 'a)) {
             while self.0.pending.load(Ordering::Acquire) != 0 {
                 // A worker descheduled by an oversubscribed machine needs this core back.
                 spins = spins.wrapping_add(1);
-                if spins.is_multiple_of(256) {
+                if spins.is_multiple_of(16) {
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();
