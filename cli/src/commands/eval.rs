@@ -3,7 +3,7 @@
 use crate::args::parse_tokens;
 use anyhow::{Context, Result};
 use maxc_graph::interp::{Interpreter, Session};
-use maxc_graph::pipeline::{load_model, LoadOptions};
+use maxc_graph::pipeline::{load_model, LoadOptions, WeightFormat};
 use maxc_graph::{BatchProcessorRuntime, GraphRole, KvCacheParams, ModuleRuntime, Registry};
 use std::path::PathBuf;
 
@@ -21,6 +21,10 @@ pub struct Args {
     /// Write the logits of every position to this safetensors file (`logits`, f32 [n, vocab]).
     #[arg(long)]
     dump_logits: Option<PathBuf>,
+    /// The weight formats, as `maxc compile --weights` makes them; the interpreter computes on
+    /// those weights dequantized, the reference a compiled artifact is held to.
+    #[arg(long, alias = "dtype", default_value = "keep")]
+    weights: WeightFormat,
 }
 
 /// Runs the prompt and prints the last position's top tokens.
@@ -43,7 +47,7 @@ pub fn run(args: Args) -> Result<()> {
         runtime,
         all_logits: true,
         roles: vec![args.role],
-        ..Default::default()
+        weights: args.weights,
     };
     let mut loaded = load_model(&args.model, &Registry::builtin(), &opts)?;
     let rg = loaded
