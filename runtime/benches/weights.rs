@@ -1,7 +1,9 @@
 //! `cargo bench -p maxc-runtime --bench weights`: the weight kernels at SmolLM2's decode and
 //! prefill shapes, per storage format: time per call, weight bytes streamed per second, and the
-//! ratio to a memory-bandwidth probe (a plain f32 sum over 256 MiB) measured in the same run.
+//! ratio to the memory-bandwidth probe of `maxc bench` measured in the same run, and each hand
+//! kernel's speed-up over the generic one.
 
+use maxc_runtime::bench::bandwidth;
 use maxc_runtime::cpu::weights::{isa_name, matmul, set_hand_kernels};
 use maxc_runtime::schema::DType;
 use std::time::Instant;
@@ -11,58 +13,9 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// A sum in 64 independent lanes (vectorizable, unlike a sequential float sum, and with
-/// enough independent adds in flight to keep loads streaming).
-#[inline(always)]
-fn lanes(a: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 64];
-    for c in a.chunks_exact(64) {
-        for l in 0..64 {
-            acc[l] += c[l];
-        }
-    }
-    acc.iter().sum()
-}
-
-/// [`lanes`], in 256-bit registers where the CPU has AVX2.
-fn lane_sum(a: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx2")]
-        unsafe fn avx2(a: &[f32]) -> f32 {
-            lanes(a)
-        }
-        if std::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2.
-            return unsafe { avx2(a) };
-        }
-    }
-    lanes(a)
-}
-
-/// Bytes per second of a streaming read of 256 MiB split over `threads` threads.
-fn bandwidth(threads: usize) -> f64 {
-    let data = vec![1.0f32; 64 << 20];
-    let reps: Vec<f64> = (0..5)
-        .map(|_| {
-            let t = Instant::now();
-            let s: f32 = std::thread::scope(|sc| {
-                let parts: Vec<_> = data
-                    .chunks(data.len().div_ceil(threads))
-                    .map(|p| sc.spawn(move || lane_sum(p)))
-                    .collect();
-                parts.into_iter().map(|h| h.join().unwrap()).sum()
-            });
-            std::hint::black_box(s);
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    (data.len() * 4) as f64 / median(reps)
-}
-
 fn main() {
     let threads = rayon::current_num_threads();
-    let bw = bandwidth(threads);
+    let bw = bandwidth();
     println!(
         "isa {}, {threads} threads, bandwidth probe {:.1} GB/s",
         isa_name(),

@@ -25,6 +25,27 @@ pub type StreamFn = unsafe fn(
     cols: std::ops::Range<usize>,
 );
 
+/// Calls `$columns::<[$gen,] R>($args.., row0, n, k, cols)` over the rows in groups of at most
+/// four (`R` = 4, then the remainder), so that each group's accumulators stay in registers.
+macro_rules! row_groups {
+    ($rows:expr, $n:expr, $k:expr, $cols:expr, $columns:ident [$($gen:ty,)*] ($($arg:expr),*)) => {{
+        let mut r = 0;
+        while r < $rows {
+            let left = $rows - r;
+            // SAFETY: the enclosing function's features; rows r..r + R exist.
+            unsafe {
+                match left {
+                    1 => $columns::<$($gen,)* 1>($($arg),*, r, $n, $k, $cols.clone()),
+                    2 => $columns::<$($gen,)* 2>($($arg),*, r, $n, $k, $cols.clone()),
+                    3 => $columns::<$($gen,)* 3>($($arg),*, r, $n, $k, $cols.clone()),
+                    _ => $columns::<$($gen,)* 4>($($arg),*, r, $n, $k, $cols.clone()),
+                }
+            }
+            r += left.min(4);
+        }
+    }};
+}
+
 /// Per row of `x` and per 32-value block, the sum of the block's values.
 fn block_sums(x: &[f32], rows: usize, k: usize) -> Vec<f32> {
     x[..rows * k]
@@ -182,20 +203,7 @@ mod avx512 {
     ) {
         let Some(w) = as_blocks::<B>(w) else { return };
         let xs = block_sums(x, rows, k);
-        let mut r = 0;
-        while r < rows {
-            let left = rows - r;
-            // SAFETY: this function's features; rows r..r+R exist.
-            unsafe {
-                match left {
-                    1 => columns::<B, 1>(x, &xs, w, out, r, n, k, cols.clone()),
-                    2 => columns::<B, 2>(x, &xs, w, out, r, n, k, cols.clone()),
-                    3 => columns::<B, 3>(x, &xs, w, out, r, n, k, cols.clone()),
-                    _ => columns::<B, 4>(x, &xs, w, out, r, n, k, cols.clone()),
-                }
-            }
-            r += left.min(4);
-        }
+        row_groups!(rows, n, k, cols, columns [B,] (x, &xs, w, out));
     }
 }
 
@@ -247,20 +255,7 @@ mod bf16_avx512 {
         k: usize,
         cols: std::ops::Range<usize>,
     ) {
-        let mut r = 0;
-        while r < rows {
-            let left = rows - r;
-            // SAFETY: this function's features; rows r..r+R exist.
-            unsafe {
-                match left {
-                    1 => columns::<1>(x, w, out, r, n, k, cols.clone()),
-                    2 => columns::<2>(x, w, out, r, n, k, cols.clone()),
-                    3 => columns::<3>(x, w, out, r, n, k, cols.clone()),
-                    _ => columns::<4>(x, w, out, r, n, k, cols.clone()),
-                }
-            }
-            r += left.min(4);
-        }
+        row_groups!(rows, n, k, cols, columns [] (x, w, out));
     }
 }
 
@@ -355,20 +350,7 @@ mod q4k_avx512 {
             return;
         };
         let xs = block_sums(x, rows, k);
-        let mut r = 0;
-        while r < rows {
-            let left = rows - r;
-            // SAFETY: this function's features; rows r..r+R exist.
-            unsafe {
-                match left {
-                    1 => columns::<1>(x, &xs, w, out, r, n, k, cols.clone()),
-                    2 => columns::<2>(x, &xs, w, out, r, n, k, cols.clone()),
-                    3 => columns::<3>(x, &xs, w, out, r, n, k, cols.clone()),
-                    _ => columns::<4>(x, &xs, w, out, r, n, k, cols.clone()),
-                }
-            }
-            r += left.min(4);
-        }
+        row_groups!(rows, n, k, cols, columns [] (x, &xs, w, out));
     }
 }
 
@@ -505,20 +487,7 @@ mod avx2 {
     ) {
         let Some(w) = as_blocks::<B>(w) else { return };
         let xs = block_sums(x, rows, k);
-        let mut r = 0;
-        while r < rows {
-            let left = rows - r;
-            // SAFETY: this function's features; rows r..r+R exist.
-            unsafe {
-                match left {
-                    1 => columns::<B, 1>(x, &xs, w, out, r, n, k, cols.clone()),
-                    2 => columns::<B, 2>(x, &xs, w, out, r, n, k, cols.clone()),
-                    3 => columns::<B, 3>(x, &xs, w, out, r, n, k, cols.clone()),
-                    _ => columns::<B, 4>(x, &xs, w, out, r, n, k, cols.clone()),
-                }
-            }
-            r += left.min(4);
-        }
+        row_groups!(rows, n, k, cols, columns [B,] (x, &xs, w, out));
     }
 }
 
