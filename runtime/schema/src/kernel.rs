@@ -20,6 +20,12 @@
 use super::DType;
 use serde::{Deserialize, Serialize};
 
+/// The version of what a kernel body means beyond its fields (calling convention, parallel
+/// range, buffer order). Bumped whenever that meaning changes without the body changing (as
+/// when attention's parallel range became (row, KV head) pairs), so that code compiled under the
+/// old meaning no longer matches its body's [`KernelBody::digest`].
+pub const KERNEL_CONTRACT: &str = "maxc kernel contract 2";
+
 /// A per-step size, by its slot in the `dims` array passed to every kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[repr(u8)]
@@ -336,13 +342,16 @@ impl KernelBody {
         self.parallel_extent(dims).saturating_mul(width)
     }
 
-    /// sha256 of the body's bincode encoding: what native code records of the body it was
-    /// compiled from.
+    /// sha256 of [`KERNEL_CONTRACT`] and the body's bincode encoding: what native code records
+    /// of the body (and the contract) it was compiled from.
     pub fn digest(&self) -> [u8; 32] {
         use sha2::Digest;
         let bytes =
             bincode::serde::encode_to_vec(self, crate::bincode_config()).unwrap_or_default();
-        sha2::Sha256::digest(&bytes).into()
+        let mut h = sha2::Sha256::new();
+        h.update(KERNEL_CONTRACT.as_bytes());
+        h.update(&bytes);
+        h.finalize().into()
     }
 
     /// Whether the kernel reads weights stored in a GGUF block type.

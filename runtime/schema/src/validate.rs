@@ -889,7 +889,7 @@ impl CpuModule {
                     }
                     if self.kernel_digests[i] != k.body.digest() {
                         return err(format!(
-                            "kernel {i} ({}): the native code was compiled from another kernel body",
+                            "kernel {i} ({}): the native code was compiled from another kernel body or kernel contract (recompile the model)",
                             k.name
                         ));
                     }
