@@ -92,19 +92,18 @@ fn block_formats_agree_with_gguf_py() {
     let py = python_path();
     let (rows, cols) = (16, 512);
     let x = values(rows * cols);
-    let blocks_dtypes = [
-        DType::Q8_0,
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q5_0,
-        DType::Q5_1,
-        DType::Q4K,
-        DType::Q5K,
-        DType::Q6K,
-    ];
+    let blocks_dtypes: Vec<DType> = DType::ALL
+        .into_iter()
+        .filter(|d| d.is_quantized())
+        .collect();
+    assert_eq!(
+        blocks_dtypes.len(),
+        8,
+        "every GGUF block type maxc reads is checked"
+    );
     let mut input = StateDict::new();
     input.insert("x", WeightTensor::from_f32(vec![rows, cols], &x));
-    for d in blocks_dtypes {
+    for &d in &blocks_dtypes {
         let (_, size) = d.block();
         // Every block size is even, so the bytes travel as f16 pairs (see u8_tensor).
         input.insert(
@@ -166,7 +165,7 @@ fn block_formats_agree_with_gguf_py() {
         );
     }
     // The same values from both dequantizers, for every type.
-    for d in blocks_dtypes {
+    for &d in &blocks_dtypes {
         let raw = raw_blocks(d, 12);
         let ours = maxc_schema::blocks::dequantize(d, &raw).unwrap();
         let t = floats(&format!("deq_raw.{}", gguf_name(d)));
