@@ -200,9 +200,10 @@ pub struct CpuModule {
     /// Per kernel of the program: [`KernelBody::digest`] of the body the code was compiled
     /// from, so that code and program cannot disagree unnoticed.
     pub kernel_digests: Vec<[u8; 32]>,
-    /// Where set, generated matmuls run only for steps of 2 to this many rows, and the `gemm`
-    /// library kernel runs the others (it wins on one row and on many); where `None`,
-    /// generated matmuls always run.
+    /// Where set, the runtime chooses: generated matmuls run at most for steps of 2 to this
+    /// many rows, and only on CPUs where the library kernels have no register tiles (there the
+    /// library wins at every row count); the library runs the others. Where `None`, generated
+    /// matmuls always run.
     pub generated_matmul_max_rows: Option<u64>,
 }
 

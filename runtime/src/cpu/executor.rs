@@ -177,7 +177,11 @@ impl CpuExecutor {
         // Matmul weights and gathered tables are read as stored; the other operands of
         // library kernels (biases, MoE experts) are widened to f32 once.
         let mut library_params = std::collections::BTreeSet::new();
-        let matmul_policy = module.generated_matmul_max_rows;
+        // Auto: generated matmuls only where the library has no register tiles for this CPU.
+        let matmul_policy =
+            module
+                .generated_matmul_max_rows
+                .map(|max| if weights::tiles_available() { 0 } else { max });
         for l in &program.launches {
             let body = &program.kernels[l.kernel as usize].body;
             let read_as_stored: &[usize] = match body {
@@ -412,6 +416,8 @@ impl CpuExecutor {
     /// Whether a kernel with generated code runs it at these dims (matmuls may prefer gemm).
     fn generated_fits(&self, body: &KernelBody, dims: &[u64; StepDim::COUNT]) -> bool {
         match (body, self.matmul_policy) {
+            // The library's blocked attention where the register tiles run.
+            (KernelBody::Attention { .. }, _) => !weights::tiles_available(),
             (KernelBody::Matmul { rows, .. }, Some(max)) => {
                 let r = match rows {
                     Rows::Step(d) => dims[*d as usize],
@@ -526,6 +532,50 @@ impl CpuExecutor {
                     std::slice::from_raw_parts_mut(args[2 + 3 * e].cast::<f32>(), rows * h)
                 };
                 library::moe_experts(x, routing, &ws, out, rows, h, f);
+            }
+            #[cfg(target_arch = "x86_64")]
+            &KernelBody::Attention {
+                layer,
+                num_layers,
+                heads,
+                kv_heads,
+                head_dim,
+                page_size,
+                scale,
+            } if weights::tiles_available() => {
+                let batch = dims[StepDim::BatchSize as usize] as usize;
+                let pages_per_seq = dims[StepDim::MaxNumPages as usize] as usize;
+                let ints = |i: usize, n: usize| unsafe {
+                    std::slice::from_raw_parts(args[i].cast::<i32>().cast_const(), n)
+                };
+                let seqs = super::attend::Seqs {
+                    lookup: ints(2, batch * pages_per_seq),
+                    cache_lengths: ints(3, batch),
+                    offsets: ints(4, batch + 1),
+                    pages_per_seq,
+                };
+                let shape = super::attend::Shape {
+                    layer: layer as usize,
+                    num_layers: num_layers as usize,
+                    heads: heads as usize,
+                    kv_heads: kv_heads as usize,
+                    head_dim: head_dim as usize,
+                    page_size: page_size as usize,
+                    scale,
+                };
+                // SAFETY: the tiles run on this CPU; the step inputs were checked
+                // (`checked_dims`): offsets, cache lengths and the pages they use lie inside
+                // the buffers and the cache.
+                unsafe {
+                    super::attend::attention(
+                        args[0].cast::<f32>().cast_const(),
+                        args[1].cast::<f32>().cast_const(),
+                        args[5].cast::<f32>(),
+                        &seqs,
+                        shape,
+                        self.threads,
+                    )
+                };
             }
             other => unreachable!("{} is generated on the CPU", other.kind()),
         }

@@ -21,7 +21,10 @@ const LANES: usize = 16;
 /// Steps up to this many rows run the row-streaming kernel; larger ones the panel kernel.
 pub const STREAM_MAX_ROWS: usize = 16;
 /// Weight rows per panel of the panel kernel.
-const PANEL: usize = 64;
+const PANEL: usize = 48;
+/// With register tiles, steps of at least this many rows dequantize panels for them instead of
+/// streaming.
+const TILE_MIN_ROWS: usize = 4;
 /// Below this many weight bytes a matmul runs on the calling thread.
 const SPLIT_BYTES: usize = 1 << 16;
 
@@ -234,6 +237,15 @@ pub(crate) fn isa() -> Isa {
     Isa::Baseline
 }
 
+/// Whether matmuls run on register tiles (AVX-512) on this CPU, faster than generated code at
+/// every row count.
+pub fn tiles_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return super::tile::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// The name of the instruction set the weight kernels use on this CPU.
 pub fn isa_name() -> &'static str {
     match isa() {
@@ -313,7 +325,16 @@ fn matmul_as<F: Format>(
         threads.max(1)
     };
     let optr = OutPtr(out.as_mut_ptr());
-    if rows <= STREAM_MAX_ROWS {
+    #[cfg(target_arch = "x86_64")]
+    let tiles = fast.is_some() && super::tile::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    let tiles = false;
+    let stream_max = if tiles {
+        TILE_MIN_ROWS - 1
+    } else {
+        STREAM_MAX_ROWS
+    };
+    if rows <= stream_max {
         let run = |c: usize| {
             let cols = n * c / chunks..n * (c + 1) / chunks;
             // SAFETY: `out` holds rows × n values; this call writes only columns `cols` of
@@ -343,6 +364,18 @@ fn matmul_as<F: Format>(
                 let m = PANEL.min(n - j0);
                 let panel = &mut scratch[..m * k];
                 dequant_rows_mv::<F>(w, k, j0, panel);
+                #[cfg(target_arch = "x86_64")]
+                if tiles {
+                    let rows_of = super::tile::F32Rows {
+                        ptr: panel.as_ptr(),
+                        stride: k,
+                    };
+                    // SAFETY: tile::available() held; as below.
+                    unsafe {
+                        super::tile::matmul(x.as_ptr(), rows, k, rows_of, m, optr.get().add(j0), n)
+                    };
+                    continue;
+                }
                 // SAFETY: out[rows, n] row-major; this call writes columns j0..j0+m of every
                 // row (disjoint across panels); the panel holds weight rows j0..j0+m, read as
                 // rows 0..m of an [m, k] weight.
@@ -357,6 +390,47 @@ fn matmul_as<F: Format>(
 thread_local! {
     /// Each thread's dequantized panel, kept between calls.
     static PANEL_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `out[rows, n] = x[rows, k] · wᵀ` with register tiles on weight rows as stored, output
+/// columns split across threads; `rows_at(j)` gives the weight rows from row `j` on. Always
+/// runs (returns true).
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn tiled<L: super::tile::Rows>(
+    x: &[f32],
+    out: &mut [f32],
+    rows: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+    bytes: usize,
+    rows_at: impl Fn(usize) -> L + Sync,
+) -> bool {
+    let chunks = if bytes < SPLIT_BYTES {
+        1
+    } else {
+        threads.max(1)
+    };
+    let chunks = chunks.min(n.div_ceil(super::tile::NR));
+    let optr = OutPtr(out.as_mut_ptr());
+    super::pool::run(chunks, &|c| {
+        let (j0, j1) = (n * c / chunks, n * (c + 1) / chunks);
+        // SAFETY: tile::available() held; x holds rows·k values, the weight n rows of k, out
+        // rows·n; this call writes columns j0..j1 only, which no other call writes.
+        unsafe {
+            super::tile::matmul(
+                x.as_ptr(),
+                rows,
+                k,
+                rows_at(j0),
+                j1 - j0,
+                optr.get().add(j0),
+                n,
+            )
+        };
+    });
+    true
 }
 
 /// `out[rows, n] = x[rows, k] · wᵀ`, `w` the bytes of an `[n, k]` weight of `dtype` (f32,
@@ -377,6 +451,30 @@ pub fn matmul(
     }
     debug_assert!(x.len() >= rows * k && out.len() >= rows * n);
     debug_assert_eq!(dtype.bytes_for((n * k) as u64), Some(w.len() as u64));
+    #[cfg(target_arch = "x86_64")]
+    if super::tile::available() && HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed) {
+        use super::tile::{Bf16Rows, F16Rows, F32Rows};
+        // SAFETY (the casts): f32 weights are 4-aligned and f16/bf16 weights 2-aligned
+        // (validated at load); each holds n·k values.
+        let done = match dtype {
+            DType::F32 => tiled(x, out, rows, n, k, threads, w.len(), |j| F32Rows {
+                ptr: unsafe { w.as_ptr().cast::<f32>().add(j * k) },
+                stride: k,
+            }),
+            DType::BF16 => tiled(x, out, rows, n, k, threads, w.len(), |j| Bf16Rows {
+                ptr: unsafe { w.as_ptr().cast::<u16>().add(j * k) },
+                stride: k,
+            }),
+            DType::F16 => tiled(x, out, rows, n, k, threads, w.len(), |j| F16Rows {
+                ptr: unsafe { w.as_ptr().cast::<u16>().add(j * k) },
+                stride: k,
+            }),
+            _ => false,
+        };
+        if done {
+            return;
+        }
+    }
     let fast = super::simd::stream_kernel(dtype, k, isa());
     match dtype {
         DType::F32 if rows > STREAM_MAX_ROWS => {

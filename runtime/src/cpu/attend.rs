@@ -1,0 +1,496 @@
+//! Causal attention over the paged KV cache on AVX-512, blocked for prefill: the library
+//! version of [`maxc_schema::KernelBody::Attention`], which the executor prefers where the
+//! register tiles run.
+//!
+//! Work items are (sequence, KV head, block of up to [`ROW_BLOCK`] query rows): the block's
+//! query heads of the KV head's group are gathered into one matrix, their scores against every
+//! key they can see are one tiled matmul per cache page (each key row read once for all of
+//! them), the softmax is exact (max, then `exp` in sixteen lanes, then the sum; a row's keys
+//! after its position are masked to zero), and the weighted values are summed with the
+//! accumulators in registers. Small steps (decode) split KV groups into single heads so that
+//! every thread has work.
+#![allow(clippy::needless_range_loop)]
+
+use std::arch::x86_64::*;
+
+use super::tile::{self, F32Rows};
+
+/// Query rows of one sequence per work item.
+const ROW_BLOCK: usize = 16;
+
+/// The shape of one attention launch.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Shape {
+    pub layer: usize,
+    pub num_layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub page_size: usize,
+    pub scale: f32,
+}
+
+/// The step's sequence bookkeeping (validated by `StepInputs::checked_dims`).
+pub(crate) struct Seqs<'a> {
+    /// `input_row_offsets [B + 1]`.
+    pub offsets: &'a [i32],
+    /// `cache_lengths [B]`.
+    pub cache_lengths: &'a [i32],
+    /// `kv_lookup_table [B, pages_per_seq]`.
+    pub lookup: &'a [i32],
+    /// The lookup table's row length.
+    pub pages_per_seq: usize,
+}
+
+#[derive(Clone, Copy)]
+struct Item {
+    seq: usize,
+    /// First query row (global) and row count.
+    row: usize,
+    rows: usize,
+    /// Query heads `head..head + group`.
+    head: usize,
+    group: usize,
+}
+
+#[derive(Clone, Copy)]
+struct Ptrs {
+    q: *const f32,
+    cache: *const f32,
+    out: *mut f32,
+}
+// SAFETY: items write disjoint (row, head) slices of `out`; `q` and the cache are only read.
+unsafe impl Send for Ptrs {}
+unsafe impl Sync for Ptrs {}
+
+/// A thread's working memory, kept between calls.
+#[derive(Default)]
+struct Scratch {
+    /// Gathered queries `[nq, head_dim]`.
+    qs: Vec<f32>,
+    /// Scores, then weights, `[nq, keys rounded up to 16]`.
+    scores: Vec<f32>,
+    /// Each query's sum of weights.
+    sums: Vec<f32>,
+    /// Weighted values `[nq, head_dim]`.
+    acc: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
+/// `out[r, h, :] = softmax(q[r, h, :] · K[..=p]ᵀ · scale) · V[..=p]` for every token row `r`
+/// (position `p` in its sequence) and query head `h`, keys and values of KV head
+/// `h / (heads / kv_heads)` read from the paged cache.
+///
+/// # Safety
+/// [`tile::available`] holds; `q` and `out` hold `rows × heads × head_dim` values; `cache` is
+/// the whole cache, and every page the sequences use (checked by `StepInputs::checked_dims`)
+/// lies inside it.
+pub(crate) unsafe fn attention(
+    q: *const f32,
+    cache: *const f32,
+    out: *mut f32,
+    seqs: &Seqs,
+    shape: Shape,
+    threads: usize,
+) {
+    let group = shape.heads / shape.kv_heads;
+    let mut items = Vec::new();
+    for b in 0..seqs.cache_lengths.len() {
+        let (r0, r1) = (seqs.offsets[b] as usize, seqs.offsets[b + 1] as usize);
+        let mut r = r0;
+        while r < r1 {
+            let rows = ROW_BLOCK.min(r1 - r);
+            for kvh in 0..shape.kv_heads {
+                items.push(Item {
+                    seq: b,
+                    row: r,
+                    rows,
+                    head: kvh * group,
+                    group,
+                });
+            }
+            r += rows;
+        }
+    }
+    let threads = threads.max(1);
+    if items.len() < 2 * threads && group > 1 {
+        items = items
+            .iter()
+            .flat_map(|it| {
+                (0..it.group).map(move |g| Item {
+                    head: it.head + g,
+                    group: 1,
+                    ..*it
+                })
+            })
+            .collect();
+    }
+    // Later blocks of a sequence see more keys: dealing items round-robin balances them.
+    let chunks = threads.min(items.len());
+    let p = &Ptrs { q, cache, out };
+    let items = &items;
+    super::pool::run(chunks, &|c| {
+        SCRATCH.with(|s| {
+            let mut s = s.borrow_mut();
+            for it in items.iter().skip(c).step_by(chunks) {
+                // SAFETY: as this function's contract; items are in bounds by construction.
+                unsafe { attend(*p, seqs, shape, *it, &mut s) };
+            }
+        });
+    });
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn attend(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scratch: &mut Scratch) {
+    let hd = shape.head_dim;
+    let hstride = shape.heads * hd;
+    let slot = shape.kv_heads * hd;
+    let block = shape.page_size * slot;
+    let page_floats = shape.num_layers * 2 * block;
+    let kvh = it.head / (shape.heads / shape.kv_heads);
+    let first_pos = seqs.cache_lengths[it.seq] as usize + it.row - seqs.offsets[it.seq] as usize;
+    let keys = first_pos + it.rows;
+    let nq = it.rows * it.group;
+    let ld = keys.next_multiple_of(16);
+    let Scratch {
+        qs,
+        scores,
+        sums,
+        acc,
+    } = scratch;
+    qs.resize(nq * hd, 0.0);
+    scores.resize(nq * ld, 0.0);
+    sums.resize(nq, 0.0);
+    let scores = &mut scores[..nq * ld];
+    // SAFETY (pointer arithmetic below): rows, heads and pages in bounds as the caller
+    // guarantees; a page's keys and values for this layer and KV head are `slot` apart.
+    unsafe {
+        for r in 0..it.rows {
+            for g in 0..it.group {
+                let src = p.q.add((it.row + r) * hstride + (it.head + g) * hd);
+                let dst = &mut qs[(r * it.group + g) * hd..][..hd];
+                std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), hd);
+            }
+        }
+        let page_ptr = |pg: usize, which: usize| {
+            let page = seqs.lookup[it.seq * seqs.pages_per_seq + pg] as usize;
+            p.cache
+                .add(page * page_floats + (shape.layer * 2 + which) * block + kvh * hd)
+        };
+        let pages = keys.div_ceil(shape.page_size);
+        for pg in 0..pages {
+            let t0 = pg * shape.page_size;
+            let n = shape.page_size.min(keys - t0);
+            let k = F32Rows {
+                ptr: page_ptr(pg, 0),
+                stride: slot,
+            };
+            tile::matmul(qs.as_ptr(), nq, hd, k, n, scores.as_mut_ptr().add(t0), ld);
+        }
+        // Softmax: each query sees keys 0..=its position.
+        for r in 0..it.rows {
+            let valid = first_pos + r + 1;
+            for g in 0..it.group {
+                let qi = r * it.group + g;
+                let row = &mut scores[qi * ld..][..ld];
+                sums[qi] = softmax_row(row, valid, shape.scale);
+            }
+        }
+        // Values: out = (scores · V) / sum.
+        let values = |pg: usize| page_ptr(pg, 1);
+        weighted_values(
+            scores,
+            ld,
+            nq,
+            hd,
+            keys,
+            shape.page_size,
+            slot,
+            &values,
+            acc,
+        );
+        for r in 0..it.rows {
+            for g in 0..it.group {
+                let qi = r * it.group + g;
+                let inv = 1.0 / sums[qi];
+                let dst = p.out.add((it.row + r) * hstride + (it.head + g) * hd);
+                for d in 0..hd {
+                    *dst.add(d) = acc[qi * hd + d] * inv;
+                }
+            }
+        }
+    }
+}
+
+/// Scales `row[..valid]`, replaces it with `exp(s - max)` and zeroes `row[valid..]`; returns
+/// the sum of the exponentials.
+#[inline(always)]
+unsafe fn softmax_row(row: &mut [f32], valid: usize, scale: f32) -> f32 {
+    // SAFETY: the caller has AVX-512F; every access is within `row` (whole vectors up to
+    // `row.len()`, a multiple of 16, masked past `valid`).
+    unsafe {
+        let sc = _mm512_set1_ps(scale);
+        let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut i = 0;
+        while i < valid {
+            let mask = lane_mask(valid - i);
+            let v = _mm512_mul_ps(_mm512_loadu_ps(row.as_ptr().add(i)), sc);
+            m = _mm512_mask_max_ps(m, mask, m, v);
+            i += 16;
+        }
+        let mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        let mut sum = _mm512_setzero_ps();
+        let mut i = 0;
+        while i < row.len() {
+            let mask = if i < valid { lane_mask(valid - i) } else { 0 };
+            let v = _mm512_mul_ps(_mm512_loadu_ps(row.as_ptr().add(i)), sc);
+            let e = _mm512_maskz_mov_ps(mask, exp(_mm512_sub_ps(v, mx)));
+            _mm512_storeu_ps(row.as_mut_ptr().add(i), e);
+            sum = _mm512_add_ps(sum, e);
+            i += 16;
+        }
+        _mm512_reduce_add_ps(sum)
+    }
+}
+
+/// The lanes below `n` (all sixteen when `n ≥ 16`).
+#[inline(always)]
+fn lane_mask(n: usize) -> __mmask16 {
+    if n >= 16 {
+        0xFFFF
+    } else {
+        ((1u32 << n) - 1) as __mmask16
+    }
+}
+
+/// `e^x` in sixteen lanes (Cephes' expf: `x = n·ln2 + r`, a degree-6 polynomial in `r`, then
+/// `2^n` by `scalef`), within about one ulp; inputs are at most 0 here.
+#[inline(always)]
+unsafe fn exp(x: __m512) -> __m512 {
+    // SAFETY: the caller has AVX-512F.
+    unsafe {
+        let x = _mm512_max_ps(x, _mm512_set1_ps(-87.336_55));
+        let n = _mm512_roundscale_ps(
+            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+        );
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm512_set1_ps(1.987_569_1e-4);
+        for c in [
+            1.398_199_9e-3,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            0.166_666_65,
+            0.5,
+        ] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        let y = _mm512_fmadd_ps(
+            p,
+            _mm512_mul_ps(r, r),
+            _mm512_add_ps(r, _mm512_set1_ps(1.0)),
+        );
+        _mm512_scalef_ps(y, n)
+    }
+}
+
+/// `acc[q, :] = Σ_t scores[q, t] · V[t, :]` for `q < nq`, `t < keys`, value rows of page `pg`
+/// at `values(pg)`, `slot` apart.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn weighted_values(
+    scores: &[f32],
+    ld: usize,
+    nq: usize,
+    hd: usize,
+    keys: usize,
+    page_size: usize,
+    slot: usize,
+    values: &dyn Fn(usize) -> *const f32,
+    acc: &mut Vec<f32>,
+) {
+    acc.clear();
+    acc.resize(nq * hd, 0.0);
+    // SAFETY: the caller has AVX-512F; value rows hold `hd` values.
+    unsafe {
+        match hd {
+            64 => values_in_registers::<4, 6>(scores, ld, nq, keys, page_size, slot, values, acc),
+            128 => values_in_registers::<8, 3>(scores, ld, nq, keys, page_size, slot, values, acc),
+            _ => {
+                for t in 0..keys {
+                    let v = values(t / page_size).add((t % page_size) * slot);
+                    for q in 0..nq {
+                        let w = scores[q * ld + t];
+                        if w != 0.0 {
+                            for d in 0..hd {
+                                acc[q * hd + d] += w * *v.add(d);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// [`weighted_values`] for `head_dim = 16·D`, `Q` queries' accumulators in registers.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn values_in_registers<const D: usize, const Q: usize>(
+    scores: &[f32],
+    ld: usize,
+    nq: usize,
+    keys: usize,
+    page_size: usize,
+    slot: usize,
+    values: &dyn Fn(usize) -> *const f32,
+    acc: &mut [f32],
+) {
+    let hd = 16 * D;
+    let mut q0 = 0;
+    while q0 < nq {
+        let qn = Q.min(nq - q0);
+        // SAFETY: the caller has AVX-512F; rows `q0..q0 + qn` and keys `..keys` in bounds.
+        unsafe {
+            let mut a = [[_mm512_setzero_ps(); D]; Q];
+            let mut t0 = 0;
+            while t0 < keys {
+                let base = values(t0 / page_size);
+                let n = page_size.min(keys - t0);
+                for s in 0..n {
+                    let v = base.add(s * slot);
+                    let mut vv = [_mm512_setzero_ps(); D];
+                    for d in 0..D {
+                        vv[d] = _mm512_loadu_ps(v.add(16 * d));
+                    }
+                    for q in 0..Q {
+                        if q < qn {
+                            let w = _mm512_set1_ps(scores[(q0 + q) * ld + t0 + s]);
+                            for d in 0..D {
+                                a[q][d] = _mm512_fmadd_ps(w, vv[d], a[q][d]);
+                            }
+                        }
+                    }
+                }
+                t0 += n;
+            }
+            for q in 0..qn {
+                for d in 0..D {
+                    _mm512_storeu_ps(acc.as_mut_ptr().add((q0 + q) * hd + 16 * d), a[q][d]);
+                }
+            }
+        }
+        q0 += qn;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Plain attention over the same paged cache, in f64.
+    fn reference(q: &[f32], cache: &[f32], seqs: &Seqs, shape: Shape, rows: usize) -> Vec<f32> {
+        let (hd, h) = (shape.head_dim, shape.heads);
+        let slot = shape.kv_heads * hd;
+        let block = shape.page_size * slot;
+        let page_floats = shape.num_layers * 2 * block;
+        let mut out = vec![0.0; rows * h * hd];
+        for b in 0..seqs.cache_lengths.len() {
+            for r in seqs.offsets[b] as usize..seqs.offsets[b + 1] as usize {
+                let pos = seqs.cache_lengths[b] as usize + r - seqs.offsets[b] as usize;
+                for head in 0..h {
+                    let kvh = head / (h / shape.kv_heads);
+                    let at = |t: usize, which: usize| {
+                        let page =
+                            seqs.lookup[b * seqs.pages_per_seq + t / shape.page_size] as usize;
+                        page * page_floats
+                            + (shape.layer * 2 + which) * block
+                            + (t % shape.page_size) * slot
+                            + kvh * hd
+                    };
+                    let qv = &q[(r * h + head) * hd..][..hd];
+                    let s: Vec<f64> = (0..=pos)
+                        .map(|t| {
+                            let k = &cache[at(t, 0)..][..hd];
+                            qv.iter().zip(k).map(|(a, b)| (a * b) as f64).sum::<f64>()
+                                * shape.scale as f64
+                        })
+                        .collect();
+                    let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
+                    let sum: f64 = e.iter().sum();
+                    for d in 0..hd {
+                        let v: f64 = (0..=pos).map(|t| e[t] * cache[at(t, 1) + d] as f64).sum();
+                        out[(r * h + head) * hd + d] = (v / sum) as f32;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn blocked_attention_matches_plain_attention_over_pages_and_sequences() {
+        if !tile::available() {
+            eprintln!("skipped: no AVX-512 on this CPU");
+            return;
+        }
+        // (head_dim, heads, kv_heads): the register paths (64, 128) and the generic one.
+        for (hd, heads, kv_heads) in [(64, 9, 3), (128, 4, 4), (24, 6, 2)] {
+            let shape = Shape {
+                layer: 1,
+                num_layers: 2,
+                heads,
+                kv_heads,
+                head_dim: hd,
+                page_size: 16,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            // Three sequences: a 40-row prefill after 5 cached tokens, one decode row after
+            // 37, a 17-row chunk from scratch; pages scattered through the cache.
+            let cache_lengths = [5, 37, 0];
+            let offsets = [0, 40, 41, 58];
+            let pages_per_seq = 4;
+            let lookup = [7, 2, 9, 0, 1, 5, 3, 0, 4, 8, 0, 0];
+            let seqs = Seqs {
+                offsets: &offsets,
+                cache_lengths: &cache_lengths,
+                lookup: &lookup,
+                pages_per_seq,
+            };
+            let rows = 58;
+            let page_floats = shape.num_layers * 2 * shape.page_size * kv_heads * hd;
+            let cache: Vec<f32> = (0..10 * page_floats)
+                .map(|i| (((i * 2654435761usize) >> 7) % 2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            let q: Vec<f32> = (0..rows * heads * hd)
+                .map(|i| (((i * 40503usize) >> 3) % 1999) as f32 / 400.0 - 2.5)
+                .collect();
+            let want = reference(&q, &cache, &seqs, shape, rows);
+            for threads in [1, 2, 5] {
+                let mut out = vec![f32::NAN; rows * heads * hd];
+                // SAFETY: AVX-512 checked; buffers sized as the contract says.
+                unsafe {
+                    attention(
+                        q.as_ptr(),
+                        cache.as_ptr(),
+                        out.as_mut_ptr(),
+                        &seqs,
+                        shape,
+                        threads,
+                    )
+                };
+                for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 2e-5 * (1.0 + b.abs()),
+                        "head_dim {hd} threads {threads} at {i}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}

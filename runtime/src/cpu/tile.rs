@@ -1,0 +1,340 @@
+//! AVX-512 register tiles for `out[rows, n] = x[rows, k] · wᵀ` with weight rows read as stored
+//! (f32, bf16, f16) or from a dequantized f32 panel, without packing either operand.
+//!
+//! Both operands are contiguous along `k`, so a tile of `MR` activation rows by `NR` weight rows
+//! keeps `MR × NR` sixteen-lane accumulators in registers: per sixteen columns of `k` it loads
+//! `MR + NR` vectors and issues `MR × NR` FMAs (4 × 6: 10 loads for 24 FMAs, so the FMA units
+//! are the limit), and sums each accumulator's lanes once at the end. A weight tile is reused for
+//! every activation tile of a block of rows while it is in L1; the activations stay in L2.
+//! The last `k % 16` columns are read with masked loads, so any `k` works.
+//!
+//! Accumulation is f32 throughout (the same values as the generic kernels in another order).
+#![allow(clippy::needless_range_loop)]
+
+use std::arch::x86_64::*;
+
+/// Activation rows per tile.
+const MR: usize = 4;
+/// Weight rows per tile.
+pub(crate) const NR: usize = 6;
+/// Activation rows per block: a weight tile is reused across a block while it stays in L1.
+const ROW_BLOCK: usize = 64;
+
+/// Weight rows `0..`, each `k` values, sixteen at a time as f32.
+pub(crate) trait Rows: Copy {
+    /// Values `i..i + 16` of row `j`.
+    ///
+    /// # Safety
+    /// AVX-512F/BW/VL; the values lie in the row.
+    unsafe fn load(self, j: usize, i: usize) -> __m512;
+    /// Values `i..` of row `j` where `mask` has a bit, zero elsewhere.
+    ///
+    /// # Safety
+    /// AVX-512F/BW/VL; the masked values lie in the row.
+    unsafe fn load_mask(self, j: usize, i: usize, mask: __mmask16) -> __m512;
+}
+
+/// f32 rows `stride` values apart.
+#[derive(Clone, Copy)]
+pub(crate) struct F32Rows {
+    pub ptr: *const f32,
+    pub stride: usize,
+}
+
+/// bf16 rows (raw bits) `stride` values apart.
+#[derive(Clone, Copy)]
+pub(crate) struct Bf16Rows {
+    pub ptr: *const u16,
+    pub stride: usize,
+}
+
+/// f16 rows (raw bits) `stride` values apart.
+#[derive(Clone, Copy)]
+pub(crate) struct F16Rows {
+    pub ptr: *const u16,
+    pub stride: usize,
+}
+
+impl Rows for F32Rows {
+    #[inline(always)]
+    unsafe fn load(self, j: usize, i: usize) -> __m512 {
+        // SAFETY: as the trait requires.
+        unsafe { _mm512_loadu_ps(self.ptr.add(j * self.stride + i)) }
+    }
+    #[inline(always)]
+    unsafe fn load_mask(self, j: usize, i: usize, mask: __mmask16) -> __m512 {
+        // SAFETY: as the trait requires; masked lanes are not read.
+        unsafe { _mm512_maskz_loadu_ps(mask, self.ptr.add(j * self.stride + i)) }
+    }
+}
+
+impl Rows for Bf16Rows {
+    #[inline(always)]
+    unsafe fn load(self, j: usize, i: usize) -> __m512 {
+        // SAFETY: as the trait requires; bf16 widens to f32 by a 16-bit shift.
+        unsafe {
+            let raw = _mm256_loadu_si256(self.ptr.add(j * self.stride + i).cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_mask(self, j: usize, i: usize, mask: __mmask16) -> __m512 {
+        // SAFETY: as the trait requires; masked lanes are not read.
+        unsafe {
+            let raw = _mm256_maskz_loadu_epi16(mask, self.ptr.add(j * self.stride + i).cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
+        }
+    }
+}
+
+impl Rows for F16Rows {
+    #[inline(always)]
+    unsafe fn load(self, j: usize, i: usize) -> __m512 {
+        // SAFETY: as the trait requires.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(self.ptr.add(j * self.stride + i).cast())) }
+    }
+    #[inline(always)]
+    unsafe fn load_mask(self, j: usize, i: usize, mask: __mmask16) -> __m512 {
+        // SAFETY: as the trait requires; masked lanes are not read.
+        unsafe {
+            _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                mask,
+                self.ptr.add(j * self.stride + i).cast(),
+            ))
+        }
+    }
+}
+
+/// The sums of four vectors' lanes, as one 128-bit vector.
+#[inline(always)]
+unsafe fn hsum4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
+    // SAFETY: the caller has AVX-512F.
+    unsafe {
+        let fold = |v: __m512| {
+            let h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+            _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1))
+        };
+        let (a, b, c, d) = (fold(a), fold(b), fold(c), fold(d));
+        _mm_hadd_ps(_mm_hadd_ps(a, b), _mm_hadd_ps(c, d))
+    }
+}
+
+/// One tile: `out[r * ldo + j] = Σ_i x[r * ldx + i] · w_j[i]` for `r < R`, `j < C`.
+#[inline(always)]
+unsafe fn tile<L: Rows, const R: usize, const C: usize>(
+    x: *const f32,
+    ldx: usize,
+    k: usize,
+    w: L,
+    j0: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    // SAFETY: the caller has AVX-512 and in-bounds rows, columns and outputs.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); C]; R];
+        let mut i = 0;
+        while i + 16 <= k {
+            let mut xv = [_mm512_setzero_ps(); R];
+            for r in 0..R {
+                xv[r] = _mm512_loadu_ps(x.add(r * ldx + i));
+            }
+            for j in 0..C {
+                let wv = w.load(j0 + j, i);
+                for r in 0..R {
+                    acc[r][j] = _mm512_fmadd_ps(xv[r], wv, acc[r][j]);
+                }
+            }
+            i += 16;
+        }
+        if i < k {
+            let mask = ((1u32 << (k - i)) - 1) as __mmask16;
+            let mut xv = [_mm512_setzero_ps(); R];
+            for r in 0..R {
+                xv[r] = _mm512_maskz_loadu_ps(mask, x.add(r * ldx + i));
+            }
+            for j in 0..C {
+                let wv = w.load_mask(j0 + j, i, mask);
+                for r in 0..R {
+                    acc[r][j] = _mm512_fmadd_ps(xv[r], wv, acc[r][j]);
+                }
+            }
+        }
+        for r in 0..R {
+            let o = out.add(r * ldo);
+            let mut j = 0;
+            while j + 4 <= C {
+                let s = hsum4(acc[r][j], acc[r][j + 1], acc[r][j + 2], acc[r][j + 3]);
+                _mm_storeu_ps(o.add(j), s);
+                j += 4;
+            }
+            while j < C {
+                *o.add(j) = _mm512_reduce_add_ps(acc[r][j]);
+                j += 1;
+            }
+        }
+    }
+}
+
+/// `tile::<L, R, C>` for run-time `r ≤ MR`, `c ≤ NR`.
+macro_rules! dispatch {
+    ($r:expr, $c:expr, $args:tt) => {
+        match $r {
+            1 => dispatch!(@c 1, $c, $args),
+            2 => dispatch!(@c 2, $c, $args),
+            3 => dispatch!(@c 3, $c, $args),
+            _ => dispatch!(@c 4, $c, $args),
+        }
+    };
+    (@c $r:literal, $c:expr, ($($a:expr),*)) => {
+        match $c {
+            1 => tile::<_, $r, 1>($($a),*),
+            2 => tile::<_, $r, 2>($($a),*),
+            3 => tile::<_, $r, 3>($($a),*),
+            4 => tile::<_, $r, 4>($($a),*),
+            5 => tile::<_, $r, 5>($($a),*),
+            _ => tile::<_, $r, 6>($($a),*),
+        }
+    };
+}
+
+/// `out[r * ldo + j] = Σ_i x[r * k + i] · w_j[i]` for `r < rows`, `j < cols`.
+///
+/// # Safety
+/// The CPU has AVX-512F/BW/VL and F16C; `x` holds `rows × k` values, `w` has `cols` rows of `k`
+/// values, `out` has room for `rows` rows of `ldo` values, of which this writes the first `cols`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn matmul<L: Rows>(
+    x: *const f32,
+    rows: usize,
+    k: usize,
+    w: L,
+    cols: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let mut r0 = 0;
+    while r0 < rows {
+        let r1 = rows.min(r0 + ROW_BLOCK);
+        let mut j = 0;
+        while j < cols {
+            let c = NR.min(cols - j);
+            let mut r = r0;
+            while r < r1 {
+                let m = MR.min(r1 - r);
+                // SAFETY: rows r..r + m and weight rows j..j + c are in bounds.
+                unsafe { dispatch!(m, c, (x.add(r * k), k, k, w, j, out.add(r * ldo + j), ldo)) };
+                r += m;
+            }
+            j += c;
+        }
+        r0 = r1;
+    }
+}
+
+/// Whether this CPU runs the tiles.
+pub(crate) fn available() -> bool {
+    matches!(super::weights::isa(), super::weights::Isa::Avx512)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiles_match_a_plain_dot_product_at_every_edge() {
+        if !available() {
+            eprintln!("skipped: no AVX-512 on this CPU");
+            return;
+        }
+        for (rows, cols, k) in [
+            (1, 1, 1),
+            (3, 7, 15),
+            (5, 13, 16),
+            (9, 6, 33),
+            (70, 20, 100),
+        ] {
+            let x: Vec<f32> = (0..rows * k)
+                .map(|i| ((i * 31) % 17) as f32 - 8.0)
+                .collect();
+            let w: Vec<f32> = (0..cols * k).map(|i| ((i * 7) % 11) as f32 * 0.5).collect();
+            let wb: Vec<u16> = w
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            let wh: Vec<u16> = w
+                .iter()
+                .map(|&v| half::f16::from_f32(v).to_bits())
+                .collect();
+            let ldo = cols + 3;
+            let want: Vec<f32> = (0..rows * cols)
+                .map(|t| {
+                    (0..k)
+                        .map(|i| x[t / cols * k + i] * w[t % cols * k + i])
+                        .sum()
+                })
+                .collect();
+            let mut outs = Vec::new();
+            for which in 0..3 {
+                let mut out = vec![f32::NAN; rows * ldo];
+                // SAFETY: AVX-512 checked above; sizes as documented.
+                unsafe {
+                    let o = out.as_mut_ptr();
+                    match which {
+                        0 => matmul(
+                            x.as_ptr(),
+                            rows,
+                            k,
+                            F32Rows {
+                                ptr: w.as_ptr(),
+                                stride: k,
+                            },
+                            cols,
+                            o,
+                            ldo,
+                        ),
+                        1 => matmul(
+                            x.as_ptr(),
+                            rows,
+                            k,
+                            Bf16Rows {
+                                ptr: wb.as_ptr(),
+                                stride: k,
+                            },
+                            cols,
+                            o,
+                            ldo,
+                        ),
+                        _ => matmul(
+                            x.as_ptr(),
+                            rows,
+                            k,
+                            F16Rows {
+                                ptr: wh.as_ptr(),
+                                stride: k,
+                            },
+                            cols,
+                            o,
+                            ldo,
+                        ),
+                    }
+                }
+                outs.push(out);
+            }
+            for out in outs {
+                for r in 0..rows {
+                    for j in 0..cols {
+                        assert_eq!(
+                            out[r * ldo + j],
+                            want[r * cols + j],
+                            "{rows}x{cols}x{k} at {r},{j}"
+                        );
+                    }
+                    assert!(out[r * ldo + cols..(r + 1) * ldo]
+                        .iter()
+                        .all(|v| v.is_nan()));
+                }
+            }
+        }
+    }
+}
