@@ -35,9 +35,29 @@ fn main() {
     // memory as decode does.
     let (n, k) = (1536usize, 768usize);
     let copies = 48;
-    for rows in [1usize, 8, 128] {
+    // MAXC_BENCH_ROWS=1,8 and MAXC_BENCH_FORMATS=q4_1,bf16 narrow the run.
+    let pick = |var: &str| {
+        std::env::var(var)
+            .ok()
+            .map(|v| v.split(',').map(str::to_owned).collect::<Vec<_>>())
+    };
+    let rows_picked = pick("MAXC_BENCH_ROWS");
+    let formats_picked = pick("MAXC_BENCH_FORMATS");
+    for rows in [1usize, 4, 8, 128] {
+        if rows_picked
+            .as_ref()
+            .is_some_and(|p| !p.contains(&rows.to_string()))
+        {
+            continue;
+        }
         println!("rows {rows}: [{n}, {k}] weights, {copies} copies cycled");
         for dtype in formats {
+            if formats_picked
+                .as_ref()
+                .is_some_and(|p| !p.iter().any(|f| f == dtype.name()))
+            {
+                continue;
+            }
             let bytes = dtype.bytes_for((n * k) as u64).unwrap() as usize;
             let ws: Vec<Vec<u8>> = (0..copies)
                 .map(|c| {

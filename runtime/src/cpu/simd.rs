@@ -67,6 +67,8 @@ unsafe fn half_to_f32(bits: u16) -> f32 {
 
 /// The scalar parts of a 32-value block: scale, offset (Q4_1's `m`; 0 otherwise).
 trait Small: Block {
+    /// Whether blocks have an offset `m` (values `d·q + m`).
+    const OFFSET: bool = false;
     fn scales(&self) -> (u16, u16);
 }
 impl Small for BlockQ8_0 {
@@ -82,6 +84,7 @@ impl Small for BlockQ4_0 {
     }
 }
 impl Small for BlockQ4_1 {
+    const OFFSET: bool = true;
     #[inline(always)]
     fn scales(&self) -> (u16, u16) {
         (u16::from_le_bytes(self.d), u16::from_le_bytes(self.m))
@@ -157,34 +160,105 @@ mod avx512 {
         k: usize,
         cols: std::ops::Range<usize>,
     ) {
+        let mut j = cols.start;
+        // SAFETY: as `group`'s contract, for columns inside `cols`.
+        unsafe {
+            while j + 4 <= cols.end {
+                group::<B, R, 4>(x, xs, w, out, row0, n, k, cols.start, j, cols.end);
+                j += 4;
+            }
+            while j < cols.end {
+                group::<B, R, 1>(x, xs, w, out, row0, n, k, cols.start, j, cols.end);
+                j += 1;
+            }
+        }
+    }
+
+    /// Columns `j..j + C`: independent accumulator chains for `C` columns at once, and the
+    /// next `C` columns' blocks prefetched as one sequential run while these are computed.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn group<B: Unpack, const R: usize, const C: usize>(
+        x: &[f32],
+        xs: &[f32],
+        w: &[B],
+        out: &mut [f32],
+        row0: usize,
+        n: usize,
+        k: usize,
+        col0: usize,
+        j: usize,
+        end: usize,
+    ) {
         let nb = k / QK;
-        for j in cols.clone() {
-            let blocks = &w[j * nb..(j + 1) * nb];
-            let mut acc = [_mm512_setzero_ps(); R];
-            let mut offs = [0.0f32; R];
-            for (b, blk) in blocks.iter().enumerate() {
-                let (d, m) = blk.scales();
-                // SAFETY: the caller has AVX-512F/BW and F16C; every x row holds k values.
-                unsafe {
+        let mut acc = [[_mm512_setzero_ps(); C]; R];
+        let mut offs = [[0.0f32; C]; R];
+        let next = w.as_ptr().wrapping_add((j + C) * nb).cast::<u8>();
+        let next_bytes = C.min(end.saturating_sub(j + C)) * nb * std::mem::size_of::<B>();
+        let lines = next_bytes.div_ceil(64).div_ceil(nb.max(1));
+        let mut line = 0;
+        for b in 0..nb {
+            // SAFETY: the caller has AVX-512F/BW and F16C; every x row holds k values; blocks
+            // of columns j..j + C exist; prefetches never fault.
+            unsafe {
+                for _ in 0..lines {
+                    _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line * 64).cast());
+                    line += 1;
+                }
+                let mut xv = [[_mm512_setzero_ps(); 2]; R];
+                for r in 0..R {
+                    let px = x.as_ptr().add((row0 + r) * k + b * QK);
+                    xv[r] = [_mm512_loadu_ps(px), _mm512_loadu_ps(px.add(16))];
+                }
+                for c in 0..C {
+                    let blk = &w[(j + c) * nb + b];
+                    let (d, m) = blk.scales();
                     let d = _mm512_set1_ps(half_to_f32(d));
-                    let m = half_to_f32(m);
                     let (lo, hi) = blk.unpack();
                     for r in 0..R {
-                        let px = x.as_ptr().add((row0 + r) * k + b * QK);
-                        let p = _mm512_fmadd_ps(
-                            hi,
-                            _mm512_loadu_ps(px.add(16)),
-                            _mm512_mul_ps(lo, _mm512_loadu_ps(px)),
-                        );
-                        acc[r] = _mm512_fmadd_ps(d, p, acc[r]);
-                        offs[r] += m * xs[(row0 + r) * nb + b];
+                        let p = _mm512_fmadd_ps(hi, xv[r][1], _mm512_mul_ps(lo, xv[r][0]));
+                        acc[r][c] = _mm512_fmadd_ps(d, p, acc[r][c]);
+                        if B::OFFSET {
+                            offs[r][c] += half_to_f32(m) * xs[(row0 + r) * nb + b];
+                        }
                     }
                 }
             }
-            for r in 0..R {
+        }
+        for r in 0..R {
+            for c in 0..C {
                 // SAFETY: AVX-512F.
-                out[(row0 + r) * n + j - cols.start] =
-                    unsafe { _mm512_reduce_add_ps(acc[r]) } + offs[r];
+                out[(row0 + r) * n + j + c - col0] =
+                    unsafe { _mm512_reduce_add_ps(acc[r][c]) } + offs[r][c];
+            }
+        }
+    }
+
+    /// Weight rows `j0..j0 + panel.len() / k` as f32 into `panel`: the same values as
+    /// `Block::dequantize` (`q·d`, then `+ m`), sixteen at a time.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F/BW/VL and F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+    pub(super) unsafe fn dequant<B: Unpack>(w: &[u8], k: usize, j0: usize, panel: &mut [f32]) {
+        let Some(w) = as_blocks::<B>(w) else { return };
+        let nb = k / QK;
+        for (i, prow) in panel.chunks_exact_mut(k).enumerate() {
+            for (b, blk) in w[(j0 + i) * nb..(j0 + i + 1) * nb].iter().enumerate() {
+                // SAFETY: the features above; 32 values of the row at b·32.
+                unsafe {
+                    let (d, m) = blk.scales();
+                    let d = _mm512_set1_ps(half_to_f32(d));
+                    let (lo, hi) = blk.unpack();
+                    let (mut lo, mut hi) = (_mm512_mul_ps(lo, d), _mm512_mul_ps(hi, d));
+                    if B::OFFSET {
+                        let m = _mm512_set1_ps(half_to_f32(m));
+                        (lo, hi) = (_mm512_add_ps(lo, m), _mm512_add_ps(hi, m));
+                    }
+                    let o = prow.as_mut_ptr().add(b * QK);
+                    _mm512_storeu_ps(o, lo);
+                    _mm512_storeu_ps(o.add(16), hi);
+                }
             }
         }
     }
@@ -488,6 +562,29 @@ mod avx2 {
         let Some(w) = as_blocks::<B>(w) else { return };
         let xs = block_sums(x, rows, k);
         row_groups!(rows, n, k, cols, columns [B,] (x, &xs, w, out));
+    }
+}
+
+/// A panel kernel: weight rows `j0..` dequantized into `panel` (`panel.len() / k` rows).
+pub type PanelFn = unsafe fn(w: &[u8], k: usize, j0: usize, panel: &mut [f32]);
+
+/// The hand-vectorized dequantizer for `dtype` on this CPU, where there is one.
+pub fn panel_kernel(dtype: maxc_schema::DType, isa: super::weights::Isa) -> Option<PanelFn> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::weights::Isa;
+        use maxc_schema::DType;
+        return match (isa, dtype) {
+            (Isa::Avx512, DType::Q8_0) => Some(avx512::dequant::<BlockQ8_0>),
+            (Isa::Avx512, DType::Q4_0) => Some(avx512::dequant::<BlockQ4_0>),
+            (Isa::Avx512, DType::Q4_1) => Some(avx512::dequant::<BlockQ4_1>),
+            _ => None,
+        };
+    }
+    #[allow(unreachable_code)]
+    {
+        let _ = (dtype, isa);
+        None
     }
 }
 

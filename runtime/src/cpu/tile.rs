@@ -32,6 +32,12 @@ pub(crate) trait Rows: Copy {
     /// # Safety
     /// AVX-512F/BW/VL; the masked values lie in the row.
     unsafe fn load_mask(self, j: usize, i: usize, mask: __mmask16) -> __m512;
+    /// Where row `j` starts.
+    fn row(self, j: usize) -> *const u8;
+    /// Bytes from one row's start to the next's.
+    fn row_bytes(self) -> usize;
+    /// Values from one row's start to the next's.
+    fn stride(self) -> usize;
 }
 
 /// f32 rows `stride` values apart.
@@ -57,6 +63,18 @@ pub(crate) struct F16Rows {
 
 impl Rows for F32Rows {
     #[inline(always)]
+    fn row(self, j: usize) -> *const u8 {
+        self.ptr.wrapping_add(j * self.stride).cast()
+    }
+    #[inline(always)]
+    fn row_bytes(self) -> usize {
+        self.stride * std::mem::size_of::<f32>()
+    }
+    #[inline(always)]
+    fn stride(self) -> usize {
+        self.stride
+    }
+    #[inline(always)]
     unsafe fn load(self, j: usize, i: usize) -> __m512 {
         // SAFETY: as the trait requires.
         unsafe { _mm512_loadu_ps(self.ptr.add(j * self.stride + i)) }
@@ -69,6 +87,18 @@ impl Rows for F32Rows {
 }
 
 impl Rows for Bf16Rows {
+    #[inline(always)]
+    fn row(self, j: usize) -> *const u8 {
+        self.ptr.wrapping_add(j * self.stride).cast()
+    }
+    #[inline(always)]
+    fn row_bytes(self) -> usize {
+        self.stride * std::mem::size_of::<u16>()
+    }
+    #[inline(always)]
+    fn stride(self) -> usize {
+        self.stride
+    }
     #[inline(always)]
     unsafe fn load(self, j: usize, i: usize) -> __m512 {
         // SAFETY: as the trait requires; bf16 widens to f32 by a 16-bit shift.
@@ -88,6 +118,18 @@ impl Rows for Bf16Rows {
 }
 
 impl Rows for F16Rows {
+    #[inline(always)]
+    fn row(self, j: usize) -> *const u8 {
+        self.ptr.wrapping_add(j * self.stride).cast()
+    }
+    #[inline(always)]
+    fn row_bytes(self) -> usize {
+        self.stride * std::mem::size_of::<u16>()
+    }
+    #[inline(always)]
+    fn stride(self) -> usize {
+        self.stride
+    }
     #[inline(always)]
     unsafe fn load(self, j: usize, i: usize) -> __m512 {
         // SAFETY: as the trait requires.
@@ -121,6 +163,7 @@ unsafe fn hsum4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
 
 /// One tile: `out[r * ldo + j] = Σ_i x[r * ldx + i] · w_j[i]` for `r < R`, `j < C`.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn tile<L: Rows, const R: usize, const C: usize>(
     x: *const f32,
     ldx: usize,
@@ -129,12 +172,22 @@ unsafe fn tile<L: Rows, const R: usize, const C: usize>(
     j0: usize,
     out: *mut f32,
     ldo: usize,
+    next: (*const u8, usize),
 ) {
-    // SAFETY: the caller has AVX-512 and in-bounds rows, columns and outputs.
+    // SAFETY: the caller has AVX-512 and in-bounds rows, columns and outputs; prefetches
+    // never fault.
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); C]; R];
+        // Cache lines of the next weight tile to prefetch per step, so that weights streaming
+        // from memory arrive one tile ahead as one sequential run.
+        let lines = next.1.div_ceil(64).div_ceil(k.div_ceil(16).max(1));
+        let mut line = 0;
         let mut i = 0;
         while i + 16 <= k {
+            for _ in 0..lines {
+                _mm_prefetch::<_MM_HINT_T0>(next.0.wrapping_add(line * 64).cast());
+                line += 1;
+            }
             let mut xv = [_mm512_setzero_ps(); R];
             for r in 0..R {
                 xv[r] = _mm512_loadu_ps(x.add(r * ldx + i));
@@ -222,8 +275,21 @@ pub(crate) unsafe fn matmul<L: Rows>(
             let mut r = r0;
             while r < r1 {
                 let m = MR.min(r1 - r);
+                // The next tile's weights are prefetched during the first row group, when
+                // rows are contiguous.
+                let next = if r == r0 && j + c < cols && w.stride() == k {
+                    (w.row(j + c), NR.min(cols - j - c) * w.row_bytes())
+                } else {
+                    (std::ptr::null(), 0)
+                };
                 // SAFETY: rows r..r + m and weight rows j..j + c are in bounds.
-                unsafe { dispatch!(m, c, (x.add(r * k), k, k, w, j, out.add(r * ldo + j), ldo)) };
+                unsafe {
+                    dispatch!(
+                        m,
+                        c,
+                        (x.add(r * k), k, k, w, j, out.add(r * ldo + j), ldo, next)
+                    )
+                };
                 r += m;
             }
             j += c;
@@ -338,3 +404,4 @@ mod tests {
         }
     }
 }
+

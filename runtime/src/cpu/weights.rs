@@ -317,6 +317,7 @@ fn matmul_as<F: Format>(
     k: usize,
     threads: usize,
     fast: Option<super::simd::StreamFn>,
+    dtype: DType,
 ) {
     let fast = fast.filter(|_| HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed));
     let chunks = if w.len() < SPLIT_BYTES {
@@ -351,6 +352,8 @@ fn matmul_as<F: Format>(
         super::pool::run(chunks, &run);
         return;
     }
+    let panel_fast = super::simd::panel_kernel(dtype, isa())
+        .filter(|_| HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed));
     let panels = n.div_ceil(PANEL);
     let chunks = threads.max(1).min(panels);
     super::pool::run(chunks, &|c| {
@@ -363,7 +366,11 @@ fn matmul_as<F: Format>(
                 let j0 = p * PANEL;
                 let m = PANEL.min(n - j0);
                 let panel = &mut scratch[..m * k];
-                dequant_rows_mv::<F>(w, k, j0, panel);
+                match panel_fast {
+                    // SAFETY: `panel_kernel` chose it for this CPU's features and this format.
+                    Some(f) => unsafe { f(w, k, j0, panel) },
+                    None => dequant_rows_mv::<F>(w, k, j0, panel),
+                }
                 #[cfg(target_arch = "x86_64")]
                 if tiles {
                     let rows_of = super::tile::F32Rows {
@@ -482,17 +489,17 @@ pub fn matmul(
             let wf = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), n * k) };
             super::library::matmul(x, wf, None, out, rows, n, k);
         }
-        DType::F32 => matmul_as::<F32s>(x, w, out, rows, n, k, threads, None),
-        DType::F16 => matmul_as::<F16s>(x, w, out, rows, n, k, threads, None),
-        DType::BF16 => matmul_as::<Bf16s>(x, w, out, rows, n, k, threads, fast),
-        DType::Q8_0 => matmul_as::<Blocks<BlockQ8_0>>(x, w, out, rows, n, k, threads, fast),
-        DType::Q4_0 => matmul_as::<Blocks<BlockQ4_0>>(x, w, out, rows, n, k, threads, fast),
-        DType::Q4_1 => matmul_as::<Blocks<BlockQ4_1>>(x, w, out, rows, n, k, threads, fast),
-        DType::Q5_0 => matmul_as::<Blocks<BlockQ5_0>>(x, w, out, rows, n, k, threads, fast),
-        DType::Q5_1 => matmul_as::<Blocks<BlockQ5_1>>(x, w, out, rows, n, k, threads, fast),
-        DType::Q4K => matmul_as::<Blocks<BlockQ4K>>(x, w, out, rows, n, k, threads, fast),
-        DType::Q5K => matmul_as::<Blocks<BlockQ5K>>(x, w, out, rows, n, k, threads, fast),
-        DType::Q6K => matmul_as::<Blocks<BlockQ6K>>(x, w, out, rows, n, k, threads, fast),
+        DType::F32 => matmul_as::<F32s>(x, w, out, rows, n, k, threads, None, dtype),
+        DType::F16 => matmul_as::<F16s>(x, w, out, rows, n, k, threads, None, dtype),
+        DType::BF16 => matmul_as::<Bf16s>(x, w, out, rows, n, k, threads, fast, dtype),
+        DType::Q8_0 => matmul_as::<Blocks<BlockQ8_0>>(x, w, out, rows, n, k, threads, fast, dtype),
+        DType::Q4_0 => matmul_as::<Blocks<BlockQ4_0>>(x, w, out, rows, n, k, threads, fast, dtype),
+        DType::Q4_1 => matmul_as::<Blocks<BlockQ4_1>>(x, w, out, rows, n, k, threads, fast, dtype),
+        DType::Q5_0 => matmul_as::<Blocks<BlockQ5_0>>(x, w, out, rows, n, k, threads, fast, dtype),
+        DType::Q5_1 => matmul_as::<Blocks<BlockQ5_1>>(x, w, out, rows, n, k, threads, fast, dtype),
+        DType::Q4K => matmul_as::<Blocks<BlockQ4K>>(x, w, out, rows, n, k, threads, fast, dtype),
+        DType::Q5K => matmul_as::<Blocks<BlockQ5K>>(x, w, out, rows, n, k, threads, fast, dtype),
+        DType::Q6K => matmul_as::<Blocks<BlockQ6K>>(x, w, out, rows, n, k, threads, fast, dtype),
         DType::I32 | DType::I64 => unreachable!("validated: matmul weights are real"),
     }
 }
@@ -584,7 +591,7 @@ mod tests {
                 }
                 v
             };
-            for rows in [1, 3, 16, 17, 40] {
+            for rows in [1, 3, 4, 8, 16, 17, 40] {
                 let want = reference(&x, &wf, rows, n, k);
                 for threads in [1, 2] {
                     let mut out = vec![f32::NAN; rows * n];
