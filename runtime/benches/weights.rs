@@ -34,7 +34,11 @@ fn main() {
     // A stack of weights larger than the caches, cycled through, so each call streams from
     // memory as decode does.
     let (n, k) = (1536usize, 768usize);
-    let copies = 48;
+    // MAXC_BENCH_COPIES=1 keeps the weights in cache (compute speed alone).
+    let copies = std::env::var("MAXC_BENCH_COPIES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(48usize);
     // MAXC_BENCH_ROWS=1,8 and MAXC_BENCH_FORMATS=q4_1,bf16 narrow the run.
     let pick = |var: &str| {
         std::env::var(var)
