@@ -25,6 +25,14 @@ pub fn format_for(wanted: DType, shape: &[usize]) -> Option<DType> {
 
 /// `values` (row-major, `shape`) as blocks of `dtype`; an error where a row is not whole blocks
 /// or `dtype` has no quantizer.
+/// Whether [`quantize`] can make `dtype`.
+pub fn has_quantizer(dtype: DType) -> bool {
+    matches!(
+        dtype,
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q4K
+    )
+}
+
 pub fn quantize(dtype: DType, values: &[f32], shape: &[usize]) -> Result<Vec<u8>, String> {
     let (n, size) = dtype.block();
     let cols = shape.last().copied().unwrap_or(1);

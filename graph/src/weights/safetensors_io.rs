@@ -152,7 +152,7 @@ pub fn write_safetensors_to(
     let mut offset = 0usize;
     let mut metadata = metadata;
     for (key, t) in &order {
-        let n = t.bytes().len();
+        let n = t.byte_len();
         let shape = t
             .dtype
             .stored_shape(&t.shape)
@@ -182,8 +182,8 @@ pub fn write_safetensors_to(
     out.write_all(&(header.len() as u64).to_le_bytes())
         .map_err(io)?;
     out.write_all(&header).map_err(io)?;
-    for (_, t) in &order {
-        out.write_all(t.bytes()).map_err(io)?;
+    for (key, t) in &order {
+        t.write_to(out).map_err(|e| format!("`{key}`: {e}"))?;
     }
     Ok(8 + header.len() as u64 + offset as u64)
 }
