@@ -69,14 +69,7 @@ impl std::str::FromStr for WeightFormat {
     type Err = String;
 
     fn from_str(s: &str) -> std::result::Result<Self, String> {
-        const QUANTIZERS: [DType; 6] = [
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-            DType::Q5_0,
-            DType::Q5_1,
-            DType::Q4K,
-        ];
+        use crate::weights::quantize::QUANTIZERS;
         if s.eq_ignore_ascii_case("keep") {
             return Ok(WeightFormat::Keep);
         }

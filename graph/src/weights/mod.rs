@@ -403,16 +403,10 @@ mod tests {
         let src = WeightTensor::from_f32(vec![rows, cols], &values)
             .convert(DType::BF16, "w")
             .unwrap();
-        for dtype in [
-            DType::F32,
-            DType::F16,
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-            DType::Q5_0,
-            DType::Q5_1,
-            DType::Q4K,
-        ] {
+        for dtype in [DType::F32, DType::F16]
+            .into_iter()
+            .chain(quantize::QUANTIZERS)
+        {
             let streamed = {
                 let mut out = Vec::new();
                 src.convert(dtype, "w").unwrap().write_to(&mut out).unwrap();

@@ -25,12 +25,19 @@ pub fn format_for(wanted: DType, shape: &[usize]) -> Option<DType> {
 
 /// `values` (row-major, `shape`) as blocks of `dtype`; an error where a row is not whole blocks
 /// or `dtype` has no quantizer.
+/// The block types [`quantize`] makes.
+pub const QUANTIZERS: [DType; 6] = [
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q4K,
+];
+
 /// Whether [`quantize`] can make `dtype`.
 pub fn has_quantizer(dtype: DType) -> bool {
-    matches!(
-        dtype,
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q4K
-    )
+    QUANTIZERS.contains(&dtype)
 }
 
 pub fn quantize(dtype: DType, values: &[f32], shape: &[usize]) -> Result<Vec<u8>, String> {
