@@ -81,6 +81,18 @@ pub fn matmul(
     if rows == 0 {
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if super::weights::tiles_available() && rows >= 32 {
+        super::weights::packed_f32(x, w, out, rows, n, k, super::pool::threads());
+        if let Some(b) = bias {
+            for row in out[..rows * n].chunks_exact_mut(n) {
+                for (o, b) in row.iter_mut().zip(b) {
+                    *o += b;
+                }
+            }
+        }
+        return;
+    }
     let chunks = splits(rows * n * k).min(n.div_ceil(16));
     let o = Ptr(out.as_mut_ptr());
     super::pool::run(chunks, &|c| {

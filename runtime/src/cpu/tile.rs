@@ -298,6 +298,116 @@ pub(crate) unsafe fn matmul<L: Rows>(
     }
 }
 
+/// Activation rows per panel of the packed kernel (two vectors).
+const MP: usize = 32;
+/// Weight rows per packed-kernel tile.
+const NP: usize = 12;
+
+/// `x[rows, k]` transposed into panels of [`MP`] rows, `[panel][k][MP]` (missing rows zero), for
+/// [`matmul_packed`].
+pub(crate) fn pack_transposed(x: &[f32], rows: usize, k: usize) -> Vec<f32> {
+    let panels = rows.div_ceil(MP);
+    let mut xt = vec![0.0f32; panels * k * MP];
+    for (p, panel) in xt.chunks_exact_mut(k * MP).enumerate() {
+        for r in 0..MP.min(rows - p * MP) {
+            let row = &x[(p * MP + r) * k..][..k];
+            for (i, &v) in row.iter().enumerate() {
+                panel[i * MP + r] = v;
+            }
+        }
+    }
+    xt
+}
+
+/// One tile of the packed kernel: `out[m * ldo + j] = Σ_i xt[i][m] · w[j * k + i]` for
+/// `m < mrows`, `j < C`: 32 rows in two vectors times `C` broadcast weights per `i`, `2·C`
+/// accumulators, no horizontal sums.
+#[inline(always)]
+unsafe fn packed_tile<const C: usize>(
+    xt: *const f32,
+    k: usize,
+    w: *const f32,
+    out: *mut f32,
+    ldo: usize,
+    mrows: usize,
+) {
+    // SAFETY: the caller has AVX-512; `xt` holds k × 32 values, `w` C rows of k, `out` mrows
+    // rows of C values at stride ldo.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); 2]; C];
+        for i in 0..k {
+            let a0 = _mm512_loadu_ps(xt.add(i * MP));
+            let a1 = _mm512_loadu_ps(xt.add(i * MP + 16));
+            for j in 0..C {
+                let b = _mm512_set1_ps(*w.add(j * k + i));
+                acc[j][0] = _mm512_fmadd_ps(a0, b, acc[j][0]);
+                acc[j][1] = _mm512_fmadd_ps(a1, b, acc[j][1]);
+            }
+        }
+        let mut buf = [[0.0f32; MP]; C];
+        for j in 0..C {
+            _mm512_storeu_ps(buf[j].as_mut_ptr(), acc[j][0]);
+            _mm512_storeu_ps(buf[j].as_mut_ptr().add(16), acc[j][1]);
+        }
+        for m in 0..mrows {
+            let o = out.add(m * ldo);
+            for j in 0..C {
+                *o.add(j) = buf[j][m];
+            }
+        }
+    }
+}
+
+/// `out[r * ldo + j] = Σ_i x[r, i] · w[j * k + i]` for `r < rows`, `j < cols`, with `xt` the
+/// activations packed by [`pack_transposed`] and `w` f32 weight rows of `k` values: for steps
+/// of many rows, where packing the activations once pays for itself.
+///
+/// # Safety
+/// The CPU has AVX-512F; `xt` is `pack_transposed(x, rows, k)`, `w` holds `cols` rows of `k`
+/// values, `out` has room for `rows` rows of `ldo` values, of which this writes the first `cols`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn matmul_packed(
+    xt: &[f32],
+    rows: usize,
+    k: usize,
+    w: *const f32,
+    cols: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let panels = rows.div_ceil(MP);
+    let mut j = 0;
+    while j < cols {
+        let c = NP.min(cols - j);
+        for p in 0..panels {
+            let mrows = MP.min(rows - p * MP);
+            // SAFETY: panel p, weight rows j..j + c and the outputs they write are in bounds.
+            unsafe {
+                let (xp, wj, o) = (
+                    xt.as_ptr().add(p * k * MP),
+                    w.add(j * k),
+                    out.add(p * MP * ldo + j),
+                );
+                match c {
+                    1 => packed_tile::<1>(xp, k, wj, o, ldo, mrows),
+                    2 => packed_tile::<2>(xp, k, wj, o, ldo, mrows),
+                    3 => packed_tile::<3>(xp, k, wj, o, ldo, mrows),
+                    4 => packed_tile::<4>(xp, k, wj, o, ldo, mrows),
+                    5 => packed_tile::<5>(xp, k, wj, o, ldo, mrows),
+                    6 => packed_tile::<6>(xp, k, wj, o, ldo, mrows),
+                    7 => packed_tile::<7>(xp, k, wj, o, ldo, mrows),
+                    8 => packed_tile::<8>(xp, k, wj, o, ldo, mrows),
+                    9 => packed_tile::<9>(xp, k, wj, o, ldo, mrows),
+                    10 => packed_tile::<10>(xp, k, wj, o, ldo, mrows),
+                    11 => packed_tile::<11>(xp, k, wj, o, ldo, mrows),
+                    _ => packed_tile::<12>(xp, k, wj, o, ldo, mrows),
+                }
+            }
+        }
+        j += c;
+    }
+}
+
 /// Whether this CPU runs the tiles.
 pub(crate) fn available() -> bool {
     matches!(super::weights::isa(), super::weights::Isa::Avx512)
@@ -320,6 +430,7 @@ mod tests {
             (9, 6, 33),
             (70, 20, 100),
             (20, 7, 600),
+            (33, 25, 40),
         ] {
             let x: Vec<f32> = (0..rows * k)
                 .map(|i| ((i * 31) % 17) as f32 - 8.0)
@@ -342,6 +453,13 @@ mod tests {
                 })
                 .collect();
             let mut outs = Vec::new();
+            {
+                let xt = pack_transposed(&x, rows, k);
+                let mut out = vec![f32::NAN; rows * ldo];
+                // SAFETY: AVX-512 checked; sizes as documented.
+                unsafe { matmul_packed(&xt, rows, k, w.as_ptr(), cols, out.as_mut_ptr(), ldo) };
+                outs.push(out);
+            }
             for which in 0..3 {
                 let mut out = vec![f32::NAN; rows * ldo];
                 // SAFETY: AVX-512 checked above; sizes as documented.

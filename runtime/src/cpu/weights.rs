@@ -25,6 +25,8 @@ const PANEL: usize = 48;
 /// With register tiles, steps of at least this many rows dequantize panels for them instead of
 /// streaming.
 const TILE_MIN_ROWS: usize = 4;
+/// Steps of at least this many rows pack their activations for the broadcast kernel.
+const PACKED_MIN_ROWS: usize = 32;
 /// Below this many weight bytes a matmul runs on the calling thread.
 const SPLIT_BYTES: usize = 1 << 16;
 
@@ -326,10 +328,7 @@ fn matmul_as<F: Format>(
         threads.max(1)
     };
     let optr = OutPtr(out.as_mut_ptr());
-    #[cfg(target_arch = "x86_64")]
-    let tiles = fast.is_some() && super::tile::available();
-    #[cfg(not(target_arch = "x86_64"))]
-    let tiles = false;
+    let tiles = tiles_available() && HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed);
     let stream_max = if tiles {
         TILE_MIN_ROWS - 1
     } else {
@@ -356,6 +355,12 @@ fn matmul_as<F: Format>(
         .filter(|_| HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed));
     let panels = n.div_ceil(PANEL);
     let chunks = threads.max(1).min(panels);
+    #[cfg(target_arch = "x86_64")]
+    let xt = if tiles && rows >= PACKED_MIN_ROWS {
+        super::tile::pack_transposed(x, rows, k)
+    } else {
+        Vec::new()
+    };
     super::pool::run(chunks, &|c| {
         PANEL_SCRATCH.with(|scratch| {
             let mut scratch = scratch.borrow_mut();
@@ -370,6 +375,22 @@ fn matmul_as<F: Format>(
                     // SAFETY: `panel_kernel` chose it for this CPU's features and this format.
                     Some(f) => unsafe { f(w, k, j0, panel) },
                     None => dequant_rows_mv::<F>(w, k, j0, panel),
+                }
+                #[cfg(target_arch = "x86_64")]
+                if !xt.is_empty() {
+                    // SAFETY: tile::available() held; `xt` packs x; as below.
+                    unsafe {
+                        super::tile::matmul_packed(
+                            &xt,
+                            rows,
+                            k,
+                            panel.as_ptr(),
+                            m,
+                            optr.get().add(j0),
+                            n,
+                        )
+                    };
+                    continue;
                 }
                 #[cfg(target_arch = "x86_64")]
                 if tiles {
@@ -440,6 +461,39 @@ fn tiled<L: super::tile::Rows>(
     true
 }
 
+/// `out[rows, n] = x[rows, k] · wᵀ` for f32 weights and many rows: the activations packed
+/// once, output columns split across threads.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn packed_f32(
+    x: &[f32],
+    w: &[f32],
+    out: &mut [f32],
+    rows: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+) {
+    let xt = super::tile::pack_transposed(x, rows, k);
+    let chunks = threads.max(1).min(n.div_ceil(PANEL));
+    let optr = OutPtr(out.as_mut_ptr());
+    super::pool::run(chunks, &|c| {
+        let (j0, j1) = (n * c / chunks, n * (c + 1) / chunks);
+        // SAFETY: tile::available() held; `xt` packs x; w holds n rows of k; this call writes
+        // columns j0..j1 of out, which no other call writes.
+        unsafe {
+            super::tile::matmul_packed(
+                &xt,
+                rows,
+                k,
+                w.as_ptr().add(j0 * k),
+                j1 - j0,
+                optr.get().add(j0),
+                n,
+            )
+        };
+    });
+}
+
 /// `out[rows, n] = x[rows, k] · wᵀ`, `w` the bytes of an `[n, k]` weight of `dtype` (f32,
 /// f16, bf16 or a block type; `k` whole blocks). `threads` is how many ways to split the work.
 #[allow(clippy::too_many_arguments)]
@@ -464,6 +518,14 @@ pub fn matmul(
         // SAFETY (the casts): f32 weights are 4-aligned and f16/bf16 weights 2-aligned
         // (validated at load); each holds n·k values.
         let done = match dtype {
+            DType::F32 if rows >= PACKED_MIN_ROWS => {
+                // SAFETY: f32 weights are 4-aligned (validated) and hold n·k values.
+                let wf = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), n * k) };
+                packed_f32(x, wf, out, rows, n, k, threads);
+                true
+            }
+            // Other formats go through f32 panels (below).
+            _ if rows >= PACKED_MIN_ROWS => false,
             DType::F32 => tiled(x, out, rows, n, k, threads, w.len(), |j| F32Rows {
                 ptr: unsafe { w.as_ptr().cast::<f32>().add(j * k) },
                 stride: k,
