@@ -7,7 +7,7 @@
 # llama.cpp comes from PyPI's llama-cpp-python source distribution (its vendored llama.cpp),
 # built once with CMake (from PyPI too) into .tools/peers (git-ignored, cached). The variants
 # (Q8_0, BF16, F32) are made from GGUF with llama.cpp's own llama-quantize, so both engines read
-# the very same files. llama-bench reports prefill (pp128) and decode (tg64) medians over 5
+# the very same files. llama-bench reports prefill (pp128) and decode (tg64) means over 3
 # repetitions; maxc bench the median of its prefill_128 and decode_b1 steps (decode after a
 # 16-token prompt). Not part of CI: it builds llama.cpp (minutes) and needs quiet cores.
 set -euo pipefail
@@ -62,20 +62,43 @@ done
 cargo build --release --locked -p maxc-cli >&2
 maxc=target/release/maxc
 
-printf '%-34s %12s %12s %7s %12s %12s %7s\n' file "llama pp128" "maxc pp128" ratio "llama tg" "maxc tg" ratio
+# ROUNDS (default 3) interleaved rounds over the files; each figure is the median of its rounds,
+# and each ratio the median of the rounds' ratios (this machine's neighbours make single runs
+# noisy).
+rounds=${ROUNDS:-3}
+results=$(mktemp)
 for f in "${files[@]}"; do
   art="$peers/$(basename "$f" .gguf).maxc"
   "$maxc" compile "$f" --out "$art" --weights keep --max-batch-size 1 --max-seq-len 512 \
     --max-batch-input-tokens 512 --force --quiet
-  llama=$("$bin/llama-bench" -m "$f" -t "$threads" -p 128 -n 64 -r 5 -o json 2>/dev/null)
-  ours=$("$maxc" bench "$art" --json --steps 64)
-  python3 - "$f" "$llama" "$ours" <<'EOF'
+done
+for round in $(seq "$rounds"); do
+  for f in "${files[@]}"; do
+    art="$peers/$(basename "$f" .gguf).maxc"
+    llama=$("$bin/llama-bench" -m "$f" -t "$threads" -p 128 -n 64 -r 3 -o json 2>/dev/null)
+    ours=$("$maxc" bench "$art" --json --steps 64)
+    python3 - "$f" "$llama" "$ours" >> "$results" <<'EOF2'
 import json, os, sys
 name, llama, ours = os.path.basename(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 pp = next(r["avg_ts"] for r in llama if r["n_prompt"] == 128 and r["n_gen"] == 0)
 tg = next(r["avg_ts"] for r in llama if r["n_gen"] == 64 and r["n_prompt"] == 0)
 m = {r["name"]: r for r in ours["measurements"]}
-mp, mt = m["prefill_128"]["tokens_per_s"], m["decode_b1"]["tokens_per_s"]
-print(f"{name:<34} {pp:12.1f} {mp:12.1f} {mp / pp:6.2f}x {tg:12.1f} {mt:12.1f} {mt / tg:6.2f}x")
-EOF
+print(json.dumps([name, pp, m["prefill_128"]["tokens_per_s"], tg, m["decode_b1"]["tokens_per_s"]]))
+EOF2
+  done
 done
+python3 - "$results" "$rounds" <<'EOF2'
+import json, statistics as st, sys
+rows = {}
+for line in open(sys.argv[1]):
+    name, *v = json.loads(line)
+    rows.setdefault(name, []).append(v)
+print(f"medians of {sys.argv[2]} interleaved rounds (tokens/s)")
+print(f"{'file':<34} {'llama pp128':>12} {'maxc pp128':>12} {'ratio':>7} {'llama tg':>12} {'maxc tg':>12} {'ratio':>7}")
+for name, rs in rows.items():
+    med = lambda i: st.median(r[i] for r in rs)
+    pr = st.median(r[1] / r[0] for r in rs)
+    tr = st.median(r[3] / r[2] for r in rs)
+    print(f"{name:<34} {med(0):12.1f} {med(1):12.1f} {pr:6.2f}x {med(2):12.1f} {med(3):12.1f} {tr:6.2f}x")
+EOF2
+rm -f "$results"
