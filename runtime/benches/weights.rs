@@ -4,7 +4,7 @@
 //! kernel's speed-up over the generic one.
 
 use maxc_runtime::bench::bandwidth;
-use maxc_runtime::cpu::weights::{isa_name, matmul, set_hand_kernels};
+use maxc_runtime::cpu::weights::{isa_name, matmul, set_block_tiles, set_hand_kernels};
 use maxc_runtime::schema::DType;
 use std::time::Instant;
 
@@ -97,15 +97,20 @@ fn main() {
             };
             let s = time(true);
             let generic = time(false);
+            // Tiles straight on blocks against dequantized panels, where both run.
+            set_block_tiles(false);
+            let panels = time(true);
+            set_block_tiles(true);
             let gbs = bytes as f64 / s;
             println!(
-                "  {:>5}  {:>8.1} us  {:>6.1} GB/s  {:>5.2} of bandwidth  {:>6.1} GFLOP/s  {:>5.2}x the generic kernel",
+                "  {:>5}  {:>8.1} us  {:>6.1} GB/s  {:>5.2} of bandwidth  {:>6.1} GFLOP/s  {:>5.2}x the generic kernel  {:>5.2}x panels",
                 dtype.name(),
                 s * 1e6,
                 gbs / 1e9,
                 gbs / bw,
                 2.0 * (rows * n * k) as f64 / s / 1e9,
-                generic / s
+                generic / s,
+                panels / s
             );
         }
     }

@@ -147,6 +147,107 @@ impl Rows for F16Rows {
     }
 }
 
+/// Rows of 32-value blocks (Q8_0, Q4_0, Q4_1), `stride` blocks apart, dequantized sixteen
+/// values at a time as they are loaded: `d·q` (`+ m` for Q4_1), the values of
+/// `Block::dequantize`.
+#[derive(Clone, Copy)]
+pub(crate) struct BlockRows<B> {
+    pub ptr: *const B,
+    /// Blocks per row.
+    pub stride: usize,
+}
+
+/// The parts of a 32-value block a tile needs.
+pub(crate) trait Block32: Copy {
+    /// Values `16·half..16·half + 16` as f32.
+    ///
+    /// # Safety
+    /// AVX-512F/BW and F16C.
+    unsafe fn half(&self, half: usize) -> __m512;
+}
+
+#[inline(always)]
+unsafe fn f16_bits(bits: [u8; 2]) -> __m512 {
+    // SAFETY: the caller has AVX-512F and F16C.
+    unsafe {
+        _mm512_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+            u16::from_le_bytes(bits) as i32,
+        ))))
+    }
+}
+
+impl Block32 for maxc_schema::blocks::BlockQ8_0 {
+    #[inline(always)]
+    unsafe fn half(&self, half: usize) -> __m512 {
+        // SAFETY: 16 of the 32 value bytes; the caller's features.
+        unsafe {
+            let q = _mm_loadu_si128(self.qs.as_ptr().add(16 * half).cast());
+            _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)),
+                f16_bits(self.d),
+            )
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn nibble_half(qs: &[u8; 16], half: usize) -> __m512 {
+    // SAFETY: 16 bytes; the caller's features.
+    unsafe {
+        let q = _mm_loadu_si128(qs.as_ptr().cast());
+        let q = if half == 0 { q } else { _mm_srli_epi16(q, 4) };
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, _mm_set1_epi8(0x0F))))
+    }
+}
+
+impl Block32 for maxc_schema::blocks::BlockQ4_0 {
+    #[inline(always)]
+    unsafe fn half(&self, half: usize) -> __m512 {
+        // SAFETY: the caller's features.
+        unsafe {
+            let q = _mm512_sub_ps(nibble_half(&self.qs, half), _mm512_set1_ps(8.0));
+            _mm512_mul_ps(q, f16_bits(self.d))
+        }
+    }
+}
+
+impl Block32 for maxc_schema::blocks::BlockQ4_1 {
+    #[inline(always)]
+    unsafe fn half(&self, half: usize) -> __m512 {
+        // SAFETY: the caller's features.
+        unsafe {
+            let v = _mm512_mul_ps(nibble_half(&self.qs, half), f16_bits(self.d));
+            _mm512_add_ps(v, f16_bits(self.m))
+        }
+    }
+}
+
+impl<B: Block32> Rows for BlockRows<B> {
+    #[inline(always)]
+    unsafe fn load(self, j: usize, i: usize) -> __m512 {
+        // SAFETY: as the trait requires; `i` is a multiple of 16 inside the row.
+        unsafe { (*self.ptr.add(j * self.stride + i / 32)).half((i / 16) % 2) }
+    }
+    #[inline(always)]
+    unsafe fn load_mask(self, j: usize, i: usize, mask: __mmask16) -> __m512 {
+        // SAFETY: block rows are whole blocks, so every lane lies in the row.
+        unsafe { _mm512_maskz_mov_ps(mask, self.load(j, i)) }
+    }
+    #[inline(always)]
+    fn row(self, j: usize) -> *const u8 {
+        self.ptr.wrapping_add(j * self.stride).cast()
+    }
+    #[inline(always)]
+    fn row_bytes(self) -> usize {
+        self.stride * std::mem::size_of::<B>()
+    }
+    #[inline(always)]
+    fn stride(self) -> usize {
+        // Values per row: the prefetch test compares it with `k`.
+        self.stride * 32
+    }
+}
+
 /// The sums of four vectors' lanes, as one 128-bit vector.
 #[inline(always)]
 unsafe fn hsum4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
@@ -302,6 +403,8 @@ pub(crate) unsafe fn matmul<L: Rows>(
 const MP: usize = 32;
 /// Weight rows per packed-kernel tile.
 const NP: usize = 12;
+/// Values of `k` per pass of the packed kernel.
+const PACKED_K_BLOCK: usize = 100000;
 
 /// `x[rows, k]` transposed into panels of [`MP`] rows, `[panel][k][MP]` (missing rows zero), for
 /// [`matmul_packed`].
@@ -375,19 +478,17 @@ pub(crate) unsafe fn matmul_packed(
     out: *mut f32,
     ldo: usize,
 ) {
-    let panels = rows.div_ceil(MP);
-    let mut j = 0;
-    while j < cols {
-        let c = NP.min(cols - j);
-        for p in 0..panels {
-            let mrows = MP.min(rows - p * MP);
+    // Panel by panel: a panel of activations stays in L2 (L1 for short rows) while every
+    // weight tile passes over it.
+    for p in 0..rows.div_ceil(MP) {
+        let mrows = MP.min(rows - p * MP);
+        let mut j = 0;
+        while j < cols {
+            let c = NP.min(cols - j);
             // SAFETY: panel p, weight rows j..j + c and the outputs they write are in bounds.
             unsafe {
-                let (xp, wj, o) = (
-                    xt.as_ptr().add(p * k * MP),
-                    w.add(j * k),
-                    out.add(p * MP * ldo + j),
-                );
+                let xp = xt.as_ptr().add(p * k * MP);
+                let (wj, o) = (w.add(j * k), out.add(p * MP * ldo + j));
                 match c {
                     1 => packed_tile::<1>(xp, k, wj, o, ldo, mrows),
                     2 => packed_tile::<2>(xp, k, wj, o, ldo, mrows),
@@ -403,8 +504,8 @@ pub(crate) unsafe fn matmul_packed(
                     _ => packed_tile::<12>(xp, k, wj, o, ldo, mrows),
                 }
             }
+            j += c;
         }
-        j += c;
     }
 }
 
