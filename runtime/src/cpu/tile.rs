@@ -403,8 +403,6 @@ pub(crate) unsafe fn matmul<L: Rows>(
 const MP: usize = 32;
 /// Weight rows per packed-kernel tile.
 const NP: usize = 12;
-/// Values of `k` per pass of the packed kernel.
-const PACKED_K_BLOCK: usize = 100000;
 
 /// `x[rows, k]` transposed into panels of [`MP`] rows, `[panel][k][MP]` (missing rows zero), for
 /// [`matmul_packed`].
