@@ -405,18 +405,27 @@ const MP: usize = 32;
 const NP: usize = 12;
 
 /// `x[rows, k]` transposed into panels of [`MP`] rows, `[panel][k][MP]` (missing rows zero), for
-/// [`matmul_packed`].
+/// [`matmul_packed`]; panels are packed in parallel on the executor's threads.
 pub(crate) fn pack_transposed(x: &[f32], rows: usize, k: usize) -> Vec<f32> {
     let panels = rows.div_ceil(MP);
     let mut xt = vec![0.0f32; panels * k * MP];
-    for (p, panel) in xt.chunks_exact_mut(k * MP).enumerate() {
-        for r in 0..MP.min(rows - p * MP) {
-            let row = &x[(p * MP + r) * k..][..k];
-            for (i, &v) in row.iter().enumerate() {
-                panel[i * MP + r] = v;
+    let chunks = super::pool::threads().min(panels).max(1);
+    let base = super::weights::OutPtr(xt.as_mut_ptr());
+    super::pool::run(chunks, &|c| {
+        for p in (c..panels).step_by(chunks) {
+            // SAFETY: panel p's `k × MP` values, written by this call only.
+            let panel =
+                unsafe { std::slice::from_raw_parts_mut(base.get().add(p * k * MP), k * MP) };
+            let n = MP.min(rows - p * MP);
+            let src = &x[p * MP * k..(p * MP + n) * k];
+            // Column by column: the panel is written in order, the rows read from L1.
+            for (i, out) in panel.chunks_exact_mut(MP).enumerate() {
+                for (r, o) in out[..n].iter_mut().enumerate() {
+                    *o = src[r * k + i];
+                }
             }
         }
-    }
+    });
     xt
 }
 

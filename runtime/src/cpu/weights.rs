@@ -288,14 +288,14 @@ multiversion!(stream_cols_mv, stream_cols, (x: &[f32], w: &[u8], out: &mut [f32]
 multiversion!(dequant_rows_mv, dequant_rows, (w: &[u8], k: usize, j0: usize, panel: &mut [f32]));
 
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(pub(crate) *mut f32);
 // SAFETY: threads write disjoint columns (or disjoint panels) of the output.
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
     /// The pointer (a method, so closures capture the `Send` wrapper, not its field).
-    fn get(self) -> *mut f32 {
+    pub(crate) fn get(self) -> *mut f32 {
         self.0
     }
 }
