@@ -403,6 +403,8 @@ pub(crate) unsafe fn matmul<L: Rows>(
 const MP: usize = 32;
 /// Weight rows per packed-kernel tile.
 const NP: usize = 12;
+/// Weight rows per block of the packed kernel (a multiple of [`NP`]).
+const PACKED_COL_BLOCK: usize = 48;
 
 /// `x[rows, k]` transposed into panels of [`MP`] rows, `[panel][k][MP]` (missing rows zero), for
 /// [`matmul_packed`]; panels are packed in parallel on the executor's threads.
@@ -485,34 +487,41 @@ pub(crate) unsafe fn matmul_packed(
     out: *mut f32,
     ldo: usize,
 ) {
-    // Panel by panel: a panel of activations stays in L2 (L1 for short rows) while every
-    // weight tile passes over it.
-    for p in 0..rows.div_ceil(MP) {
-        let mrows = MP.min(rows - p * MP);
-        let mut j = 0;
-        while j < cols {
-            let c = NP.min(cols - j);
-            // SAFETY: panel p, weight rows j..j + c and the outputs they write are in bounds.
-            unsafe {
-                let xp = xt.as_ptr().add(p * k * MP);
-                let (wj, o) = (w.add(j * k), out.add(p * MP * ldo + j));
-                match c {
-                    1 => packed_tile::<1>(xp, k, wj, o, ldo, mrows),
-                    2 => packed_tile::<2>(xp, k, wj, o, ldo, mrows),
-                    3 => packed_tile::<3>(xp, k, wj, o, ldo, mrows),
-                    4 => packed_tile::<4>(xp, k, wj, o, ldo, mrows),
-                    5 => packed_tile::<5>(xp, k, wj, o, ldo, mrows),
-                    6 => packed_tile::<6>(xp, k, wj, o, ldo, mrows),
-                    7 => packed_tile::<7>(xp, k, wj, o, ldo, mrows),
-                    8 => packed_tile::<8>(xp, k, wj, o, ldo, mrows),
-                    9 => packed_tile::<9>(xp, k, wj, o, ldo, mrows),
-                    10 => packed_tile::<10>(xp, k, wj, o, ldo, mrows),
-                    11 => packed_tile::<11>(xp, k, wj, o, ldo, mrows),
-                    _ => packed_tile::<12>(xp, k, wj, o, ldo, mrows),
+    // Blocks of weight rows that stay in L2 while every activation panel passes over them,
+    // each panel staying in L1/L2 while the block's tiles pass over it: weights are read from
+    // memory once per call, activations from L2.
+    let mut j0 = 0;
+    while j0 < cols {
+        let j1 = cols.min(j0 + PACKED_COL_BLOCK);
+        for p in 0..rows.div_ceil(MP) {
+            let mrows = MP.min(rows - p * MP);
+            let mut j = j0;
+            while j < j1 {
+                let c = NP.min(j1 - j);
+                // SAFETY: panel p, weight rows j..j + c and the outputs they write are in
+                // bounds.
+                unsafe {
+                    let xp = xt.as_ptr().add(p * k * MP);
+                    let (wj, o) = (w.add(j * k), out.add(p * MP * ldo + j));
+                    match c {
+                        1 => packed_tile::<1>(xp, k, wj, o, ldo, mrows),
+                        2 => packed_tile::<2>(xp, k, wj, o, ldo, mrows),
+                        3 => packed_tile::<3>(xp, k, wj, o, ldo, mrows),
+                        4 => packed_tile::<4>(xp, k, wj, o, ldo, mrows),
+                        5 => packed_tile::<5>(xp, k, wj, o, ldo, mrows),
+                        6 => packed_tile::<6>(xp, k, wj, o, ldo, mrows),
+                        7 => packed_tile::<7>(xp, k, wj, o, ldo, mrows),
+                        8 => packed_tile::<8>(xp, k, wj, o, ldo, mrows),
+                        9 => packed_tile::<9>(xp, k, wj, o, ldo, mrows),
+                        10 => packed_tile::<10>(xp, k, wj, o, ldo, mrows),
+                        11 => packed_tile::<11>(xp, k, wj, o, ldo, mrows),
+                        _ => packed_tile::<12>(xp, k, wj, o, ldo, mrows),
+                    }
                 }
+                j += c;
             }
-            j += c;
         }
+        j0 = j1;
     }
 }
 
