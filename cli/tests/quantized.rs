@@ -39,15 +39,30 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 fn check(model: &str, role: GraphRole, prefix: &str, format: DType) {
+    check_with(
+        model,
+        role,
+        prefix,
+        WeightFormat::Quantize(format),
+        CpuMatmul::Auto,
+    );
+}
+
+fn check_with(
+    model: &str,
+    role: GraphRole,
+    prefix: &str,
+    weights: WeightFormat,
+    cpu_matmul: CpuMatmul,
+) {
     let dir = fixtures().join(model);
-    let weights = WeightFormat::Quantize(format);
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("a.maxc");
     let opts = CompileOptions {
         runtime: runtime(),
         weights,
         all_logits: true,
-        cpu_matmul: CpuMatmul::Auto,
+        cpu_matmul,
         force: false,
         cpu: true,
         cuda_arch: None,
@@ -66,7 +81,12 @@ fn check(model: &str, role: GraphRole, prefix: &str, format: DType) {
         .iter()
         .filter(|(_, w)| w.dtype.is_quantized())
         .count();
-    assert!(quantized > 0, "{model} {format}: no weight was quantized");
+    if matches!(weights, WeightFormat::Quantize(_)) {
+        assert!(
+            quantized > 0,
+            "{model} {weights:?}: no weight was quantized"
+        );
+    }
     let interp = Interpreter::new(rg.graph, &rg.weights).unwrap();
     let mut engine = Engine::open(&out, role.name()).expect("opens");
     let reference = read_safetensors_file(&dir.join("reference.safetensors")).unwrap();
@@ -74,7 +94,7 @@ fn check(model: &str, role: GraphRole, prefix: &str, format: DType) {
         .map_while(|i| reference.get(&format!("{prefix}p{i}.tokens")))
         .map(|t| t.to_i64("tokens").unwrap())
         .collect();
-    let what = format!("{model} ({}) as {format}", role.name());
+    let what = format!("{model} ({}) as {weights:?}, {cpu_matmul:?}", role.name());
 
     // Each prompt alone, then greedy decode steps of one row.
     for (i, tokens) in prompts.iter().enumerate() {
@@ -149,3 +169,34 @@ formats!(tiny_llama, "tiny-llama", GraphRole::Decoder, "");
 formats!(tiny_qwen2, "tiny-qwen2", GraphRole::Decoder, "");
 formats!(tiny_mixtral, "tiny-mixtral", GraphRole::Decoder, "");
 formats!(tiny_roles_draft, "tiny-roles", GraphRole::Draft, "draft.");
+
+/// The generated kernels (Cranelift; what CPUs without AVX-512 run under `auto`) and the
+/// library-matmul policy, on the weights as stored, against the same interpreter: on an AVX-512
+/// host `auto` runs the library's tiles and attention, so these keep the other paths tested.
+mod policies {
+    use super::*;
+    #[test]
+    fn generated_matmuls_and_attention() {
+        for model in ["tiny-llama", "tiny-qwen2"] {
+            check_with(
+                model,
+                GraphRole::Decoder,
+                "",
+                WeightFormat::Keep,
+                CpuMatmul::Generated,
+            );
+        }
+    }
+    #[test]
+    fn library_matmuls() {
+        for model in ["tiny-llama", "tiny-qwen2"] {
+            check_with(
+                model,
+                GraphRole::Decoder,
+                "",
+                WeightFormat::Keep,
+                CpuMatmul::Library,
+            );
+        }
+    }
+}

@@ -33,8 +33,9 @@ pub struct Args {
     /// Return logits for every token row, not only each sequence's last (for scoring and tests).
     #[arg(long)]
     pub all_logits: bool,
-    /// How matmuls run on the CPU: `auto` (generated code for steps of 2 to 16 rows, the gemm
-    /// crate otherwise), `library` (gemm) or `generated` (Cranelift).
+    /// How matmuls run on the CPU: `auto` (the runtime chooses per CPU: on AVX-512 the
+    /// library's register tiles and blocked attention; elsewhere generated code for steps of 2
+    /// to 16 rows, the library otherwise), `library` or `generated` (Cranelift, attention too).
     #[arg(long, default_value = "auto", value_parser = ["auto", "library", "generated"])]
     pub cpu_matmul: String,
     /// Replace an existing artifact.

@@ -416,8 +416,9 @@ impl CpuExecutor {
     /// Whether a kernel with generated code runs it at these dims (matmuls may prefer gemm).
     fn generated_fits(&self, body: &KernelBody, dims: &[u64; StepDim::COUNT]) -> bool {
         match (body, self.matmul_policy) {
-            // The library's blocked attention where the register tiles run.
-            (KernelBody::Attention { .. }, _) => !weights::tiles_available(),
+            // Under the auto policy, the library's blocked attention where the register tiles
+            // run.
+            (KernelBody::Attention { .. }, Some(_)) => !weights::tiles_available(),
             (KernelBody::Matmul { rows, .. }, Some(max)) => {
                 let r = match rows {
                     Rows::Step(d) => dims[*d as usize],
@@ -542,7 +543,7 @@ impl CpuExecutor {
                 head_dim,
                 page_size,
                 scale,
-            } if weights::tiles_available() => {
+            } if weights::tiles_available() && self.matmul_policy.is_some() => {
                 let batch = dims[StepDim::BatchSize as usize] as usize;
                 let pages_per_seq = dims[StepDim::MaxNumPages as usize] as usize;
                 let ints = |i: usize, n: usize| unsafe {
