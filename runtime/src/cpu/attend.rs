@@ -13,7 +13,7 @@
 
 use std::arch::x86_64::*;
 
-use super::tile::{self, F32Rows};
+use super::tile::{self, lane_mask, F32Rows};
 
 /// Query rows of one sequence per work item.
 const ROW_BLOCK: usize = 16;
@@ -253,16 +253,6 @@ unsafe fn softmax_row(row: &mut [f32], valid: usize, scale: f32) -> f32 {
             i += 16;
         }
         _mm512_reduce_add_ps(sum)
-    }
-}
-
-/// The lanes below `n` (all sixteen when `n ≥ 16`).
-#[inline(always)]
-fn lane_mask(n: usize) -> __mmask16 {
-    if n >= 16 {
-        0xFFFF
-    } else {
-        ((1u32 << n) - 1) as __mmask16
     }
 }
 
