@@ -51,6 +51,10 @@ enum Command {
     Dump(commands::dump::Args),
     /// Compare two artifacts structurally; exit 0 when identical, 1 when different, 2 on error.
     Diff(commands::diff::Args),
+    /// Make an Ed25519 key pair for signing artifacts (PREFIX.key, PREFIX.pub).
+    Keygen(commands::sign::KeygenArgs),
+    /// Sign an artifact's manifest (which holds every file's sha256) with a key of `maxc keygen`.
+    Sign(commands::sign::SignArgs),
 }
 
 fn main() -> ExitCode {
@@ -91,6 +95,8 @@ fn main() -> ExitCode {
         Command::Dump(a) => commands::dump::run(a),
         Command::Tokenize(a) => commands::tokenize::run(a),
         Command::Serve(a) => commands::serve::run(a),
+        Command::Keygen(a) => commands::sign::keygen(a),
+        Command::Sign(a) => commands::sign::sign(a),
         Command::Profile(a) => commands::profile::run(a),
         Command::Bench(a) => commands::bench::run(a),
         Command::Diff(_) => unreachable!("handled above"),

@@ -59,6 +59,13 @@ impl Artifact {
     /// ([`Program::validate`]) and code module against the manifest and the weights, before
     /// anything is mapped executable or any pointer computed.
     pub fn open(dir: &Path) -> Result<Self> {
+        Artifact::open_verified(dir, None)
+    }
+
+    /// [`Artifact::open`], first checking, where `key` is given, that the manifest carries a
+    /// valid signature by it ([`crate::signature`]): nothing else of the artifact is read before,
+    /// and exactly the verified bytes are parsed.
+    pub fn open_verified(dir: &Path, key: Option<&ed25519_dalek::VerifyingKey>) -> Result<Self> {
         let manifest_path = dir.join(MANIFEST_FILE);
         if !dir.is_dir() {
             return Err(RuntimeError::artifact(
@@ -66,12 +73,17 @@ impl Artifact {
                 "not a directory; expected a maxc artifact (NAME.maxc/)",
             ));
         }
-        let text = std::fs::read_to_string(&manifest_path).map_err(|e| {
+        let bytes = std::fs::read(&manifest_path).map_err(|e| {
             RuntimeError::artifact(
                 &manifest_path,
                 format!("cannot read the manifest ({e}); is this a maxc artifact?"),
             )
         })?;
+        if let Some(key) = key {
+            crate::signature::verify(dir, &bytes, key)?;
+        }
+        let text = String::from_utf8(bytes)
+            .map_err(|e| RuntimeError::artifact(&manifest_path, format!("not UTF-8: {e}")))?;
         let raw: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| RuntimeError::artifact(&manifest_path, format!("not valid JSON: {e}")))?;
         match raw.get("format_version").and_then(|v| v.as_u64()) {

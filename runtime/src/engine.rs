@@ -94,6 +94,17 @@ impl Engine {
         Engine::new(Arc::new(Artifact::open(dir)?), role, device)
     }
 
+    /// [`Engine::open_on`], refusing an artifact whose manifest is not signed by `key` where
+    /// one is given ([`Artifact::open_verified`]).
+    pub fn open_verified(
+        dir: &Path,
+        role: &str,
+        device: Device,
+        key: Option<&ed25519_dalek::VerifyingKey>,
+    ) -> Result<Self> {
+        Engine::new(Arc::new(Artifact::open_verified(dir, key)?), role, device)
+    }
+
     /// Prepares `role` of an opened artifact on `device`.
     pub fn new(artifact: Arc<Artifact>, role: &str, device: Device) -> Result<Self> {
         let exec = match device {

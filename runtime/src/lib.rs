@@ -18,6 +18,7 @@ pub mod profile;
 pub mod sampling;
 pub mod scheduler;
 pub mod server;
+pub mod signature;
 pub mod tokenizer;
 
 pub use artifact::Artifact;

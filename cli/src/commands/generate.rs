@@ -52,6 +52,8 @@ pub struct Args {
     /// Print the prompt and generated ids (and text) as JSON.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    signature: crate::commands::sign::RequireSignature,
 }
 
 /// Generates, streaming text (or ids) to stdout.
@@ -64,7 +66,8 @@ pub fn run(args: Args) -> Result<()> {
             args.top_p
         );
     }
-    let mut engine = Engine::open_on(&args.artifact, &args.role, args.device)?;
+    let key = args.signature.key()?;
+    let mut engine = Engine::open_verified(&args.artifact, &args.role, args.device, key.as_ref())?;
     let artifact = engine.artifact().clone();
     let tokenizer = artifact.tokenizer()?;
     let need_tokenizer = || {

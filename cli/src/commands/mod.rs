@@ -16,4 +16,5 @@ pub mod plan;
 pub mod profile;
 pub mod run;
 pub mod serve;
+pub mod sign;
 pub mod tokenize;

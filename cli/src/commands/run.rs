@@ -22,6 +22,8 @@ pub struct Args {
     /// Write the logits of every position to this safetensors file (`logits`, f32 [n, vocab]).
     #[arg(long)]
     dump_logits: Option<PathBuf>,
+    #[command(flatten)]
+    signature: crate::commands::sign::RequireSignature,
 }
 
 /// Every position's logits of `tokens`: one step where the program returns every row, else one
@@ -46,7 +48,8 @@ pub fn prompt_logits(engine: &mut Engine, tokens: &[i64]) -> Result<Vec<f32>> {
 /// Runs the prompt and prints the last position's top tokens.
 pub fn run(args: Args) -> Result<()> {
     let tokens = parse_tokens(&args.tokens)?;
-    let mut engine = Engine::open_on(&args.artifact, &args.role, args.device)?;
+    let key = args.signature.key()?;
+    let mut engine = Engine::open_verified(&args.artifact, &args.role, args.device, key.as_ref())?;
     if tokens.len() > engine.max_seq_len() {
         anyhow::bail!(
             "the prompt has {} tokens; the artifact's max_seq_len is {}",

@@ -43,6 +43,8 @@ pub struct Args {
         default_value = "5"
     )]
     pub graceful_shutdown_timeout_s: f64,
+    #[command(flatten)]
+    pub signature: crate::commands::sign::RequireSignature,
 }
 
 /// Serves until a signal ends it.
@@ -53,8 +55,16 @@ pub fn run(args: Args) -> Result<()> {
             args.artifact.display()
         );
     }
+    // Read and checked now, so that a bad key file stops `serve` before it listens.
+    let require_signature = args.signature.key()?;
+    if let Some(key) = &require_signature {
+        let manifest = std::fs::read(args.artifact.join("manifest.json"))
+            .with_context(|| format!("{}: reading the manifest", args.artifact.display()))?;
+        maxc_runtime::signature::verify(&args.artifact, &manifest, key)?;
+    }
     let opts = ServeOptions {
         artifact: args.artifact,
+        require_signature,
         host: args.host,
         port: args.port,
         metrics_port: args.metrics_port,

@@ -54,6 +54,8 @@ pub struct ServeOptions {
     pub max_queue_size: usize,
     /// How long in-flight requests may take to finish after SIGTERM or SIGINT.
     pub shutdown_timeout: Duration,
+    /// Refuse an artifact whose manifest this key has not signed.
+    pub require_signature: Option<ed25519_dalek::VerifyingKey>,
 }
 
 /// A failure to start serving.
@@ -137,7 +139,10 @@ impl IntoResponse for ApiError {
 /// Loads the artifact and starts the scheduler (blocking).
 fn load(opts: &ServeOptions, metrics: &Arc<Metrics>) -> Result<Loaded, String> {
     let t = Instant::now();
-    let artifact = Arc::new(Artifact::open(&opts.artifact).map_err(|e| e.to_string())?);
+    let artifact = Arc::new(
+        Artifact::open_verified(&opts.artifact, opts.require_signature.as_ref())
+            .map_err(|e| e.to_string())?,
+    );
     let record = |component: &str, d: Duration| {
         metrics
             .model_load_time
