@@ -1,6 +1,7 @@
 //! The machine probes `maxc bench` measures rooflines against, in the same run as the model:
-//! memory bandwidth (a streaming read on every core) and f32 GEMM throughput (the `gemm`
-//! crate on every core).
+//! memory bandwidth (a streaming read on every core), f32 GEMM throughput (the runtime's own
+//! matmul on every core) and the f32 FMA peak (independent register FMAs on every core: the
+//! compute ceiling no kernel can pass).
 
 use std::time::Instant;
 
@@ -75,6 +76,86 @@ pub fn gemm_flops() -> f64 {
         .collect();
     std::hint::black_box(&c);
     2.0 * (n * n * n) as f64 / median(reps)
+}
+
+/// FLOP per second of independent f32 FMAs in registers on every executor thread (median of
+/// 5), where the CPU has AVX-512F or AVX2 + FMA.
+pub fn fma_peak() -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        const ITERS: u64 = 4_000_000;
+        /// Twelve chains of FMAs, enough to cover the latency on two FMA units.
+        #[target_feature(enable = "avx512f,fma")]
+        unsafe fn avx512() -> f32 {
+            let m = _mm512_set1_ps(0.999_999_9);
+            let c = _mm512_set1_ps(1e-7);
+            let mut a = [_mm512_set1_ps(1.0); 12];
+            for _ in 0..std::hint::black_box(ITERS / 1024) {
+                // Opaque to the optimizer once per 1024 rounds, so that no round is folded.
+                a = std::hint::black_box(a);
+                for _ in 0..1024 {
+                    for v in a.iter_mut() {
+                        *v = _mm512_fmadd_ps(*v, m, c);
+                    }
+                }
+            }
+            a.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2() -> f32 {
+            let m = _mm256_set1_ps(0.999_999_9);
+            let c = _mm256_set1_ps(1e-7);
+            let mut a = [_mm256_set1_ps(1.0); 12];
+            for _ in 0..std::hint::black_box(ITERS / 1024) {
+                // Opaque to the optimizer once per 1024 rounds, so that no round is folded.
+                a = std::hint::black_box(a);
+                for _ in 0..1024 {
+                    for v in a.iter_mut() {
+                        *v = _mm256_fmadd_ps(*v, m, c);
+                    }
+                }
+            }
+            let mut out = [0.0f32; 8];
+            // SAFETY: AVX2, 8 floats.
+            unsafe {
+                _mm256_storeu_ps(
+                    out.as_mut_ptr(),
+                    a.iter()
+                        .fold(_mm256_setzero_ps(), |s, v| _mm256_add_ps(s, *v)),
+                )
+            };
+            out.iter().sum()
+        }
+        let lanes = if std::is_x86_feature_detected!("avx512f") {
+            16
+        } else if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            8
+        } else {
+            return None;
+        };
+        let threads = crate::cpu::pool::threads();
+        let reps = (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                crate::cpu::pool::run(threads, &|_| {
+                    // SAFETY: the features were detected above.
+                    let r = unsafe {
+                        if lanes == 16 {
+                            avx512()
+                        } else {
+                            avx2()
+                        }
+                    };
+                    std::hint::black_box(r);
+                });
+                t.elapsed().as_secs_f64()
+            })
+            .collect();
+        return Some((threads as u64 * ITERS * 12 * lanes * 2) as f64 / median(reps));
+    }
+    #[allow(unreachable_code)]
+    None
 }
 
 /// The process's peak resident memory in bytes (`VmHWM`), where the system reports it.

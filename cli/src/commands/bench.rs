@@ -3,7 +3,7 @@
 //! per step over a memory-bandwidth probe, prefill FLOP/s over a GEMM probe.
 
 use anyhow::Result;
-use maxc_runtime::bench::{bandwidth, gemm_flops, peak_rss};
+use maxc_runtime::bench::{bandwidth, fma_peak, gemm_flops, peak_rss};
 use maxc_runtime::profile::kernel_cost;
 use maxc_runtime::Engine;
 use serde_json::{json, Value};
@@ -65,6 +65,7 @@ pub fn run(args: Args) -> Result<()> {
     let vocab = engine.vocab_size() as i64;
     let bw = bandwidth();
     let gemm = gemm_flops();
+    let peak = fma_peak();
     let mut rows: Vec<Value> = Vec::new();
     let mut seq = 0u64;
 
@@ -94,6 +95,7 @@ pub fn run(args: Args) -> Result<()> {
             "achieved_gflops": flops / 1e9,
             "roofline": "gemm_probe",
             "roofline_ratio": flops / gemm,
+            "fma_peak_ratio": peak.map(|p| flops / p),
         }));
     }
 
@@ -151,7 +153,7 @@ pub fn run(args: Args) -> Result<()> {
         "weight_kernels": maxc_runtime::cpu::weights::isa_name(),
         "load_s": median(loads.clone()),
         "peak_rss_bytes": peak_rss(),
-        "probes": {"bandwidth_gbs": bw / 1e9, "gemm_gflops": gemm / 1e9},
+        "probes": {"bandwidth_gbs": bw / 1e9, "gemm_gflops": gemm / 1e9, "fma_peak_gflops": peak.map(|p| p / 1e9)},
         "measurements": rows,
     });
     if args.json {
@@ -165,9 +167,10 @@ pub fn run(args: Args) -> Result<()> {
         report["weight_kernels"].as_str().unwrap_or("")
     );
     println!(
-        "probes: memory bandwidth {:.1} GB/s, f32 GEMM {:.1} GFLOP/s",
+        "probes: memory bandwidth {:.1} GB/s, f32 GEMM {:.1} GFLOP/s, f32 FMA peak {}",
         bw / 1e9,
-        gemm / 1e9
+        gemm / 1e9,
+        peak.map_or("unknown".into(), |p| format!("{:.1} GFLOP/s", p / 1e9))
     );
     println!(
         "load {:.3} s (files cached), peak resident memory {}",
@@ -186,11 +189,12 @@ pub fn run(args: Args) -> Result<()> {
         let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
         if name.starts_with("prefill") {
             println!(
-                "{name:<12} {:>9.1} tokens/s  {:>8.2} ms/step  {:>7.1} GFLOP/s  {:>5.2} of the GEMM probe",
+                "{name:<12} {:>9.1} tokens/s  {:>8.2} ms/step  {:>7.1} GFLOP/s  {:>5.2} of the GEMM probe, {:>5.2} of the FMA peak",
                 f("tokens_per_s"),
                 f("step_ms"),
                 f("achieved_gflops"),
-                f("roofline_ratio")
+                f("roofline_ratio"),
+                f("fma_peak_ratio")
             );
         } else {
             println!(
