@@ -40,110 +40,111 @@ pub(crate) trait Rows: Copy {
     fn stride(self) -> usize;
 }
 
-/// f32 rows `stride` values apart.
-#[derive(Clone, Copy)]
-pub(crate) struct F32Rows {
-    pub ptr: *const f32,
-    pub stride: usize,
+/// A float element type tiles read, widened to f32 sixteen at a time.
+pub(crate) trait Elem: Copy {
+    /// Elements `p..p + 16`.
+    ///
+    /// # Safety
+    /// AVX-512F/BW/VL; the elements are readable.
+    unsafe fn load16(p: *const Self) -> __m512;
+    /// The elements of `p..` where `mask` has a bit, zero elsewhere.
+    ///
+    /// # Safety
+    /// AVX-512F/BW/VL; the masked elements are readable.
+    unsafe fn load16_mask(p: *const Self, mask: __mmask16) -> __m512;
 }
 
-/// bf16 rows (raw bits) `stride` values apart.
+/// bf16 bits.
 #[derive(Clone, Copy)]
-pub(crate) struct Bf16Rows {
-    pub ptr: *const u16,
-    pub stride: usize,
-}
+#[repr(transparent)]
+pub(crate) struct Bf16(pub u16);
 
-/// f16 rows (raw bits) `stride` values apart.
+/// f16 (IEEE binary16) bits.
 #[derive(Clone, Copy)]
-pub(crate) struct F16Rows {
-    pub ptr: *const u16,
-    pub stride: usize,
-}
+#[repr(transparent)]
+pub(crate) struct F16(pub u16);
 
-impl Rows for F32Rows {
+impl Elem for f32 {
     #[inline(always)]
-    fn row(self, j: usize) -> *const u8 {
-        self.ptr.wrapping_add(j * self.stride).cast()
-    }
-    #[inline(always)]
-    fn row_bytes(self) -> usize {
-        self.stride * std::mem::size_of::<f32>()
-    }
-    #[inline(always)]
-    fn stride(self) -> usize {
-        self.stride
-    }
-    #[inline(always)]
-    unsafe fn load(self, j: usize, i: usize) -> __m512 {
+    unsafe fn load16(p: *const Self) -> __m512 {
         // SAFETY: as the trait requires.
-        unsafe { _mm512_loadu_ps(self.ptr.add(j * self.stride + i)) }
+        unsafe { _mm512_loadu_ps(p) }
     }
     #[inline(always)]
-    unsafe fn load_mask(self, j: usize, i: usize, mask: __mmask16) -> __m512 {
+    unsafe fn load16_mask(p: *const Self, mask: __mmask16) -> __m512 {
         // SAFETY: as the trait requires; masked lanes are not read.
-        unsafe { _mm512_maskz_loadu_ps(mask, self.ptr.add(j * self.stride + i)) }
+        unsafe { _mm512_maskz_loadu_ps(mask, p) }
     }
 }
 
-impl Rows for Bf16Rows {
+impl Elem for Bf16 {
     #[inline(always)]
-    fn row(self, j: usize) -> *const u8 {
-        self.ptr.wrapping_add(j * self.stride).cast()
-    }
-    #[inline(always)]
-    fn row_bytes(self) -> usize {
-        self.stride * std::mem::size_of::<u16>()
-    }
-    #[inline(always)]
-    fn stride(self) -> usize {
-        self.stride
-    }
-    #[inline(always)]
-    unsafe fn load(self, j: usize, i: usize) -> __m512 {
+    unsafe fn load16(p: *const Self) -> __m512 {
         // SAFETY: as the trait requires; bf16 widens to f32 by a 16-bit shift.
         unsafe {
-            let raw = _mm256_loadu_si256(self.ptr.add(j * self.stride + i).cast());
+            let raw = _mm256_loadu_si256(p.cast());
             _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
         }
     }
     #[inline(always)]
-    unsafe fn load_mask(self, j: usize, i: usize, mask: __mmask16) -> __m512 {
+    unsafe fn load16_mask(p: *const Self, mask: __mmask16) -> __m512 {
         // SAFETY: as the trait requires; masked lanes are not read.
         unsafe {
-            let raw = _mm256_maskz_loadu_epi16(mask, self.ptr.add(j * self.stride + i).cast());
+            let raw = _mm256_maskz_loadu_epi16(mask, p.cast());
             _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
         }
     }
 }
 
-impl Rows for F16Rows {
+impl Elem for F16 {
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        // SAFETY: as the trait requires.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+    }
+    #[inline(always)]
+    unsafe fn load16_mask(p: *const Self, mask: __mmask16) -> __m512 {
+        // SAFETY: as the trait requires; masked lanes are not read.
+        unsafe { _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p.cast())) }
+    }
+}
+
+/// Rows of `E` values, `stride` values apart.
+#[derive(Clone, Copy)]
+pub(crate) struct Strided<E> {
+    pub ptr: *const E,
+    pub stride: usize,
+}
+
+/// f32 rows.
+pub(crate) type F32Rows = Strided<f32>;
+/// bf16 rows.
+pub(crate) type Bf16Rows = Strided<Bf16>;
+/// f16 rows.
+pub(crate) type F16Rows = Strided<F16>;
+
+impl<E: Elem> Rows for Strided<E> {
+    #[inline(always)]
+    unsafe fn load(self, j: usize, i: usize) -> __m512 {
+        // SAFETY: as the trait requires.
+        unsafe { E::load16(self.ptr.add(j * self.stride + i)) }
+    }
+    #[inline(always)]
+    unsafe fn load_mask(self, j: usize, i: usize, mask: __mmask16) -> __m512 {
+        // SAFETY: as the trait requires.
+        unsafe { E::load16_mask(self.ptr.add(j * self.stride + i), mask) }
+    }
     #[inline(always)]
     fn row(self, j: usize) -> *const u8 {
         self.ptr.wrapping_add(j * self.stride).cast()
     }
     #[inline(always)]
     fn row_bytes(self) -> usize {
-        self.stride * std::mem::size_of::<u16>()
+        self.stride * std::mem::size_of::<E>()
     }
     #[inline(always)]
     fn stride(self) -> usize {
         self.stride
-    }
-    #[inline(always)]
-    unsafe fn load(self, j: usize, i: usize) -> __m512 {
-        // SAFETY: as the trait requires.
-        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(self.ptr.add(j * self.stride + i).cast())) }
-    }
-    #[inline(always)]
-    unsafe fn load_mask(self, j: usize, i: usize, mask: __mmask16) -> __m512 {
-        // SAFETY: as the trait requires; masked lanes are not read.
-        unsafe {
-            _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
-                mask,
-                self.ptr.add(j * self.stride + i).cast(),
-            ))
-        }
     }
 }
 
@@ -701,7 +702,7 @@ mod tests {
                             rows,
                             k,
                             Bf16Rows {
-                                ptr: wb.as_ptr(),
+                                ptr: wb.as_ptr().cast(),
                                 stride: k,
                             },
                             cols,
@@ -713,7 +714,7 @@ mod tests {
                             rows,
                             k,
                             F16Rows {
-                                ptr: wh.as_ptr(),
+                                ptr: wh.as_ptr().cast(),
                                 stride: k,
                             },
                             cols,

@@ -573,11 +573,11 @@ pub fn matmul(
                 stride: k,
             }),
             DType::BF16 => tiled(x, out, rows, n, k, threads, w.len(), |j| Bf16Rows {
-                ptr: unsafe { w.as_ptr().cast::<u16>().add(j * k) },
+                ptr: unsafe { w.as_ptr().cast::<super::tile::Bf16>().add(j * k) },
                 stride: k,
             }),
             DType::F16 => tiled(x, out, rows, n, k, threads, w.len(), |j| F16Rows {
-                ptr: unsafe { w.as_ptr().cast::<u16>().add(j * k) },
+                ptr: unsafe { w.as_ptr().cast::<super::tile::F16>().add(j * k) },
                 stride: k,
             }),
             _ => false,
