@@ -1,4 +1,4 @@
-//! Arguments shared by several commands: token lists.
+//! Arguments shared by several commands: token lists, speculative decoding.
 
 use anyhow::{bail, Context, Result};
 
@@ -17,4 +17,33 @@ pub fn parse_tokens(s: &str) -> Result<Vec<i64>> {
         bail!("--tokens: expected at least one token id, e.g. --tokens 1,17,42");
     }
     Ok(tokens)
+}
+
+/// Speculative decoding flags, shared by `generate` and `serve`.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct SpeculativeArgs {
+    /// Speculative decoding: the artifact's draft role (or --draft's model) proposes tokens
+    /// that the decoder verifies, several per step; the output is distributed as without it.
+    #[arg(long)]
+    pub speculative: bool,
+    /// A separately compiled draft artifact (implies --speculative); its tokenizer and
+    /// vocabulary must match the decoder's.
+    #[arg(long, alias = "draft-model-path", value_name = "ARTIFACT")]
+    pub draft: Option<std::path::PathBuf>,
+    /// Draft tokens proposed per step [default: as many as the decoder's artifact verifies,
+    /// its num_speculative_tokens].
+    #[arg(long, value_name = "N")]
+    pub num_speculative_tokens: Option<usize>,
+}
+
+impl SpeculativeArgs {
+    /// The speculation asked for, if any.
+    pub fn options(&self) -> Option<maxc_runtime::scheduler::speculative::SpeculationOptions> {
+        (self.speculative || self.draft.is_some()).then(|| {
+            maxc_runtime::scheduler::speculative::SpeculationOptions {
+                draft: self.draft.clone(),
+                depth: self.num_speculative_tokens,
+            }
+        })
+    }
 }

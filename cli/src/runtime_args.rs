@@ -40,6 +40,11 @@ pub struct RuntimeArgs {
     /// Pages in the KV cache [default: every context at max_seq_len].
     #[arg(long, value_parser = positive, allow_negative_numbers = true)]
     pub kv_cache_pages: Option<usize>,
+    /// Draft tokens the decoder verifies per step (speculative decoding); each step can
+    /// return this many plus one logit rows per sequence [default: the checkpoint's
+    /// num_draft_tokens where it has a draft, else 0].
+    #[arg(long)]
+    pub num_speculative_tokens: Option<usize>,
 }
 
 impl RuntimeArgs {
@@ -59,6 +64,10 @@ impl RuntimeArgs {
                 max_batch_input_tokens: self.max_batch_input_tokens,
                 enable_chunked_prefill: !self.no_chunked_prefill,
                 data_parallel_degree: self.data_parallel_degree,
+                num_speculative_tokens: self
+                    .num_speculative_tokens
+                    .or_else(|| spec.num_draft_tokens())
+                    .unwrap_or(0),
             },
             kv: KvCacheParams {
                 page_size: self.page_size,

@@ -134,7 +134,7 @@ pub fn compile(
     for (role, rg) in &loaded.roles {
         let dims = opts
             .runtime
-            .max_dims(rg.graph.input_dims().iter().map(String::as_str))?;
+            .max_dims(rg.graph.step_dims().iter().map(String::as_str))?;
         progress(&format!("lowering role {role}"));
         let lower = LowerOptions {
             bounds: dims.clone(),
@@ -413,6 +413,7 @@ fn write_dir(
             data_parallel_degree: b.data_parallel_degree as u64,
             page_size: opts.runtime.kv.page_size as u64,
             kv_cache_pages: opts.runtime.kv.total_pages(b) as u64,
+            num_speculative_tokens: b.num_speculative_tokens as u64,
         },
         roles,
         targets,

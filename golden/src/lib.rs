@@ -48,6 +48,16 @@ fn runtime(batch: usize, len: usize, budget: usize, chunked: bool) -> ModuleRunt
     rt
 }
 
+/// `rt` for `model`: tiny-roles verifies its checkpoint's 3 draft tokens per step (as
+/// `maxc compile` defaults to), so its goldens show a speculative decoder's logit rows.
+fn for_model(model: &str, rt: &ModuleRuntime) -> ModuleRuntime {
+    let mut rt = rt.clone();
+    if model == "tiny-roles" {
+        rt.batch.num_speculative_tokens = 3;
+    }
+    rt
+}
+
 /// Every golden case: each tiny model at two runtime settings on the CPU, and once for CUDA
 /// (sm_90, bf16 weights, so the tensor-core matmuls are covered).
 pub fn cases() -> Vec<Case> {
@@ -62,7 +72,7 @@ pub fn cases() -> Vec<Case> {
                 name: format!("{model}-cpu-{label}"),
                 model,
                 options: CompileOptions {
-                    runtime: rt.clone(),
+                    runtime: for_model(model, rt),
                     weights: DType::F32.into(),
                     all_logits: false,
                     cpu_matmul: CpuMatmul::Auto,
@@ -78,7 +88,7 @@ pub fn cases() -> Vec<Case> {
             name: format!("{model}-cuda-sm90-bf16-b8-len128"),
             model,
             options: CompileOptions {
-                runtime: settings[0].1.clone(),
+                runtime: for_model(model, &settings[0].1),
                 weights: DType::BF16.into(),
                 all_logits: false,
                 cpu_matmul: CpuMatmul::Auto,

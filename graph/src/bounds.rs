@@ -19,6 +19,10 @@ pub struct BatchProcessorRuntime {
     pub enable_chunked_prefill: bool,
     /// Data-parallel replicas.
     pub data_parallel_degree: usize,
+    /// Draft tokens the decoder verifies in one step (speculative decoding): each step returns
+    /// up to this many plus one logit rows per sequence. 0: no speculation.
+    #[serde(default)]
+    pub num_speculative_tokens: usize,
 }
 
 impl Default for BatchProcessorRuntime {
@@ -29,6 +33,7 @@ impl Default for BatchProcessorRuntime {
             max_batch_input_tokens: 512,
             enable_chunked_prefill: true,
             data_parallel_degree: 1,
+            num_speculative_tokens: 0,
         }
     }
 }
@@ -71,6 +76,12 @@ impl BatchProcessorRuntime {
             .min(self.max_batch_size * self.max_seq_len)
             .max(self.max_batch_size);
         per_replica * self.data_parallel_degree
+    }
+
+    /// Logit rows one step returns at most: `return_n_logits` up to
+    /// `num_speculative_tokens + 1` for every sequence of every replica.
+    pub fn max_logit_rows(&self) -> usize {
+        self.max_global_batch_size() * (self.num_speculative_tokens + 1)
     }
 }
 
@@ -137,9 +148,10 @@ impl ModuleRuntime {
     }
 
     /// The dims this runtime bounds, sorted.
-    pub const KNOWN_DIMS: [&'static str; 5] = [
+    pub const KNOWN_DIMS: [&'static str; 6] = [
         names::BATCH_SIZE,
         names::INPUT_ROW_OFFSETS_LEN,
+        names::LOGIT_ROWS,
         names::MAX_NUM_PAGES,
         names::TOTAL_NUM_PAGES,
         names::TOTAL_SEQ_LEN,
@@ -159,6 +171,7 @@ impl ModuleRuntime {
                 names::BATCH_SIZE => b.max_global_batch_size(),
                 names::TOTAL_SEQ_LEN => b.max_batch_active_tokens(),
                 names::INPUT_ROW_OFFSETS_LEN => b.max_global_batch_size() + 1,
+                names::LOGIT_ROWS => b.max_logit_rows(),
                 names::MAX_NUM_PAGES => self.kv.max_pages_per_context(b),
                 names::TOTAL_NUM_PAGES => self.kv.total_pages(b),
                 other => {
@@ -189,6 +202,7 @@ mod tests {
                 max_batch_input_tokens: budget,
                 enable_chunked_prefill: chunked,
                 data_parallel_degree: dp,
+                num_speculative_tokens: 0,
             },
             kv: KvCacheParams {
                 page_size: 16,
@@ -226,6 +240,14 @@ mod tests {
         let dims = r.max_dims(["batch_size", "input_row_offsets_len"]).unwrap();
         assert_eq!(dims["batch_size"], 32);
         assert_eq!(dims["input_row_offsets_len"], 33);
+    }
+
+    #[test]
+    fn logit_rows_grow_with_the_speculation_depth() {
+        let mut r = rt(8, 512, 512, true, 2);
+        assert_eq!(r.max_dims(["logit_rows"]).unwrap()["logit_rows"], 16);
+        r.batch.num_speculative_tokens = 3;
+        assert_eq!(r.max_dims(["logit_rows"]).unwrap()["logit_rows"], 64);
     }
 
     #[test]

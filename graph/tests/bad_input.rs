@@ -254,6 +254,7 @@ fn bad_step_inputs_are_errors() {
         cache_lengths: vec![0],
         kv_lookup_table: vec![1],
         pages_per_seq: 1,
+        return_n_logits: 1,
     };
     assert!(interp.step(&good, &mut cache).is_ok());
     let cases: [(StepInputs, &str); 4] = [

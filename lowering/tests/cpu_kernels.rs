@@ -82,9 +82,8 @@ fn dims(t: usize, b: usize, max_pages: usize, pages: usize) -> [u64; StepDim::CO
     d[StepDim::BatchSize as usize] = b as u64;
     d[StepDim::MaxNumPages as usize] = max_pages as u64;
     d[StepDim::TotalNumPages as usize] = pages as u64;
-    if let Some(offsets_len) = StepDim::from_name("input_row_offsets_len") {
-        d[offsets_len as usize] = b as u64 + 1;
-    }
+    d[StepDim::InputRowOffsetsLen as usize] = b as u64 + 1;
+    d[StepDim::LogitRows as usize] = b as u64;
     d
 }
 
@@ -199,11 +198,11 @@ fn gather_tokens_in_every_weight_type() {
 }
 
 #[test]
-fn gather_last_rows_zeroes_empty_sequences() {
+fn gather_last_rows_returns_the_last_n_rows_of_each_sequence() {
     let mut rng = Rng(2);
     let cols = 13usize;
     let Some(k) = Kernel::new(KernelBody::Gather {
-        rows: Rows::Step(StepDim::BatchSize),
+        rows: Rows::Step(StepDim::LogitRows),
         cols: cols as u64,
         index: GatherIndex::LastRows,
         src_dtype: DType::F32,
@@ -213,20 +212,27 @@ fn gather_last_rows_zeroes_empty_sequences() {
     let mut offsets: Vec<i32> = vec![0, 3, 3, 4, 9];
     let t = 9;
     let mut x = rng.vec(t * cols);
-    let mut out = vec![f32::NAN; 4 * cols];
-    k.run(&ptrs![x, offsets, out], dims(t, 4, 1, 1));
-    let mut want = Vec::new();
-    for b in 0..4 {
-        let (lo, hi) = (offsets[b] as usize, offsets[b + 1] as usize);
-        for c in 0..cols {
-            want.push(if hi > lo {
-                f64::from(x[(hi - 1) * cols + c])
-            } else {
-                0.0
-            });
+    for n in [1usize, 3] {
+        let mut out = vec![f32::NAN; 4 * n * cols];
+        let mut d = dims(t, 4, 1, 1);
+        d[StepDim::LogitRows as usize] = 4 * n as u64;
+        k.run(&ptrs![x, offsets, out], d);
+        let mut want = Vec::new();
+        for b in 0..4 {
+            let (lo, hi) = (offsets[b] as i64, offsets[b + 1] as i64);
+            for j in 0..n as i64 {
+                let row = hi - n as i64 + j;
+                for c in 0..cols {
+                    want.push(if row >= lo {
+                        f64::from(x[row as usize * cols + c])
+                    } else {
+                        0.0
+                    });
+                }
+            }
         }
+        assert_close(&out, &want, 0.0, &format!("gather last {n} rows"));
     }
-    assert_close(&out, &want, 0.0, "gather last rows");
 }
 
 #[test]

@@ -6,12 +6,13 @@ use maxc_lowering::cuda::{emit_kernel, module_source, CudaError, CudaKernel, Cud
 use maxc_schema::{DType, EwInput, EwInstr, GatherIndex, GridExtent, KernelBody, Rows, StepDim};
 
 const STEP: Rows = Rows::Step(StepDim::TotalSeqLen);
-const DIMS: [&str; 5] = [
+const DIMS: [&str; 6] = [
     "total_seq_len",
     "batch_size",
     "max_num_pages",
     "total_num_pages",
     "input_row_offsets_len",
+    "logit_rows",
 ];
 
 fn sm90() -> CudaTarget {
@@ -38,7 +39,7 @@ fn params(k: &CudaKernel) -> Vec<String> {
         .collect()
 }
 
-/// Asserts the signature: `bufs` as `__restrict__` pointers in order, then the five dims.
+/// Asserts the signature: `bufs` as `__restrict__` pointers in order, then the six dims.
 fn assert_signature(k: &CudaKernel, bufs: &[&str]) {
     assert!(
         k.source
@@ -94,7 +95,7 @@ fn gather_guards_rows_and_reads_the_chosen_row() {
     assert_eq!(k.launch.block, [32, 1, 1]);
 
     let last = emit(&KernelBody::Gather {
-        rows: Rows::Step(StepDim::BatchSize),
+        rows: Rows::Step(StepDim::LogitRows),
         cols: 300,
         index: GatherIndex::LastRows,
         src_dtype: DType::F32,
@@ -104,9 +105,11 @@ fn gather_guards_rows_and_reads_the_chosen_row() {
         &last,
         &[
             "const int* __restrict__ index",
-            "if (i >= batch_size) return;",
-            "i + 1 < input_row_offsets_len && index[i + 1] > index[i]",
-            "(maxc_u64)last < total_seq_len",
+            "if (i >= logit_rows || batch_size == 0) return;",
+            "const maxc_u64 n = logit_rows / batch_size;",
+            "row = (long long)index[b + 1] - (long long)n + (long long)j;",
+            "if (row < (long long)index[b]) row = -1;",
+            "(maxc_u64)row < total_seq_len",
             ": 0.0f;",
         ],
     );

@@ -89,7 +89,7 @@ fn all_kinds() -> Vec<KernelBody> {
                 src_dtype: dtype,
             },
             KernelBody::Gather {
-                rows: Rows::Step(StepDim::BatchSize),
+                rows: Rows::Step(StepDim::LogitRows),
                 cols: 13,
                 index: GatherIndex::LastRows,
                 src_dtype: dtype,

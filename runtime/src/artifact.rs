@@ -254,7 +254,8 @@ impl Artifact {
         })
     }
 
-    /// The bound of each step dim of `role` (0 where the role does not use the dim) and the
+    /// The bound of each step dim of `role` (0 where the role does not use the dim; `logit_rows`
+    /// defaults to `batch_size`'s bound) and the
     /// limits every step of it is checked against.
     pub fn step_limits(&self, role: &str) -> Result<([u64; StepDim::COUNT], StepLimits)> {
         let (entry, program) = match (self.manifest.roles.get(role), self.programs.get(role)) {
@@ -269,6 +270,11 @@ impl Artifact {
         let mut bounds = [0u64; StepDim::COUNT];
         for d in StepDim::ALL {
             bounds[d as usize] = entry.dims.get(d.name()).copied().unwrap_or(0);
+        }
+        // A program returning logits for every token row has no logit_rows dim: one row per
+        // sequence is what its steps ask for.
+        if !entry.dims.contains_key(StepDim::LogitRows.name()) {
+            bounds[StepDim::LogitRows as usize] = bounds[StepDim::BatchSize as usize];
         }
         let limits = StepLimits {
             bounds,

@@ -208,9 +208,36 @@ impl Engine {
         Ok(self.pages.truncate(seq, len)?)
     }
 
-    /// One step: each `(sequence, tokens)` appends a prefill chunk or a decode token. A step
-    /// that fails (bad input, an executor error) leaves every sequence as it was.
+    /// Most logit rows a step returns per sequence ([`Engine::step_n`]): the artifact's
+    /// `num_speculative_tokens` plus one, for programs that return the last rows of each
+    /// sequence.
+    pub fn max_return_n_logits(&self) -> usize {
+        if self.all_logits() {
+            return 1;
+        }
+        let b = self.exec.bounds();
+        (b[StepDim::LogitRows as usize] / b[StepDim::BatchSize as usize].max(1)).max(1) as usize
+    }
+
+    /// One step: each `(sequence, tokens)` appends a prefill chunk or a decode token; the
+    /// logits of each sequence's last row come back (every row's, where the program returns
+    /// all). A step that fails (bad input, an executor error) leaves every sequence as it was.
     pub fn step(&mut self, chunks: &[(u64, &[i64])]) -> Result<Logits> {
+        self.step_n(chunks, 1)
+    }
+
+    /// [`Engine::step`] returning the logits of the last `n` rows of each sequence (row
+    /// `b·n + j` is sequence `b`'s `j`-th of its last `n`; zeros in front where it has fewer),
+    /// so that one step verifies `n - 1` speculated tokens. `n` is at most
+    /// [`Engine::max_return_n_logits`].
+    pub fn step_n(&mut self, chunks: &[(u64, &[i64])], n: usize) -> Result<Logits> {
+        if n == 0 || n > self.max_return_n_logits() {
+            return Err(RuntimeError::Input(format!(
+                "return_n_logits is {n}; this artifact returns 1 to {} logit rows per sequence \
+                 (compile with --num-speculative-tokens to return more)",
+                self.max_return_n_logits()
+            )));
+        }
         for &(seq, tokens) in chunks {
             let end = self.pages.len(seq) + tokens.len();
             if end > self.max_seq_len {
@@ -220,7 +247,8 @@ impl Engine {
                 )));
             }
         }
-        let step = self.pages.prepare(chunks)?;
+        let mut step = self.pages.prepare(chunks)?;
+        step.inputs.return_n_logits = n;
         match self.exec.execute(&step.inputs) {
             Ok(logits) => {
                 self.pages.commit(step)?;

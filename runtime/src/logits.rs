@@ -1,6 +1,7 @@
 //! A step's output.
 
-/// Logits of a step: `rows × vocab`, one row per token row or per sequence.
+/// Logits of a step: `rows × vocab`, one row per token row, or the last `return_n_logits` rows
+/// of each sequence (`batch_size × return_n_logits` rows).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Logits {
     /// Rows.

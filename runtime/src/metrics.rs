@@ -131,6 +131,12 @@ pub struct Metrics {
     pub dp_active_tokens: Counter,
     /// Token budget offered by steps (data parallel).
     pub dp_step_capacity_tokens: Counter,
+    /// Per speculative step: the share of draft tokens accepted at each draft `position`
+    /// (0 is the first draft token), over the sequences that proposed one there.
+    pub spec_decode_acceptance_rate_per_position: HistFamily,
+    /// Per speculative step: draft tokens accepted per proposing sequence (the decoder's own
+    /// token not counted).
+    pub spec_decode_avg_acceptance_length: Histogram,
     /// Load time by `component`.
     pub model_load_time: Family<Labels, Gauge<f64, AtomicU64>>,
     /// Pipelines (artifacts) loaded.
@@ -432,6 +438,20 @@ impl Metrics {
                 "maxserve_dp_step_capacity_tokens",
                 "Token budget offered across replicas",
                 None,
+            ),
+            spec_decode_acceptance_rate_per_position: fam(
+                &mut r,
+                "maxserve_spec_decode_acceptance_rate_per_position",
+                "Share of draft tokens accepted at each draft position",
+                Some(Unit::Other("percent".into())),
+                pct_histogram,
+            ),
+            spec_decode_avg_acceptance_length: hist(
+                &mut r,
+                "maxserve_spec_decode_avg_acceptance_length",
+                "Draft tokens accepted per sequence in a speculative step",
+                Some(tokens()),
+                Histogram::new([0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0]),
             ),
             model_load_time: {
                 let f = Family::<Labels, Gauge<f64, AtomicU64>>::default();

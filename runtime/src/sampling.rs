@@ -110,10 +110,19 @@ impl Sampler {
         (z >> 40) as f32 / (1u64 << 24) as f32
     }
 
-    /// The next token for `logits`.
-    pub fn sample(&mut self, logits: &[f32]) -> usize {
-        if self.params.temperature <= 0.0 {
-            return argmax(logits);
+    /// Whether tokens are chosen by argmax (temperature 0).
+    pub fn is_greedy(&self) -> bool {
+        self.params.temperature <= 0.0
+    }
+
+    /// The tokens [`Sampler::sample`] may choose for `logits`, after temperature, top-k, min-p
+    /// and top-p, with their probabilities (most likely first); greedy gives the argmax alone.
+    pub fn distribution(&self, logits: &[f32]) -> Distribution {
+        if self.is_greedy() {
+            return Distribution {
+                probs: vec![(argmax(logits), 1.0)],
+                mass: 1.0,
+            };
         }
         let t = self.params.temperature;
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -141,21 +150,166 @@ impl Sampler {
                 break;
             }
         }
-        let r = self.next_f32() * mass;
+        probs.truncate(kept);
+        Distribution { probs, mass }
+    }
+
+    /// The next token for `logits`.
+    pub fn sample(&mut self, logits: &[f32]) -> usize {
+        if self.is_greedy() {
+            return argmax(logits);
+        }
+        let d = self.distribution(logits);
+        self.draw(&d)
+    }
+
+    /// A token drawn from `d`.
+    pub fn draw(&mut self, d: &Distribution) -> usize {
+        let r = self.next_f32() * d.mass;
         let mut acc = 0.0;
-        for p in &probs[..kept] {
+        for p in &d.probs {
             acc += p.1;
             if r < acc {
                 return p.0;
             }
         }
-        probs[kept - 1].0
+        d.probs[d.probs.len() - 1].0
     }
+
+    /// Speculative decoding's verification of `draft`, proposed by a draft that drew it from
+    /// `q`, where the decoder's distribution is `p`: accepted with probability
+    /// `min(1, p(draft) / q(draft))`; otherwise a token drawn from the residual
+    /// `max(0, p − q)`, normalised. The token that comes out is distributed exactly as `p`.
+    /// Returns the token and whether it is the draft's. Greedy accepts where the argmax (the
+    /// whole of `p`) is the draft and draws nothing.
+    pub fn verify(&mut self, p: &Distribution, q: &Distribution, draft: usize) -> (usize, bool) {
+        let (pd, qd) = (p.prob(draft), q.prob(draft));
+        if pd >= qd || (!self.is_greedy() && self.next_f32() * qd < pd) {
+            return (draft, true);
+        }
+        let q_of: std::collections::HashMap<usize, f32> =
+            q.probs.iter().map(|&(t, w)| (t, w / q.mass)).collect();
+        let residual: Vec<(usize, f32)> = p
+            .probs
+            .iter()
+            .map(|&(t, w)| (t, w / p.mass - q_of.get(&t).copied().unwrap_or(0.0)))
+            .filter(|r| r.1 > 0.0)
+            .collect();
+        if residual.is_empty() {
+            // p ≤ q everywhere means p = q: the draft was accepted above.
+            return (self.draw(p), false);
+        }
+        let mass = residual.iter().map(|r| r.1).sum();
+        let token = self.draw(&Distribution {
+            probs: residual,
+            mass,
+        });
+        (token, false)
+    }
+}
+
+/// The tokens a sampler may choose, with unnormalised probabilities summing to `mass`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Distribution {
+    /// `(token, weight)`, most likely first.
+    pub probs: Vec<(usize, f32)>,
+    /// The weights' sum.
+    pub mass: f32,
+}
+
+impl Distribution {
+    /// The probability of `token` (0 outside the support).
+    pub fn prob(&self, token: usize) -> f32 {
+        self.probs
+            .iter()
+            .find(|p| p.0 == token)
+            .map_or(0.0, |p| p.1 / self.mass)
+    }
+}
+
+/// Pearson's chi-square statistic of `observed` counts against `expected` probabilities (the
+/// categories with a positive probability; a count where the probability is 0 makes it
+/// infinite), and its degrees of freedom.
+pub fn chi_square(observed: &[u64], expected: &[f64]) -> (f64, usize) {
+    let n: u64 = observed.iter().sum();
+    let mut stat = 0.0;
+    let mut categories = 0usize;
+    for (&o, &p) in observed.iter().zip(expected) {
+        if p > 0.0 {
+            let e = p * n as f64;
+            stat += (o as f64 - e).powi(2) / e;
+            categories += 1;
+        } else if o > 0 {
+            stat = f64::INFINITY;
+        }
+    }
+    (stat, categories.saturating_sub(1))
+}
+
+/// The chi-square distribution's 99.9th percentile at `df` degrees of freedom
+/// (Wilson–Hilferty), the value a correct sampler exceeds one time in a thousand.
+pub fn chi_square_critical(df: usize) -> f64 {
+    let k = df.max(1) as f64;
+    let a = 2.0 / (9.0 * k);
+    k * (1.0 - a + 3.0902 * a.sqrt()).powi(3)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn verification_yields_the_decoders_distribution() {
+        let p_logits = [2.0, 1.0, 0.5, -1.0, 0.0];
+        let q_logits = [0.0, 1.5, 0.5, 1.0, -2.0];
+        let params = SamplingParams {
+            temperature: 1.0,
+            seed: 11,
+            ..Default::default()
+        };
+        let target = Sampler::new(params.clone());
+        let mut verifier = Sampler::new(params.clone());
+        // The draft samples from its top 3 only: q misses a token p can give.
+        let mut draft = Sampler::new(SamplingParams {
+            top_k: 3,
+            seed: 12,
+            ..params
+        });
+        let (p, q) = (
+            target.distribution(&p_logits),
+            draft.distribution(&q_logits),
+        );
+        assert_eq!(q.probs.len(), 3);
+        let mut out = [0u64; 5];
+        let mut proposed = [0u64; 5];
+        let mut accepted = 0;
+        for _ in 0..20_000 {
+            let d = draft.draw(&q);
+            proposed[d] += 1;
+            let (t, ok) = verifier.verify(&p, &q, d);
+            out[t] += 1;
+            accepted += usize::from(ok);
+        }
+        let expected: Vec<f64> = (0..5).map(|t| f64::from(p.prob(t))).collect();
+        let (stat, df) = chi_square(&out, &expected);
+        assert!(
+            stat < chi_square_critical(df),
+            "chi2 {stat} over {df} df: {out:?}"
+        );
+        // The proposals alone are far from p: the test can tell the distributions apart.
+        let (wrong, _) = chi_square(&proposed, &expected);
+        assert!(wrong > 10.0 * chi_square_critical(df), "{wrong}");
+        assert!(accepted > 5_000 && accepted < 20_000, "{accepted}");
+    }
+
+    #[test]
+    fn greedy_verification_accepts_the_argmax_only() {
+        let mut s = Sampler::new(SamplingParams::default());
+        let p = s.distribution(&[0.1, 3.0, 2.0]);
+        let q = s.distribution(&[0.1, 2.0, 3.0]);
+        assert_eq!(s.verify(&p, &q, 2), (1, false));
+        assert_eq!(s.verify(&p, &p, 1), (1, true));
+    }
 
     #[test]
     fn greedy_takes_the_first_maximum() {

@@ -6,9 +6,13 @@ use anyhow::{bail, Context, Result};
 use maxc_runtime::chat::ChatMessage;
 use maxc_runtime::engine::GenerateOptions;
 use maxc_runtime::sampling::SamplingParams;
+use maxc_runtime::scheduler::{
+    Event, Request, Scheduler, SchedulerConfig, Speculation, SpeculationStats,
+};
 use maxc_runtime::Engine;
 use std::io::Write;
 use std::path::PathBuf;
+use std::time::Instant;
 
 /// Arguments of `maxc generate`.
 #[derive(clap::Args, Debug)]
@@ -54,6 +58,8 @@ pub struct Args {
     json: bool,
     #[command(flatten)]
     signature: crate::commands::sign::RequireSignature,
+    #[command(flatten)]
+    speculative: crate::args::SpeculativeArgs,
 }
 
 /// Generates, streaming text (or ids) to stdout.
@@ -67,6 +73,13 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     let key = args.signature.key()?;
+    let speculation = args.speculative.options();
+    if speculation.is_some() && args.role != "decoder" {
+        bail!(
+            "--speculative runs the decoder role; got --role {}",
+            args.role
+        );
+    }
     let mut engine = Engine::open_verified(&args.artifact, &args.role, args.device, key.as_ref())?;
     let artifact = engine.artifact().clone();
     let tokenizer = artifact.tokenizer()?;
@@ -118,7 +131,10 @@ pub fn run(args: Args) -> Result<()> {
     let mut stream = tokenizer.as_ref().map(|t| t.decode_stream(true));
     let mut stdout = std::io::stdout();
     let mut stream_err = None;
-    let out = engine.generate_with(&prompt, &opts, |id| {
+    let started = Instant::now();
+    let mut first_token = None;
+    let on_token = |id: i64| {
+        first_token.get_or_insert_with(Instant::now);
         if !stream_text || eos.contains(&id) {
             return;
         }
@@ -132,7 +148,15 @@ pub fn run(args: Args) -> Result<()> {
                 Err(e) => stream_err = Some(e),
             }
         }
-    })?;
+    };
+    let (out, stats) = match &speculation {
+        None => (engine.generate_with(&prompt, &opts, on_token)?, None),
+        Some(so) => {
+            let spec = Speculation::open(&engine, so, args.device, key.as_ref())?;
+            speculate(engine, spec, &prompt, &opts, on_token)?
+        }
+    };
+    let done = Instant::now();
     if let Some(e) = stream_err {
         return Err(e.into());
     }
@@ -158,5 +182,69 @@ pub fn run(args: Args) -> Result<()> {
                 .join(",")
         );
     }
+    if let Some(first) = first_token {
+        let decode_s = done.duration_since(first).as_secs_f64();
+        eprintln!(
+            "maxc generate: {} tokens; first after {:.1} ms, then {:.1} tokens/s",
+            out.len(),
+            first.duration_since(started).as_secs_f64() * 1e3,
+            (out.len() - 1) as f64 / decode_s.max(1e-9)
+        );
+    }
+    if let Some((depth, st)) = stats {
+        let rates: Vec<String> = st
+            .rates()
+            .iter()
+            .map(|r| format!("{:.0}%", 100.0 * r))
+            .collect();
+        eprintln!(
+            "maxc generate: speculative, {depth} draft tokens per step; accepted by position {}; \
+             {:.2} accepted per step",
+            rates.join(" "),
+            st.mean_accepted()
+        );
+    }
     Ok(())
+}
+
+/// A speculation's depth and what it accepted.
+type Accepted = (usize, SpeculationStats);
+
+/// Generates through the scheduler with `spec`'s draft proposing tokens; returns the tokens
+/// and the speculation's depth and acceptance.
+fn speculate(
+    engine: Engine,
+    spec: Speculation,
+    prompt: &[i64],
+    opts: &GenerateOptions,
+    mut on_token: impl FnMut(i64),
+) -> Result<(Vec<i64>, Option<Accepted>)> {
+    let depth = spec.depth();
+    let cfg = SchedulerConfig::from_runtime(&engine.artifact().manifest.runtime);
+    let metrics = std::sync::Arc::new(maxc_runtime::metrics::Metrics::new());
+    let mut sched = Scheduler::new(engine, cfg, metrics).with_speculation(spec);
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut req = Request::greedy(prompt.to_vec(), opts.max_new_tokens);
+    req.sampling = opts.sampling.clone();
+    req.ignore_eos = !opts.stop_at_eos;
+    sched.submit(req, tx);
+    let mut out = Vec::new();
+    loop {
+        while let Ok(event) = rx.try_recv() {
+            match event {
+                Event::Token { id, .. } => {
+                    out.push(id);
+                    on_token(id);
+                }
+                Event::Error(e) => bail!("{e}"),
+                _ => {}
+            }
+        }
+        if !sched.has_work() {
+            break;
+        }
+        sched.step();
+    }
+    let stats = sched.speculation().map(|s| (depth, s.stats().clone()));
+    Ok((out, stats))
 }

@@ -127,6 +127,12 @@ pub fn run(args: Args) -> Result<()> {
         rt.max_batch_size, rt.data_parallel_degree, rt.max_seq_len, rt.max_batch_input_tokens,
         if rt.enable_chunked_prefill { "on" } else { "off" }, rt.page_size, rt.kv_cache_pages
     );
+    if rt.num_speculative_tokens > 0 {
+        println!(
+            "speculation   the decoder verifies up to {} draft tokens per step",
+            rt.num_speculative_tokens
+        );
+    }
     for (role, r) in r["roles"].as_object().into_iter().flatten() {
         println!(
             "\nrole {role}: {} launches per step, arena {} bytes",

@@ -44,7 +44,7 @@ pub fn plan_json(
     for (role, rg) in &loaded.roles {
         let g = &rg.graph;
         let dims = runtime
-            .max_dims(g.input_dims().iter().map(String::as_str))
+            .max_dims(g.step_dims().iter().map(String::as_str))
             .with_context(|| format!("role {role}"))?;
         all_dims.extend(dims.clone());
         let mut bytes_by_dtype: BTreeMap<String, usize> = BTreeMap::new();
@@ -112,6 +112,13 @@ pub fn run(args: Args) -> Result<()> {
         runtime.kv.page_size,
     );
     println!("max_batch_active_tokens  {}", b.max_batch_active_tokens());
+    if b.num_speculative_tokens > 0 {
+        println!(
+            "num_speculative_tokens   {} (up to {} logit rows per step)",
+            b.num_speculative_tokens,
+            b.max_logit_rows()
+        );
+    }
     for (role, r) in plan["roles"].as_object().into_iter().flatten() {
         println!("\nrole {role}");
         let p = &r["parameters"];

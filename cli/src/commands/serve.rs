@@ -45,6 +45,8 @@ pub struct Args {
     pub graceful_shutdown_timeout_s: f64,
     #[command(flatten)]
     pub signature: crate::commands::sign::RequireSignature,
+    #[command(flatten)]
+    pub speculative: crate::args::SpeculativeArgs,
 }
 
 /// Serves until a signal ends it.
@@ -74,6 +76,7 @@ pub fn run(args: Args) -> Result<()> {
         max_request_bytes: args.max_request_bytes,
         max_queue_size: args.max_queue_size,
         shutdown_timeout: Duration::from_secs_f64(args.graceful_shutdown_timeout_s.max(0.0)),
+        speculation: args.speculative.options(),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

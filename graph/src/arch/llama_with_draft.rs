@@ -69,6 +69,9 @@ impl ModelSpec for LlamaWithDraftModel {
         ]);
         d
     }
+    fn num_draft_tokens(&self) -> Option<usize> {
+        Some(self.num_draft_tokens)
+    }
     fn decoder(&self, role: GraphRole) -> Option<&DecoderConfig> {
         match role {
             GraphRole::Decoder => Some(&self.target),

@@ -67,6 +67,10 @@ pub trait ModelSpec: fmt::Debug + Send + Sync {
     fn deployment(&self) -> DeploymentConfig;
     /// The decoder config of `role`.
     fn decoder(&self, role: GraphRole) -> Option<&DecoderConfig>;
+    /// Tokens the checkpoint's draft proposes per step, where it has a draft.
+    fn num_draft_tokens(&self) -> Option<usize> {
+        None
+    }
     /// Builds `role`'s graph.
     fn build(&self, role: GraphRole, opts: &BuildOptions) -> Result<Graph> {
         match self.decoder(role) {

@@ -159,6 +159,7 @@ impl Interpreter {
             ("input_row_offsets_len".to_string(), b + 1),
             ("max_num_pages".to_string(), s.pages_per_seq),
             ("total_num_pages".to_string(), cache.num_pages),
+            ("logit_rows".to_string(), b * s.return_n_logits),
         ]);
         let widen = |v: &[i32]| v.iter().map(|&x| i64::from(x)).collect::<Vec<i64>>();
         let (offs, lens, lut) = (
@@ -313,14 +314,17 @@ impl Interpreter {
                 Op::LastTokens => {
                     let h = last(0);
                     let x = v(0).f();
+                    let n = s.return_n_logits;
                     Val::F(
-                        (0..b)
+                        (0..b * n)
                             .flat_map(|i| {
-                                let end = offs[i + 1] as usize;
-                                if end == offs[i] as usize {
+                                let (start, end) = (offs[i / n], offs[i / n + 1]);
+                                let row = end - n as i64 + (i % n) as i64;
+                                if row < start {
                                     vec![0.0; h]
                                 } else {
-                                    x[(end - 1) * h..end * h].to_vec()
+                                    let row = row as usize;
+                                    x[row * h..(row + 1) * h].to_vec()
                                 }
                             })
                             .collect(),

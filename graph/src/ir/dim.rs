@@ -25,6 +25,8 @@ pub mod names {
     pub const MAX_NUM_PAGES: &str = "max_num_pages";
     /// Pages in the KV cache.
     pub const TOTAL_NUM_PAGES: &str = "total_num_pages";
+    /// Logit rows of a step: each sequence's last `return_n_logits` rows.
+    pub const LOGIT_ROWS: &str = "logit_rows";
 }
 
 impl Dim {

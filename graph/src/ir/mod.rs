@@ -148,10 +148,12 @@ impl Graph {
         counts
     }
 
-    /// Every symbolic dim named in the graph's inputs, sorted.
-    pub fn input_dims(&self) -> BTreeSet<String> {
+    /// Every symbolic dim named in the graph's inputs and outputs (the per-step sizes its
+    /// buffers are planned at), sorted.
+    pub fn step_dims(&self) -> BTreeSet<String> {
         self.inputs
             .iter()
+            .chain(self.outputs.iter().map(|(_, n)| n))
             .flat_map(|&n| self.dag[n].ty.shape.iter())
             .filter_map(|d| match d {
                 Dim::Sym(s) => Some(s.clone()),

@@ -134,7 +134,9 @@ pub enum Op {
         /// Experts E.
         num_experts: usize,
     },
-    /// `(x [T, H], input_row_offsets [B+1]) -> [B, H]`: the last row of each sequence.
+    /// `(x [T, H], input_row_offsets [B+1]) -> [logit_rows, H]`: the last `return_n_logits`
+    /// rows of each sequence (`logit_rows = B × return_n_logits`), zeros in front where a
+    /// sequence has fewer rows.
     LastTokens,
 }
 
@@ -378,9 +380,9 @@ impl Op {
                 rank(x, 2, "x")?;
                 rank(offs, 1, "input_row_offsets")?;
                 integer(offs, "input_row_offsets")?;
-                let b = match &offs.shape[0] {
-                    Dim::Fixed(n) if *n >= 1 => Dim::Fixed(n - 1),
-                    Dim::Sym(s) if s == names::INPUT_ROW_OFFSETS_LEN => Dim::sym(names::BATCH_SIZE),
+                match &offs.shape[0] {
+                    Dim::Fixed(n) if *n >= 1 => {}
+                    Dim::Sym(s) if s == names::INPUT_ROW_OFFSETS_LEN => {}
                     other => {
                         return Err(format!(
                             "input_row_offsets has length {other}, expected {}",
@@ -388,7 +390,10 @@ impl Op {
                         ))
                     }
                 };
-                Ok(TensorType::new(DType::F32, [b, x.shape[1].clone()]))
+                Ok(TensorType::new(
+                    DType::F32,
+                    [Dim::sym(names::LOGIT_ROWS), x.shape[1].clone()],
+                ))
             }
         }
     }

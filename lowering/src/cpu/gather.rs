@@ -1,15 +1,15 @@
-//! Row gathers: embedding lookup by token id, and the last row of each sequence.
+//! Row gathers: embedding lookup by token id, and the last rows of each sequence.
 
 use super::builder::{check_size, KernelBuilder};
 use super::dtype::{self, FloatType};
 use super::CpuError;
 use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::{InstBuilder, Value};
-use maxc_schema::{DType, GatherIndex};
+use maxc_schema::{DType, GatherIndex, StepDim};
 
 /// Emits [`maxc_schema::KernelBody::Gather`]: for each output row `i` of this call's
-/// slice, copies (and widens to f32) the chosen source row with f32x4 stores; a sequence
-/// without rows gets a zero row.
+/// slice, copies (and widens to f32) the chosen source row with f32x4 stores; a last row
+/// before its sequence's first gets zeros.
 pub(crate) fn emit(
     kb: &mut KernelBuilder,
     cols: u64,
@@ -31,16 +31,23 @@ pub(crate) fn emit(
                 copy_row(kb, ft, cols, src, token, out_row);
             }
             GatherIndex::LastRows => {
-                let lo = kb.load_i32(idx, i);
-                let next = kb.b.ins().iadd_imm_s(i, 1);
+                // Rows per sequence n = logit_rows / batch_size (batch_size ≥ 1 where a row
+                // exists); output row i is row j = i mod n of sequence b = i / n's last n.
+                let logit_rows = kb.dim(StepDim::LogitRows);
+                let batch = kb.dim(StepDim::BatchSize);
+                let n = kb.b.ins().udiv(logit_rows, batch);
+                let seq = kb.b.ins().udiv(i, n);
+                let seq_start = kb.b.ins().imul(seq, n);
+                let j = kb.b.ins().isub(i, seq_start);
+                let lo = kb.load_i32(idx, seq);
+                let next = kb.b.ins().iadd_imm_s(seq, 1);
                 let hi = kb.load_i32(idx, next);
-                let has_rows = kb.b.ins().icmp(IntCC::SignedGreaterThan, hi, lo);
+                let back = kb.b.ins().isub(hi, n);
+                let row = kb.b.ins().iadd(back, j);
+                let has_row = kb.b.ins().icmp(IntCC::SignedGreaterThanOrEqual, row, lo);
                 kb.if_else(
-                    has_rows,
-                    |kb| {
-                        let last = kb.b.ins().iadd_imm_s(hi, -1);
-                        copy_row(kb, ft, cols, src, last, out_row);
-                    },
+                    has_row,
+                    |kb| copy_row(kb, ft, cols, src, row, out_row),
                     |kb| {
                         kb.map_cols(cols, |kb, ty, c| {
                             let zero = kb.fconst(ty, 0.0);

@@ -1,4 +1,4 @@
-//! Row gathers: embedding lookup by token id, and the last row of each sequence.
+//! Row gathers: embedding lookup by token id, and the last rows of each sequence.
 
 use super::source::{self, fill, per_row, rows_expr, ull, Buf, Ctx};
 use super::{CudaError, Emitted};
@@ -6,8 +6,8 @@ use maxc_schema::{CudaLaunch, DType, GatherIndex, GridExtent, Rows};
 
 /// Emits [`maxc_schema::KernelBody::Gather`]: one block per output row `i < rows`,
 /// threads striding over the columns. `Tokens` copies source row `index[i]`; `LastRows` copies
-/// row `index[i + 1] - 1` when sequence `i` has rows (and that row is below `total_seq_len`),
-/// zeros otherwise.
+/// row `index[b + 1] - n + j` for output row `i = b·n + j` (`n = logit_rows / batch_size`) when
+/// that row belongs to sequence `b` (and lies below `total_seq_len`), zeros otherwise.
 pub(crate) fn emit(
     cx: Ctx,
     rows: Rows,
@@ -38,13 +38,18 @@ pub(crate) fn emit(
             fill(
                 r#"
     const maxc_u64 i = blockIdx.x;
-    if (i >= ${ROWS}) return;
-    // Sequence i owns rows index[i]..index[i + 1]; its last row, if any.
-    long long last = -1;
-    if (i + 1 < input_row_offsets_len && index[i + 1] > index[i]) last = (long long)index[i + 1] - 1;
-    const bool has_row = last >= 0 && (maxc_u64)last < total_seq_len;
+    if (i >= ${ROWS} || batch_size == 0) return;
+    // Row j of sequence b's last n rows; sequence b owns rows index[b]..index[b + 1].
+    const maxc_u64 n = logit_rows / batch_size;
+    const maxc_u64 b = i / n, j = i % n;
+    long long row = -1;
+    if (b + 1 < input_row_offsets_len) {
+        row = (long long)index[b + 1] - (long long)n + (long long)j;
+        if (row < (long long)index[b]) row = -1;
+    }
+    const bool has_row = row >= 0 && (maxc_u64)row < total_seq_len;
     for (maxc_u64 c = threadIdx.x; c < ${COLS}; c += blockDim.x)
-        out[i * ${COLS} + c] = has_row ? maxc_ld(src, (maxc_u64)last * ${COLS} + c) : 0.0f;
+        out[i * ${COLS} + c] = has_row ? maxc_ld(src, (maxc_u64)row * ${COLS} + c) : 0.0f;
 "#,
                 &vars,
             ),

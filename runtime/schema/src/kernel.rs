@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 /// range, buffer order). Bumped whenever that meaning changes without the body changing (as
 /// when attention's parallel range became (row, KV head) pairs), so that code compiled under the
 /// old meaning no longer matches its body's [`KernelBody::digest`].
-pub const KERNEL_CONTRACT: &str = "maxc kernel contract 2";
+pub const KERNEL_CONTRACT: &str = "maxc kernel contract 3";
 
 /// A per-step size, by its slot in the `dims` array passed to every kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -40,11 +40,14 @@ pub enum StepDim {
     TotalNumPages = 3,
     /// Entries of `input_row_offsets` (`input_row_offsets_len`, the batch size plus one).
     InputRowOffsetsLen = 4,
+    /// Logit rows the step returns (`logit_rows`): the last `return_n_logits` rows of each
+    /// sequence, `batch_size × return_n_logits`.
+    LogitRows = 5,
 }
 
 impl StepDim {
     /// Slots in the `dims` array.
-    pub const COUNT: usize = 5;
+    pub const COUNT: usize = 6;
 
     /// Every step dim, in slot order.
     pub const ALL: [StepDim; StepDim::COUNT] = [
@@ -53,6 +56,7 @@ impl StepDim {
         StepDim::MaxNumPages,
         StepDim::TotalNumPages,
         StepDim::InputRowOffsetsLen,
+        StepDim::LogitRows,
     ];
 
     /// The graph's name of this dim.
@@ -63,6 +67,7 @@ impl StepDim {
             StepDim::MaxNumPages => "max_num_pages",
             StepDim::TotalNumPages => "total_num_pages",
             StepDim::InputRowOffsetsLen => "input_row_offsets_len",
+            StepDim::LogitRows => "logit_rows",
         }
     }
 
@@ -110,8 +115,9 @@ pub struct EwInput {
 pub enum GatherIndex {
     /// Row `i` of the output is row `index[i]` (i64 token ids) of the source; `rows` = tokens.
     Tokens,
-    /// Row `b` of the output is row `index[b + 1] - 1` (i32 row offsets) of the source, the last
-    /// row of sequence `b`; a sequence without rows gets zeros.
+    /// The last `n = logit_rows / batch_size` rows of each sequence (i32 row offsets in
+    /// `index`): output row `b·n + j` is source row `index[b + 1] - n + j`, or zeros where that
+    /// row lies before the sequence's first (`index[b]`). The kernel's rows are `logit_rows`.
     LastRows,
 }
 

@@ -37,6 +37,10 @@ pub struct RuntimeSettings {
     pub page_size: u64,
     /// Pages in each role's KV cache.
     pub kv_cache_pages: u64,
+    /// Draft tokens a decoder step can verify (speculative decoding): steps return up to this
+    /// many plus one logit rows per sequence.
+    #[serde(default)]
+    pub num_speculative_tokens: u64,
 }
 
 /// What a role's program needs.

@@ -443,6 +443,7 @@ impl PageTable {
             cache_lengths: Vec::with_capacity(chunks.len()),
             kv_lookup_table: Vec::with_capacity(chunks.len().saturating_mul(width)),
             pages_per_seq: width,
+            return_n_logits: 1,
         };
         inputs.input_row_offsets.push(0);
         let mut step_chunks = Vec::with_capacity(chunks.len());
@@ -1314,6 +1315,7 @@ mod tests {
                 cache_lengths: vec![0, 3, 0],
                 kv_lookup_table: vec![2, 3, 0, 0, 1, 0, 0, 0, 0],
                 pages_per_seq: 3,
+                return_n_logits: 1,
             }
         );
         assert_eq!((t.len(9), t.len(5)), (0, 3));

@@ -16,6 +16,9 @@ pub struct StepInputs {
     pub kv_lookup_table: Vec<i32>,
     /// Columns of `kv_lookup_table`.
     pub pages_per_seq: usize,
+    /// Logit rows returned per sequence: its last `return_n_logits` rows (zeros in front where
+    /// a sequence has fewer), so that a step can verify speculated tokens. At least 1.
+    pub return_n_logits: usize,
 }
 
 /// What a step may hold: the bounds of the program that runs it and its cache.
@@ -61,18 +64,25 @@ impl StepInputs {
     pub fn checked_dims(&self, limits: &StepLimits) -> Result<[u64; StepDim::COUNT], StepError> {
         let b = self.batch_size() as u64;
         let bounds = &limits.bounds;
+        if self.return_n_logits == 0 {
+            return Err(StepError(
+                "return_n_logits is 0; a step returns at least one logit row per sequence".into(),
+            ));
+        }
         let dims = [
             self.tokens.len() as u64,
             b,
             self.pages_per_seq as u64,
             bounds[StepDim::TotalNumPages as usize],
             b + 1,
+            b.saturating_mul(self.return_n_logits as u64),
         ];
         for d in [
             StepDim::TotalSeqLen,
             StepDim::BatchSize,
             StepDim::MaxNumPages,
             StepDim::InputRowOffsetsLen,
+            StepDim::LogitRows,
         ] {
             if dims[d as usize] > bounds[d as usize] {
                 return Err(StepError(format!(
@@ -159,7 +169,7 @@ mod tests {
 
     fn limits() -> StepLimits {
         StepLimits {
-            bounds: [8, 2, 2, 4, 3],
+            bounds: [8, 2, 2, 4, 3, 4],
             vocab_size: 10,
             page_size: 4,
             max_seq_len: 7,
@@ -173,12 +183,18 @@ mod tests {
             cache_lengths: vec![0, 4],
             kv_lookup_table: vec![0, 0, 1, 2],
             pages_per_seq: 2,
+            return_n_logits: 1,
         }
     }
 
     #[test]
     fn a_good_step_gives_its_dims() {
-        assert_eq!(good().checked_dims(&limits()), Ok([3, 2, 2, 4, 3]));
+        assert_eq!(good().checked_dims(&limits()), Ok([3, 2, 2, 4, 3, 2]));
+        let two = StepInputs {
+            return_n_logits: 2,
+            ..good()
+        };
+        assert_eq!(two.checked_dims(&limits()), Ok([3, 2, 2, 4, 3, 4]));
         assert_eq!(good().context_lengths(), vec![2, 5]);
     }
 
@@ -263,6 +279,20 @@ mod tests {
                 },
                 "max_num_pages is 3",
             ),
+            (
+                StepInputs {
+                    return_n_logits: 3,
+                    ..good()
+                },
+                "logit_rows is 6",
+            ),
+            (
+                StepInputs {
+                    return_n_logits: 0,
+                    ..good()
+                },
+                "return_n_logits is 0",
+            ),
         ];
         for (inputs, want) in cases {
             let e = inputs.checked_dims(&limits()).unwrap_err().to_string();
@@ -274,6 +304,7 @@ mod tests {
             cache_lengths: vec![0],
             kv_lookup_table: vec![0, 1],
             pages_per_seq: 2,
+            return_n_logits: 1,
         };
         let e = many.checked_dims(&limits()).unwrap_err().to_string();
         assert!(e.contains("total_seq_len is 9"), "{e}");

@@ -585,6 +585,11 @@ fn operand_uses(body: &KernelBody, cx: &Ctx, what: &str) -> Result<Vec<Use>, Val
             index,
             src_dtype,
         } => {
+            if matches!(index, GatherIndex::LastRows) && *rows != Rows::Step(StepDim::LogitRows) {
+                return err(format!(
+                    "{what}: a last-rows gather runs over logit_rows rows, not {rows:?}"
+                ));
+            }
             let rows = cx.rows(rows, what)?;
             let (src, idx) = match index {
                 GatherIndex::Tokens => (
@@ -592,11 +597,8 @@ fn operand_uses(body: &KernelBody, cx: &Ctx, what: &str) -> Result<Vec<Use>, Val
                     Use::Input("tokens"),
                 ),
                 GatherIndex::LastRows => {
-                    if rows > b()? {
-                        return err(format!(
-                            "{what}: gathers {rows} last rows, above batch_size's bound"
-                        ));
-                    }
+                    // Sequence b = i / n reads offsets b and b + 1: within batch_size + 1.
+                    b()?;
                     (
                         vals(*src_dtype, mul(&[t()?, *cols], what)?),
                         Use::Input("input_row_offsets"),

@@ -494,9 +494,19 @@ impl CpuExecutor {
                             u64::try_from(id).ok().filter(|&i| i < table_rows)
                         }
                         GatherIndex::LastRows => {
-                            // SAFETY: row offsets hold batch_size + 1 values.
-                            let end = unsafe { *args[1].cast::<i32>().add(r + 1) };
-                            u64::try_from(end - 1).ok().filter(|&i| i < table_rows)
+                            // Row j of sequence b's last n rows (rows ≥ 1 so batch_size ≥ 1).
+                            let n = dims[StepDim::LogitRows as usize] as usize
+                                / (dims[StepDim::BatchSize as usize] as usize).max(1);
+                            let (b, j) = (r / n, r % n);
+                            // SAFETY: row offsets hold batch_size + 1 values and b < batch_size.
+                            let (start, end) = unsafe {
+                                let offs = args[1].cast::<i32>();
+                                (*offs.add(b), *offs.add(b + 1))
+                            };
+                            let row = i64::from(end) - n as i64 + j as i64;
+                            u64::try_from(row)
+                                .ok()
+                                .filter(|&i| row >= i64::from(start) && i < table_rows)
                         }
                     };
                     match src {

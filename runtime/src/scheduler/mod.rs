@@ -15,15 +15,18 @@
 
 pub mod prefix;
 pub mod request;
+pub mod speculative;
 
 use crate::engine::Engine;
 use crate::error::RuntimeError;
 use crate::metrics::{BatchType, Metrics};
-use crate::sampling::Sampler;
+use crate::sampling::{Distribution, Sampler};
 use crate::schema::manifest::RuntimeSettings;
 use crate::schema::PageError;
 use prefix::PrefixCache;
 pub use request::{Event, EventSender, FinishReason, Request, TokenLogprob, Usage};
+use speculative::{Acceptance, Planned};
+pub use speculative::{Speculation, SpeculationOptions, SpeculationStats};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
@@ -74,6 +77,10 @@ struct Active {
     cached_tokens: usize,
     admitted_once: bool,
     prompt_logprobs: Vec<TokenLogprob>,
+    /// Tokens whose KV the draft has cached (speculative decoding).
+    draft_computed: usize,
+    /// The draft's sampler (its own stream, so that proposals do not shift the decoder's).
+    draft_sampler: Sampler,
 }
 
 impl Active {
@@ -82,6 +89,54 @@ impl Active {
     }
     fn is_decode(&self) -> bool {
         self.generated > 0 && self.pending() == 1
+    }
+
+    /// The next token from the decoder's logits `raw` at this position: sampled, or, where a
+    /// draft proposed `draft` from its distribution, verified (see
+    /// [`crate::sampling::Sampler::verify`]). Returns the token and whether it is the draft's.
+    fn choose(
+        &mut self,
+        raw: &[f32],
+        draft: Option<&(i64, Distribution)>,
+        eos: &[i64],
+    ) -> (i64, bool) {
+        let mut row = raw.to_vec();
+        if self.req.sampling.has_penalties() {
+            self.req
+                .sampling
+                .penalize(&mut row, &self.req.prompt, &self.output_counts);
+        }
+        if self.generated < self.req.min_tokens {
+            for (t, l) in row.iter_mut().enumerate() {
+                if self.stops(t as i64, eos) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        match draft {
+            None => (self.sampler.sample(&row) as i64, false),
+            Some((d, q)) => {
+                let p = self.sampler.distribution(&row);
+                let (t, ok) = self.sampler.verify(&p, q, *d as usize);
+                (t as i64, ok)
+            }
+        }
+    }
+
+    /// Whether `t` ends the request (an end-of-sequence token unless ignored, or a stop id).
+    fn stops(&self, t: i64, eos: &[i64]) -> bool {
+        (!self.req.ignore_eos && eos.contains(&t)) || self.req.stop_token_ids.contains(&t)
+    }
+
+    fn finished(&self, reason: FinishReason) -> Event {
+        Event::Finished {
+            reason,
+            usage: Usage {
+                prompt_tokens: self.req.prompt.len(),
+                completion_tokens: self.generated,
+                cached_tokens: self.cached_tokens,
+            },
+        }
     }
 }
 
@@ -108,7 +163,11 @@ pub struct Scheduler {
     next_seq: u64,
     eos: Vec<i64>,
     metrics: Arc<Metrics>,
+    spec: Option<Speculation>,
 }
+
+/// Where the draft's sampler starts: the request's seed moved to a stream of its own.
+const DRAFT_SEED: u64 = 0xD1B5_4A32_D192_ED03;
 
 /// The log-softmax of `row` at `token`, and the `k` most likely tokens with theirs.
 fn logprob(row: &[f32], token: i64, k: usize) -> TokenLogprob {
@@ -154,7 +213,34 @@ impl Scheduler {
             next_seq: 0,
             eos,
             metrics,
+            spec: None,
         }
+    }
+
+    /// Turns on speculative decoding with `spec` for every request.
+    pub fn with_speculation(mut self, spec: Speculation) -> Self {
+        self.spec = Some(spec);
+        self
+    }
+
+    /// The speculative-decoding draft, where it is on.
+    pub fn speculation(&self) -> Option<&Speculation> {
+        self.spec.as_ref()
+    }
+
+    /// Draft tokens `a` may have verified in its next step: none without speculation, while
+    /// its draft is far behind, or where more tokens could not be used (max_tokens, the
+    /// context length).
+    fn proposals(&self, a: &Active) -> usize {
+        let Some(spec) = &self.spec else {
+            return 0;
+        };
+        if a.tokens.len() - a.draft_computed.min(a.tokens.len()) > spec.depth + 1 {
+            return 0;
+        }
+        spec.depth
+            .min(a.req.max_tokens.saturating_sub(a.generated + 1))
+            .min(self.engine.max_seq_len().saturating_sub(a.tokens.len() + 1))
     }
 
     /// The engine.
@@ -211,6 +297,10 @@ impl Scheduler {
             return;
         }
         let sampler = Sampler::new(req.sampling.clone());
+        let draft_sampler = Sampler::new(crate::sampling::SamplingParams {
+            seed: req.sampling.seed ^ DRAFT_SEED,
+            ..req.sampling.clone()
+        });
         self.waiting.push_back(Active {
             tokens: req.prompt.clone(),
             req,
@@ -224,6 +314,8 @@ impl Scheduler {
             cached_tokens: 0,
             admitted_once: false,
             prompt_logprobs: Vec::new(),
+            draft_computed: 0,
+            draft_sampler,
         });
         self.metrics
             .num_requests_queued
@@ -237,6 +329,9 @@ impl Scheduler {
             p.insert(self.engine.pages_mut(), &a.tokens[..a.computed], &pages);
         }
         self.engine.release(a.seq);
+        if let Some(spec) = self.spec.as_mut() {
+            spec.engine.release(a.seq);
+        }
     }
 
     fn drop_cancelled(&mut self) -> usize {
@@ -267,13 +362,14 @@ impl Scheduler {
             .saturating_sub(self.engine.pages().pages(seq).len())
     }
 
-    /// Composes the next step: `(index into running, tokens)` per chunk, in replica order.
-    fn compose(&mut self) -> Vec<(usize, usize)> {
+    /// Composes the next step: each planned sequence with its tokens and the draft tokens it
+    /// may propose, in replica order.
+    fn compose(&mut self) -> Vec<Planned> {
         let dp = self.cfg.data_parallel_degree;
         let mut budget = vec![self.cfg.max_batch_input_tokens; dp];
         let mut contexts = vec![0usize; dp];
         let mut has_prefill = vec![false; dp];
-        let mut plan: Vec<Vec<(usize, usize)>> = vec![Vec::new(); dp];
+        let mut plan: Vec<Vec<Planned>> = (0..dp).map(|_| Vec::new()).collect();
         for a in &self.running {
             contexts[a.replica] += 1;
         }
@@ -300,17 +396,22 @@ impl Scheduler {
                     take(a.pending(), budget[r], has_prefill[r])
                 };
                 if n > 0 {
-                    budget[r] = budget[r].saturating_sub(n);
+                    let propose = if pass {
+                        self.proposals(a).min(budget[r] - n)
+                    } else {
+                        0
+                    };
+                    budget[r] = budget[r].saturating_sub(n + propose);
                     has_prefill[r] |= !pass;
-                    plan[r].push((i, n));
+                    plan[r].push(Planned::new(i, n, propose));
                 }
             }
         }
         // Admission, first come first served, while pages last.
         let mut free = self.engine.pages().free_pages() + self.cached_only_pages();
         for p in plan.iter().flatten() {
-            let a = &self.running[p.0];
-            free = free.saturating_sub(self.pages_needed(a.seq, a.computed, p.1));
+            let a = &self.running[p.idx];
+            free = free.saturating_sub(self.pages_needed(a.seq, a.computed, p.n + p.propose));
         }
         while let Some(head) = self.waiting.front() {
             let Some(r) = (0..dp)
@@ -368,10 +469,10 @@ impl Scheduler {
             has_prefill[r] = true;
             contexts[r] += 1;
             self.running.push(a);
-            plan[r].push((self.running.len() - 1, n));
+            plan[r].push(Planned::new(self.running.len() - 1, n, 0));
         }
         if dp > 1 {
-            let used: usize = plan.iter().flatten().map(|p| p.1).sum();
+            let used: usize = plan.iter().flatten().map(|p| p.n + p.propose).sum();
             let capacity = self.cfg.max_batch_input_tokens * dp;
             let ctx: usize = contexts.iter().sum();
             let m = &self.metrics;
@@ -387,17 +488,21 @@ impl Scheduler {
 
     /// Preempts the youngest running request in `plan` (freeing its pages and sending it back to
     /// the head of the queue to be recomputed); returns false where there is none.
-    fn preempt_youngest(&mut self, plan: &mut Vec<(usize, usize)>) -> bool {
-        let Some(victim) = plan.iter().map(|p| p.0).max() else {
+    fn preempt_youngest(&mut self, plan: &mut Vec<Planned>) -> bool {
+        let Some(victim) = plan.iter().map(|p| p.idx).max() else {
             return false;
         };
         let mut a = self.running.remove(victim);
         self.engine.release(a.seq);
+        if let Some(spec) = self.spec.as_mut() {
+            spec.engine.release(a.seq);
+        }
         a.computed = 0;
-        plan.retain(|p| p.0 != victim);
+        a.draft_computed = 0;
+        plan.retain(|p| p.idx != victim);
         for p in plan.iter_mut() {
-            if p.0 > victim {
-                p.0 -= 1;
+            if p.idx > victim {
+                p.idx -= 1;
             }
         }
         self.metrics.cache_preemption_count.inc();
@@ -411,6 +516,9 @@ impl Scheduler {
         report.finished += self.drop_cancelled();
         let t0 = Instant::now();
         let mut plan = self.compose();
+        if let Some(spec) = self.spec.as_mut() {
+            speculative::propose(spec, &mut self.running, &mut plan);
+        }
         let creation_ms = t0.elapsed().as_secs_f64() * 1e3;
         // Execute, evicting cached pages and then preempting until the step fits.
         let (logits, plan, exec_ms) = loop {
@@ -430,15 +538,23 @@ impl Scheduler {
                 self.update_gauges();
                 return report;
             }
-            let chunks: Vec<(u64, &[i64])> = plan
+            let rows: Vec<Vec<i64>> = plan
                 .iter()
-                .map(|&(i, n)| {
-                    let a = &self.running[i];
-                    (a.seq, &a.tokens[a.computed..a.computed + n])
+                .map(|p| {
+                    let a = &self.running[p.idx];
+                    let mut t = a.tokens[a.computed..a.computed + p.n].to_vec();
+                    t.extend(p.drafts.iter().map(|d| d.0));
+                    t
                 })
                 .collect();
+            let chunks: Vec<(u64, &[i64])> = plan
+                .iter()
+                .zip(&rows)
+                .map(|(p, t)| (self.running[p.idx].seq, &t[..]))
+                .collect();
+            let n_logits = 1 + plan.iter().map(|p| p.drafts.len()).max().unwrap_or(0);
             let t = Instant::now();
-            match self.engine.step(&chunks) {
+            match self.engine.step_n(&chunks, n_logits) {
                 Ok(l) => break (l, plan, t.elapsed().as_secs_f64() * 1e3),
                 Err(RuntimeError::Pages(PageError::OutOfPages { needed, .. })) => {
                     let want = self.engine.pages().free_pages() + needed;
@@ -456,6 +572,9 @@ impl Scheduler {
                                 self.engine.pages().page_size()
                             )));
                             self.engine.release(a.seq);
+                            if let Some(spec) = self.spec.as_mut() {
+                                spec.engine.release(a.seq);
+                            }
                             report.finished += 1;
                             self.update_gauges();
                             return report;
@@ -469,7 +588,7 @@ impl Scheduler {
                 }
                 Err(e) => {
                     // The step's inputs were refused: fail its requests, keep serving others.
-                    let mut idx: Vec<usize> = plan.iter().map(|p| p.0).collect();
+                    let mut idx: Vec<usize> = plan.iter().map(|p| p.idx).collect();
                     idx.sort_unstable();
                     for &i in idx.iter().rev() {
                         let a = self.running.remove(i);
@@ -483,19 +602,26 @@ impl Scheduler {
             }
         };
         let all_logits = self.engine.all_logits();
+        let n_logits = if all_logits {
+            1
+        } else {
+            logits.rows / plan.len().max(1)
+        };
         let page_size = self.engine.pages().page_size();
         let max_seq_len = self.engine.max_seq_len();
         let mut done = Vec::new();
         let mut row_end = 0usize;
         let mut prefill = false;
         let mut context_tokens = 0;
-        for (b, &(i, n)) in plan.iter().enumerate() {
+        let mut acceptance = Acceptance::default();
+        for (b, p) in plan.iter().enumerate() {
+            let (i, n, k) = (p.idx, p.n, p.drafts.len());
             let a = &mut self.running[i];
             let start = a.computed;
             prefill |= !a.is_decode();
-            report.tokens += n;
-            context_tokens += start + n;
-            row_end += n;
+            report.tokens += n + k;
+            context_tokens += start + n + k;
+            row_end += n + k;
             if a.req.prompt_logprobs && all_logits {
                 if start == 0 {
                     // The first prompt token has no log-probability.
@@ -515,69 +641,78 @@ impl Scheduler {
                 }
             }
             a.computed += n;
+            let mut finish = None;
+            if a.pending() == 0 {
+                if !a.prompt_logprobs.is_empty() {
+                    let lp = std::mem::take(&mut a.prompt_logprobs);
+                    let _ = a.events.send(Event::PromptLogprobs(lp));
+                }
+                if a.generated >= a.req.max_tokens {
+                    finish = Some(FinishReason::Length);
+                }
+                // The logits of the sequence's last row, and of each proposal before it.
+                let row_of = |j: usize| {
+                    if all_logits {
+                        row_end - 1
+                    } else {
+                        b * n_logits + n_logits - 1 - k + j
+                    }
+                };
+                // Proposals in play (all k after a rejection; those compared where the
+                // request ended first), and those accepted.
+                let (mut examined, mut accepted) = (0, 0);
+                let mut j = 0;
+                while finish.is_none() && j <= k {
+                    examined += usize::from(j < k);
+                    let raw = logits.row(row_of(j));
+                    let (token, ok) = a.choose(raw, p.drafts.get(j), &self.eos);
+                    let lp = a.req.logprobs.map(|k| logprob(raw, token, k));
+                    a.tokens.push(token);
+                    a.generated += 1;
+                    *a.output_counts.entry(token).or_default() += 1;
+                    let _ = a.events.send(Event::Token {
+                        id: token,
+                        logprob: lp,
+                    });
+                    finish = if a.stops(token, &self.eos) && a.generated >= a.req.min_tokens {
+                        Some(FinishReason::Stop)
+                    } else if a.generated >= a.req.max_tokens || a.tokens.len() >= max_seq_len {
+                        Some(FinishReason::Length)
+                    } else {
+                        None
+                    };
+                    if !ok {
+                        examined = k;
+                        break;
+                    }
+                    // The accepted draft token's KV is already cached.
+                    accepted += 1;
+                    a.computed += 1;
+                    j += 1;
+                }
+                acceptance.add(examined, accepted);
+            }
+            if k > 0 {
+                // Drop the rejected proposals from both caches.
+                let _ = self.engine.truncate(a.seq, a.computed);
+                if let Some(spec) = self.spec.as_mut() {
+                    a.draft_computed = a.draft_computed.min(a.computed);
+                    let _ = spec.engine.truncate(a.seq, a.draft_computed);
+                }
+            }
             if a.computed / page_size > start / page_size {
                 if let Some(cache) = self.prefix.as_mut() {
                     let pages = self.engine.pages().pages(a.seq).to_vec();
                     cache.insert(self.engine.pages_mut(), &a.tokens[..a.computed], &pages);
                 }
             }
-            if a.pending() > 0 {
-                continue;
-            }
-            if !a.prompt_logprobs.is_empty() {
-                let lp = std::mem::take(&mut a.prompt_logprobs);
-                let _ = a.events.send(Event::PromptLogprobs(lp));
-            }
-            let finish = |a: &Active, reason| Event::Finished {
-                reason,
-                usage: Usage {
-                    prompt_tokens: a.req.prompt.len(),
-                    completion_tokens: a.generated,
-                    cached_tokens: a.cached_tokens,
-                },
-            };
-            if a.generated >= a.req.max_tokens {
-                let _ = a.events.send(finish(a, FinishReason::Length));
-                done.push(i);
-                continue;
-            }
-            let raw = logits.row(if all_logits { row_end - 1 } else { b });
-            let mut row = raw.to_vec();
-            if a.req.sampling.has_penalties() {
-                a.req
-                    .sampling
-                    .penalize(&mut row, &a.req.prompt, &a.output_counts);
-            }
-            let stops = |t: i64| {
-                (!a.req.ignore_eos && self.eos.contains(&t)) || a.req.stop_token_ids.contains(&t)
-            };
-            if a.generated < a.req.min_tokens {
-                for (t, l) in row.iter_mut().enumerate() {
-                    if stops(t as i64) {
-                        *l = f32::NEG_INFINITY;
-                    }
-                }
-            }
-            let token = a.sampler.sample(&row) as i64;
-            let lp = a.req.logprobs.map(|k| logprob(raw, token, k));
-            a.tokens.push(token);
-            a.generated += 1;
-            *a.output_counts.entry(token).or_default() += 1;
-            let _ = a.events.send(Event::Token {
-                id: token,
-                logprob: lp,
-            });
-            let reason = if stops(token) && a.generated >= a.req.min_tokens {
-                Some(FinishReason::Stop)
-            } else if a.generated >= a.req.max_tokens || a.tokens.len() >= max_seq_len {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
-            if let Some(reason) = reason {
-                let _ = a.events.send(finish(a, reason));
+            if let Some(reason) = finish {
+                let _ = a.events.send(a.finished(reason));
                 done.push(i);
             }
+        }
+        if let Some(spec) = self.spec.as_mut() {
+            acceptance.record(&self.metrics, spec);
         }
         report.sequences = plan.len();
         report.finished += done.len();

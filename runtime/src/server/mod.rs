@@ -11,7 +11,10 @@ use crate::chat::{ChatMessage, ChatTemplate};
 use crate::engine::{Device, Engine};
 use crate::metrics::Metrics;
 use crate::sampling::SamplingParams;
-use crate::scheduler::{Request, Scheduler, SchedulerConfig, SchedulerHandle, TokenLogprob, Usage};
+use crate::scheduler::speculative::SpeculationOptions;
+use crate::scheduler::{
+    Request, Scheduler, SchedulerConfig, SchedulerHandle, Speculation, TokenLogprob, Usage,
+};
 use crate::tokenizer::Tokenizer;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -56,6 +59,8 @@ pub struct ServeOptions {
     pub shutdown_timeout: Duration,
     /// Refuse an artifact whose manifest this key has not signed.
     pub require_signature: Option<ed25519_dalek::VerifyingKey>,
+    /// Speculative decoding for every request, with this draft.
+    pub speculation: Option<SpeculationOptions>,
 }
 
 /// A failure to start serving.
@@ -165,15 +170,30 @@ fn load(opts: &ServeOptions, metrics: &Arc<Metrics>) -> Result<Loaded, String> {
     let rt = &artifact.manifest.runtime;
     let mut cfg = SchedulerConfig::from_runtime(rt);
     cfg.prefix_caching = opts.prefix_caching;
+    let spec = match &opts.speculation {
+        Some(s) => {
+            let t = Instant::now();
+            let spec = Speculation::open(&engine, s, opts.device, opts.require_signature.as_ref())
+                .map_err(|e| e.to_string())?;
+            record("draft", t.elapsed());
+            Some(spec)
+        }
+        None => None,
+    };
+    let all_logits = engine.all_logits();
+    let (max_model_len, vocab) = (engine.max_seq_len(), engine.vocab_size());
+    let mut scheduler = Scheduler::new(engine, cfg.clone(), metrics.clone());
+    if let Some(spec) = spec {
+        scheduler = scheduler.with_speculation(spec);
+    }
     let loaded = Loaded {
-        max_model_len: engine.max_seq_len(),
-        vocab: engine.vocab_size(),
-        all_logits: engine.all_logits(),
+        max_model_len,
+        vocab,
+        all_logits,
         capacity: cfg.max_batch_size * cfg.data_parallel_degree,
         tokenizer,
         chat,
-        sched: SchedulerHandle::spawn(Scheduler::new(engine, cfg, metrics.clone()))
-            .map_err(|e| e.to_string())?,
+        sched: SchedulerHandle::spawn(scheduler).map_err(|e| e.to_string())?,
     };
     metrics.pipeline_load.inc();
     Ok(loaded)

@@ -88,7 +88,8 @@ extern "C" __global__ void __launch_bounds__(256) gather_6458826f(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 i = blockIdx.x;
     if (i >= total_seq_len) return;
@@ -105,7 +106,8 @@ extern "C" __global__ void __launch_bounds__(128) positions_af63bc4c(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 b = blockIdx.x;
     if (b >= batch_size || b + 1 >= input_row_offsets_len) return;
@@ -124,7 +126,8 @@ extern "C" __global__ void __launch_bounds__(256) rms_norm_5827f7dd(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 r = blockIdx.x;
     if (r >= total_seq_len) return;
@@ -148,7 +151,8 @@ extern "C" __global__ void __launch_bounds__(128) matmul_ea044b09(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     // xs[rr][kp] = x[row0 + rr, k0 + 2kp .. +1], ws[cc][kp] = w[col0 + cc, k0 + 2kp .. +1]:
     // 16-bit pairs, lower k in the low half; 16 pairs per row, padded to 20 words.
@@ -247,7 +251,8 @@ extern "C" __global__ void __launch_bounds__(128) rope_b6c23618(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 r = blockIdx.x;
     if (r >= total_seq_len) return;
@@ -277,7 +282,8 @@ extern "C" __global__ void __launch_bounds__(128) matmul_3875426f(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     // xs[rr][kp] = x[row0 + rr, k0 + 2kp .. +1], ws[cc][kp] = w[col0 + cc, k0 + 2kp .. +1]:
     // 16-bit pairs, lower k in the low half; 16 pairs per row, padded to 20 words.
@@ -376,7 +382,8 @@ extern "C" __global__ void __launch_bounds__(32) rope_b6a03a18(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 r = blockIdx.x;
     if (r >= total_seq_len) return;
@@ -408,7 +415,8 @@ extern "C" __global__ void __launch_bounds__(64) kv_store_19c5de1c(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 r = blockIdx.x;
     if (r >= total_seq_len) return;
@@ -441,7 +449,8 @@ extern "C" __global__ void __launch_bounds__(128) attention_9127d12b(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 r = blockIdx.x;
     const maxc_u64 head = blockIdx.y;
@@ -529,7 +538,8 @@ extern "C" __global__ void __launch_bounds__(128) matmul_ea044a09(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     // xs[rr][kp] = x[row0 + rr, k0 + 2kp .. +1], ws[cc][kp] = w[col0 + cc, k0 + 2kp .. +1]:
     // 16-bit pairs, lower k in the low half; 16 pairs per row, padded to 20 words.
@@ -629,7 +639,8 @@ extern "C" __global__ void __launch_bounds__(256) rms_norm_582b59dd(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 r = blockIdx.x;
     if (r >= total_seq_len) return;
@@ -653,7 +664,8 @@ extern "C" __global__ void __launch_bounds__(128) matmul_cce8276e(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     // xs[rr][kp] = x[row0 + rr, k0 + 2kp .. +1], ws[cc][kp] = w[col0 + cc, k0 + 2kp .. +1]:
     // 16-bit pairs, lower k in the low half; 16 pairs per row, padded to 20 words.
@@ -751,7 +763,8 @@ extern "C" __global__ void __launch_bounds__(256) elementwise_20fe0d37(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 r = blockIdx.x;
     if (r >= total_seq_len) return;
@@ -773,7 +786,8 @@ extern "C" __global__ void __launch_bounds__(128) matmul_06557763(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     // xs[rr][kp] = x[row0 + rr, k0 + 2kp .. +1], ws[cc][kp] = w[col0 + cc, k0 + 2kp .. +1]:
     // 16-bit pairs, lower k in the low half; 16 pairs per row, padded to 20 words.
@@ -863,7 +877,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_06557763(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) gather_330439a8(
+extern "C" __global__ void __launch_bounds__(256) gather_34274645(
     const float* __restrict__ src,
     const int* __restrict__ index,
     float* __restrict__ out,
@@ -871,19 +885,25 @@ extern "C" __global__ void __launch_bounds__(256) gather_330439a8(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 i = blockIdx.x;
-    if (i >= batch_size) return;
-    // Sequence i owns rows index[i]..index[i + 1]; its last row, if any.
-    long long last = -1;
-    if (i + 1 < input_row_offsets_len && index[i + 1] > index[i]) last = (long long)index[i + 1] - 1;
-    const bool has_row = last >= 0 && (maxc_u64)last < total_seq_len;
+    if (i >= logit_rows || batch_size == 0) return;
+    // Row j of sequence b's last n rows; sequence b owns rows index[b]..index[b + 1].
+    const maxc_u64 n = logit_rows / batch_size;
+    const maxc_u64 b = i / n, j = i % n;
+    long long row = -1;
+    if (b + 1 < input_row_offsets_len) {
+        row = (long long)index[b + 1] - (long long)n + (long long)j;
+        if (row < (long long)index[b]) row = -1;
+    }
+    const bool has_row = row >= 0 && (maxc_u64)row < total_seq_len;
     for (maxc_u64 c = threadIdx.x; c < 256ULL; c += blockDim.x)
-        out[i * 256ULL + c] = has_row ? maxc_ld(src, (maxc_u64)last * 256ULL + c) : 0.0f;
+        out[i * 256ULL + c] = has_row ? maxc_ld(src, (maxc_u64)row * 256ULL + c) : 0.0f;
 }
 
-extern "C" __global__ void __launch_bounds__(128) matmul_04f8f5b2(
+extern "C" __global__ void __launch_bounds__(128) matmul_bd2ed85b(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -891,13 +911,14 @@ extern "C" __global__ void __launch_bounds__(128) matmul_04f8f5b2(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     // xs[rr][kp] = x[row0 + rr, k0 + 2kp .. +1], ws[cc][kp] = w[col0 + cc, k0 + 2kp .. +1]:
     // 16-bit pairs, lower k in the low half; 16 pairs per row, padded to 20 words.
     __shared__ __align__(16) unsigned xs[64][20];
     __shared__ __align__(16) unsigned ws[64][20];
-    const maxc_u64 rows = batch_size;
+    const maxc_u64 rows = logit_rows;
     const maxc_u64 col0 = (maxc_u64)blockIdx.x * 64;
     const maxc_u64 row0 = (maxc_u64)blockIdx.y * 64;
     if (row0 >= rows) return;

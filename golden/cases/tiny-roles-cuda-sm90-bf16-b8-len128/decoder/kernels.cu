@@ -88,7 +88,8 @@ extern "C" __global__ void __launch_bounds__(128) gather_83277af7(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 i = blockIdx.x;
     if (i >= total_seq_len) return;
@@ -105,7 +106,8 @@ extern "C" __global__ void __launch_bounds__(128) positions_af63bc4c(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 b = blockIdx.x;
     if (b >= batch_size || b + 1 >= input_row_offsets_len) return;
@@ -124,7 +126,8 @@ extern "C" __global__ void __launch_bounds__(128) rms_norm_65566ad0(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 r = blockIdx.x;
     if (r >= total_seq_len) return;
@@ -147,7 +150,8 @@ extern "C" __global__ void __launch_bounds__(128) matmul_2ee6cb0a(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     // xs[rr][kp] = x[row0 + rr, k0 + 2kp .. +1], ws[cc][kp] = w[col0 + cc, k0 + 2kp .. +1]:
     // 16-bit pairs, lower k in the low half; 16 pairs per row, padded to 20 words.
@@ -246,7 +250,8 @@ extern "C" __global__ void __launch_bounds__(64) rope_b6b4de18(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 r = blockIdx.x;
     if (r >= total_seq_len) return;
@@ -275,7 +280,8 @@ extern "C" __global__ void __launch_bounds__(128) matmul_32e5c4c9(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     // xs[rr][kp] = x[row0 + rr, k0 + 2kp .. +1], ws[cc][kp] = w[col0 + cc, k0 + 2kp .. +1]:
     // 16-bit pairs, lower k in the low half; 16 pairs per row, padded to 20 words.
@@ -374,7 +380,8 @@ extern "C" __global__ void __launch_bounds__(32) rope_b6a03a18(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 r = blockIdx.x;
     if (r >= total_seq_len) return;
@@ -406,7 +413,8 @@ extern "C" __global__ void __launch_bounds__(64) kv_store_b8043a0c(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 r = blockIdx.x;
     if (r >= total_seq_len) return;
@@ -439,7 +447,8 @@ extern "C" __global__ void __launch_bounds__(128) attention_45152400(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 r = blockIdx.x;
     const maxc_u64 head = blockIdx.y;
@@ -529,7 +538,8 @@ extern "C" __global__ void __launch_bounds__(128) rms_norm_6559d4d0(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 r = blockIdx.x;
     if (r >= total_seq_len) return;
@@ -553,7 +563,8 @@ extern "C" __global__ void __launch_bounds__(128) matmul_0a81db73(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     // xs[rr][kp] = x[row0 + rr, k0 + 2kp .. +1], ws[cc][kp] = w[col0 + cc, k0 + 2kp .. +1]:
     // 16-bit pairs, lower k in the low half; 16 pairs per row, padded to 20 words.
@@ -651,7 +662,8 @@ extern "C" __global__ void __launch_bounds__(256) elementwise_d3908c2c(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 r = blockIdx.x;
     if (r >= total_seq_len) return;
@@ -673,7 +685,8 @@ extern "C" __global__ void __launch_bounds__(128) matmul_50a47436(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     // xs[rr][kp] = x[row0 + rr, k0 + 2kp .. +1], ws[cc][kp] = w[col0 + cc, k0 + 2kp .. +1]:
     // 16-bit pairs, lower k in the low half; 16 pairs per row, padded to 20 words.
@@ -763,7 +776,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_50a47436(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) gather_8cab36f4(
+extern "C" __global__ void __launch_bounds__(128) gather_0cc086d2(
     const float* __restrict__ src,
     const int* __restrict__ index,
     float* __restrict__ out,
@@ -771,19 +784,25 @@ extern "C" __global__ void __launch_bounds__(128) gather_8cab36f4(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     const maxc_u64 i = blockIdx.x;
-    if (i >= batch_size) return;
-    // Sequence i owns rows index[i]..index[i + 1]; its last row, if any.
-    long long last = -1;
-    if (i + 1 < input_row_offsets_len && index[i + 1] > index[i]) last = (long long)index[i + 1] - 1;
-    const bool has_row = last >= 0 && (maxc_u64)last < total_seq_len;
+    if (i >= logit_rows || batch_size == 0) return;
+    // Row j of sequence b's last n rows; sequence b owns rows index[b]..index[b + 1].
+    const maxc_u64 n = logit_rows / batch_size;
+    const maxc_u64 b = i / n, j = i % n;
+    long long row = -1;
+    if (b + 1 < input_row_offsets_len) {
+        row = (long long)index[b + 1] - (long long)n + (long long)j;
+        if (row < (long long)index[b]) row = -1;
+    }
+    const bool has_row = row >= 0 && (maxc_u64)row < total_seq_len;
     for (maxc_u64 c = threadIdx.x; c < 128ULL; c += blockDim.x)
-        out[i * 128ULL + c] = has_row ? maxc_ld(src, (maxc_u64)last * 128ULL + c) : 0.0f;
+        out[i * 128ULL + c] = has_row ? maxc_ld(src, (maxc_u64)row * 128ULL + c) : 0.0f;
 }
 
-extern "C" __global__ void __launch_bounds__(128) matmul_67bf4d8f(
+extern "C" __global__ void __launch_bounds__(128) matmul_79f9e965(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -791,13 +810,14 @@ extern "C" __global__ void __launch_bounds__(128) matmul_67bf4d8f(
     const unsigned long long batch_size,
     const unsigned long long max_num_pages,
     const unsigned long long total_num_pages,
-    const unsigned long long input_row_offsets_len)
+    const unsigned long long input_row_offsets_len,
+    const unsigned long long logit_rows)
 {
     // xs[rr][kp] = x[row0 + rr, k0 + 2kp .. +1], ws[cc][kp] = w[col0 + cc, k0 + 2kp .. +1]:
     // 16-bit pairs, lower k in the low half; 16 pairs per row, padded to 20 words.
     __shared__ __align__(16) unsigned xs[64][20];
     __shared__ __align__(16) unsigned ws[64][20];
-    const maxc_u64 rows = batch_size;
+    const maxc_u64 rows = logit_rows;
     const maxc_u64 col0 = (maxc_u64)blockIdx.x * 64;
     const maxc_u64 row0 = (maxc_u64)blockIdx.y * 64;
     if (row0 >= rows) return;
