@@ -316,3 +316,90 @@ fn sampling_with_speculation_follows_the_decoders_distribution() {
     assert!(st.positions[0].1 < st.positions[0].0, "{st:?}");
     eprintln!("chi-square {stat:.1} over {df} df; {st:?}");
 }
+
+fn maxc(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_maxc"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_separate_draft_artifact_pairs_when_its_tokenizer_matches() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = |n: &str| tmp.path().join(n).to_str().unwrap().to_string();
+    let (llama, qwen, plain, roles) = (
+        path("llama.maxc"),
+        path("qwen.maxc"),
+        path("plain.maxc"),
+        path("roles.maxc"),
+    );
+    let f = fixtures();
+    compile(
+        &f.join("tiny-llama"),
+        Path::new(&llama),
+        &["--num-speculative-tokens", "4"],
+    );
+    compile(&f.join("tiny-qwen2"), Path::new(&qwen), &[]);
+    compile(&f.join("tiny-llama"), Path::new(&plain), &[]);
+    compile(&f.join("tiny-roles"), Path::new(&roles), &[]);
+    let prompt = "1,57,300,12,999,4,81";
+    let gen = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            &llama,
+            "--tokens",
+            prompt,
+            "--max-new-tokens",
+            "30",
+        ];
+        args.extend_from_slice(&["--ignore-eos"]);
+        args.extend_from_slice(extra);
+        let o = maxc(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        (
+            String::from_utf8_lossy(&o.stdout).trim().to_string(),
+            String::from_utf8_lossy(&o.stderr).to_string(),
+        )
+    };
+    let (want, _) = gen(&[]);
+    // Another model as the draft: the decoder's tokens all the same.
+    let (got, log) = gen(&["--draft", &qwen]);
+    assert_eq!(got, want, "{log}");
+    assert!(
+        log.contains("speculative, 4 draft tokens per step"),
+        "{log}"
+    );
+    // The decoder's own model as a separate draft: every proposal accepted.
+    let (got, log) = gen(&["--draft", &plain, "--num-speculative-tokens", "3"]);
+    assert_eq!(got, want, "{log}");
+    assert!(
+        log.contains("accepted by position 100% 100% 100%; 3.00 accepted per step"),
+        "{log}"
+    );
+    // Pairings that cannot work are refused, saying why.
+    for (decoder, extra, why) in [
+        (
+            &llama,
+            vec!["--draft", roles.as_str()],
+            "tokenizer.json differs",
+        ),
+        (
+            &plain,
+            vec!["--draft", qwen.as_str()],
+            "--num-speculative-tokens",
+        ),
+        (&plain, vec!["--speculative"], "has no draft role"),
+        (
+            &llama,
+            vec!["--draft", qwen.as_str(), "--num-speculative-tokens", "5"],
+            "1 to 4",
+        ),
+    ] {
+        let mut args = vec!["generate", decoder.as_str(), "--tokens", prompt];
+        args.extend(extra);
+        let o = maxc(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(why), "{args:?}: {err}");
+    }
+}

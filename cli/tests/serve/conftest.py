@@ -106,6 +106,9 @@ def artifacts(tmp_path_factory):
         "tiny": compile_artifact(
             tiny, str(d / "tiny.maxc"), "--max-seq-len", "128", "--page-size", "16",
             "--max-batch-size", "8"),
+        "roles": compile_artifact(
+            os.path.join(FIXTURES, "tiny-roles"), str(d / "roles.maxc"), "--max-seq-len", "160",
+            "--page-size", "16", "--max-batch-size", "8"),
     }
 
 

@@ -420,3 +420,35 @@ def test_an_artifact_that_fails_to_load_is_a_clear_error(artifacts, tmp_path):
                         "--metrics-port", "0"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "weights.safetensors" in r.stderr and "sha256" in r.stderr, r.stderr
+
+
+def test_speculative_serving_gives_the_plain_greedy_tokens(artifacts):
+    ref = load_file(os.path.join(FIXTURES, "tiny-roles", "reference.safetensors"))
+    prompts = [ref[f"target.p{i}.tokens"].tolist() for i in range(4)]
+    reqs = [(i % 4, 6 + (i * 7) % 19) for i in range(16)]
+    s = Server(artifacts["roles"], "--speculative")
+    try:
+        c = client(s)
+
+        def one(r):
+            p, n = r
+            out = c.completions.create(model="roles.maxc", prompt=prompts[p], max_tokens=n,
+                                       temperature=0, logprobs=0,
+                                       extra_body={"return_tokens_as_token_ids": True})
+            return [int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens]
+
+        alone = [one(r) for r in reqs[:4]]
+        with cf.ThreadPoolExecutor(16) as pool:
+            together = list(pool.map(one, reqs))
+        m = s.metrics()
+    finally:
+        s.stop()
+    want = [generate(artifacts["roles"], prompts[p], n)["generated"] for p, n in reqs]
+    assert alone == want[:4]
+    for i in range(16):
+        assert together[i] == want[i], (i, together[i], want[i])
+    # Every step verified the draft's proposals at three positions.
+    for pos in range(3):
+        key = f'maxserve_spec_decode_acceptance_rate_per_position_percent_count{{position="{pos}"}}'
+        assert m.get(key, 0) > 0, key
+    assert m.get("maxserve_spec_decode_avg_acceptance_length_tokens_count", 0) > 0
