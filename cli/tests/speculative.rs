@@ -403,3 +403,58 @@ fn a_separate_draft_artifact_pairs_when_its_tokenizer_matches() {
         assert!(!o.status.success() && err.contains(why), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn speculation_survives_chunked_prefill_and_preemption() {
+    // A 24-token step budget chunks the long prompts while others decode with proposals; 12
+    // pages of 16 tokens cannot hold every request at once, so some are preempted.
+    let (_t, a) = roles_artifact(&["--max-batch-input-tokens", "24", "--kv-cache-pages", "12"]);
+    let prompts = fixture_prompts();
+    let mut plain = Engine::open(&a, "decoder").unwrap();
+    let reqs: Vec<(usize, usize)> = (0..10).map(|i| (i % 4, 10 + (i * 5) % 30)).collect();
+    let want: Vec<Vec<i64>> = reqs
+        .iter()
+        .map(|&(p, max)| {
+            let o = GenerateOptions {
+                max_new_tokens: max,
+                sampling: SamplingParams::default(),
+                stop_at_eos: false,
+            };
+            plain.generate(&prompts[p].0, &o).unwrap()
+        })
+        .collect();
+    let mut s = speculative(&a, Arc::new(Metrics::new()));
+    let mut rx: Vec<_> = reqs
+        .iter()
+        .map(|&(p, max)| {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            s.submit(greedy(&prompts[p].0, max), tx);
+            rx
+        })
+        .collect();
+    let mut got = vec![Vec::new(); reqs.len()];
+    let mut preempted = 0;
+    while s.has_work() {
+        preempted += s.step().preempted;
+        for (i, r) in rx.iter_mut().enumerate() {
+            while let Ok(e) = r.try_recv() {
+                match e {
+                    Event::Token { id, .. } => got[i].push(id),
+                    Event::Error(e) => panic!("request {i}: {e}"),
+                    _ => {}
+                }
+            }
+        }
+    }
+    assert!(
+        preempted > 0,
+        "the cache was large enough for every request"
+    );
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "request {i}");
+    }
+    let st = s.speculation().unwrap().stats();
+    assert!(st.verifications > 0, "{st:?}");
+    let draft_pages = s.speculation().unwrap().engine().pages();
+    assert_eq!(draft_pages.free_pages(), draft_pages.total_pages());
+}

@@ -6,7 +6,7 @@
 //! `cudarc`); [`ptxas_check`] assembles the PTX with ptxas and reads each kernel's registers,
 //! spills and shared memory. Kernel parameters follow the launch contract in
 //! [`maxc_schema::kernel`]: the buffers as device pointers in the documented order,
-//! then the five step dims as `unsigned long long` in [`maxc_schema::StepDim`] slot
+//! then the step dims as `unsigned long long` in [`maxc_schema::StepDim`] slot
 //! order; every index derived from a step dim is guarded against it. Values accumulate in f32.
 //! Emission depends only on the kernel and the target, so the same input gives the same text.
 

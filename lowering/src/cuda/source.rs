@@ -93,7 +93,7 @@ impl Buf {
 }
 
 /// A complete kernel: `extern "C" __global__`, `__launch_bounds__(threads)`, the buffers as
-/// `__restrict__` pointers in `bufs` order, then the five step dims as `unsigned long long` in
+/// `__restrict__` pointers in `bufs` order, then the step dims as `unsigned long long` in
 /// [`StepDim`] slot order (named as the graph names them), then `body` (already indented).
 pub(crate) fn kernel(name: &str, threads: u32, bufs: &[Buf], body: &str) -> String {
     let mut params: Vec<String> = bufs

@@ -301,7 +301,7 @@ impl CudaExecutor {
                 .map(|v| (v as *mut u64).cast::<c_void>())
                 .collect();
             let [bx, by, bz] = k.launch.block;
-            // SAFETY: parameters follow the CUDA launch contract (buffers, then the five dims),
+            // SAFETY: parameters follow the CUDA launch contract (buffers, then the step dims),
             // each a pointer to a live u64; grid and block come from the compiler.
             unsafe {
                 result::launch_kernel(

@@ -694,10 +694,20 @@ impl Scheduler {
             }
             if k > 0 {
                 // Drop the rejected proposals from both caches.
-                let _ = self.engine.truncate(a.seq, a.computed);
-                if let Some(spec) = self.spec.as_mut() {
-                    a.draft_computed = a.draft_computed.min(a.computed);
-                    let _ = spec.engine.truncate(a.seq, a.draft_computed);
+                a.draft_computed = a.draft_computed.min(a.computed);
+                let dropped = self.engine.truncate(a.seq, a.computed).and_then(|()| {
+                    match self.spec.as_mut() {
+                        Some(spec) => spec.engine.truncate(a.seq, a.draft_computed),
+                        None => Ok(()),
+                    }
+                });
+                if let Err(e) = dropped {
+                    // Never go on over rejected tokens' keys and values.
+                    let _ = a.events.send(Event::Error(format!(
+                        "dropping rejected draft tokens failed: {e}"
+                    )));
+                    done.push(i);
+                    continue;
                 }
             }
             if a.computed / page_size > start / page_size {
