@@ -265,6 +265,56 @@ fn an_interrupted_compile_leaves_no_artifact() {
     compile("tiny-llama", &out, &["--force"]);
 }
 
+#[test]
+fn a_full_disk_or_an_unwritable_destination_keeps_the_good_artifact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("good.maxc");
+    compile("tiny-llama", &out, &[]);
+    let manifest = std::fs::read(out.join("manifest.json")).unwrap();
+    // The disk fills while the replacement is written: with SIGXFSZ ignored, writes past the
+    // file-size limit fail with EFBIG, as on a full disk.
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "trap '' XFSZ; ulimit -f 2048; exec {} compile {} --out {} --force --quiet",
+            env!("CARGO_BIN_EXE_maxc"),
+            fixtures().join("tiny-llama").display(),
+            out.display()
+        ))
+        .output()
+        .unwrap();
+    let e = err_of(&o);
+    assert!(
+        e.contains("weights.safetensors") && e.contains("File too large"),
+        "{e}"
+    );
+    // The good artifact is untouched and still loads; nothing else is left.
+    assert_eq!(std::fs::read(out.join("manifest.json")).unwrap(), manifest);
+    let ok = maxc(&["run", out.to_str().unwrap(), "--tokens", "1,2,3"]);
+    assert!(ok.status.success(), "{}", err_of(&ok));
+    let left: Vec<String> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into())
+        .collect();
+    assert_eq!(left, vec!["good.maxc".to_string()]);
+    // A destination under a file cannot be created: the error names it.
+    let file = tmp.path().join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    let m = fixtures().join("tiny-llama");
+    let bad = file.join("x.maxc");
+    let o = maxc(&[
+        "compile",
+        m.to_str().unwrap(),
+        "--out",
+        bad.to_str().unwrap(),
+    ]);
+    let e = err_of(&o);
+    assert!(
+        e.contains(file.to_str().unwrap()) && e.contains("cannot create the directory"),
+        "{e}"
+    );
+}
+
 fn diff(a: &Path, b: &Path) -> (i32, serde_json::Value) {
     let o = maxc(&["diff", a.to_str().unwrap(), b.to_str().unwrap(), "--json"]);
     let code = o.status.code().expect("exit code");

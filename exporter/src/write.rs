@@ -24,14 +24,14 @@ pub enum ExportError {
     /// Lowering failed.
     #[error(transparent)]
     Lower(#[from] maxc_lowering::LowerError),
-    /// A file could not be written.
-    #[error("{}: {source}", path.display())]
+    /// A file could not be written (the OS's reason in the message, not repeated as a
+    /// source).
+    #[error("{}: {err}", path.display())]
     Io {
         /// The file.
         path: PathBuf,
         /// What the OS said.
-        #[source]
-        source: std::io::Error,
+        err: std::io::Error,
     },
     /// The destination exists.
     #[error("{}: already exists; pass --force to replace it", .0.display())]
@@ -42,9 +42,9 @@ pub enum ExportError {
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ExportError + '_ {
-    move |source| ExportError::Io {
+    move |err| ExportError::Io {
         path: path.to_path_buf(),
-        source,
+        err,
     }
 }
 
@@ -194,7 +194,12 @@ pub fn compile(
     let name = out
         .file_name()
         .ok_or_else(|| ExportError::Other(format!("{}: not a directory name", out.display())))?;
-    std::fs::create_dir_all(parent).map_err(io(parent))?;
+    std::fs::create_dir_all(parent).map_err(|e| {
+        ExportError::Other(format!(
+            "{}: cannot create the directory the artifact goes in ({e})",
+            parent.display()
+        ))
+    })?;
     remove_stale_partials(parent, &name.to_string_lossy());
     let tmp = parent.join(format!(
         ".{}.partial-{}",
@@ -361,7 +366,13 @@ fn write_dir(
     if tmp.exists() {
         std::fs::remove_dir_all(tmp).map_err(io(tmp))?;
     }
-    std::fs::create_dir_all(tmp).map_err(io(tmp))?;
+    std::fs::create_dir_all(tmp).map_err(|e| {
+        ExportError::Other(format!(
+            "{}: cannot create the directory the artifact is written in before it is renamed \
+             into place ({e})",
+            tmp.display()
+        ))
+    })?;
     let mut entries = BTreeMap::new();
     let mut total = 0u64;
     for (name, bytes) in files {

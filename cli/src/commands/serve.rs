@@ -43,10 +43,25 @@ pub struct Args {
         default_value = "5"
     )]
     pub graceful_shutdown_timeout_s: f64,
+    /// API connections served at once; more wait in the listen backlog until one closes.
+    #[arg(long, env = "MAXC_SERVE_MAX_CONNECTIONS", default_value = "1024")]
+    pub max_connections: usize,
+    /// Seconds a client has to send a request's headers (then the connection is closed).
+    #[arg(long, env = "MAXC_SERVE_HEADER_READ_TIMEOUT_S", default_value = "30")]
+    pub header_read_timeout_s: f64,
+    /// Seconds a client has to send a request's body (then 408).
+    #[arg(long, env = "MAXC_SERVE_BODY_READ_TIMEOUT_S", default_value = "30")]
+    pub body_read_timeout_s: f64,
     #[command(flatten)]
     pub signature: crate::commands::sign::RequireSignature,
     #[command(flatten)]
     pub speculative: crate::args::SpeculativeArgs,
+}
+
+/// A duration flag in seconds: finite and not negative.
+fn seconds(flag: &str, s: f64) -> Result<Duration> {
+    Duration::try_from_secs_f64(s)
+        .map_err(|_| anyhow::anyhow!("{flag}: expected seconds (a number >= 0), got {s}"))
 }
 
 /// Serves until a signal ends it.
@@ -56,6 +71,9 @@ pub fn run(args: Args) -> Result<()> {
             "{}: not a maxc artifact (no manifest.json); compile one with `maxc compile`",
             args.artifact.display()
         );
+    }
+    if args.max_connections == 0 {
+        anyhow::bail!("--max-connections: expected at least 1");
     }
     // Read and checked now, so that a bad key file stops `serve` before it listens.
     let require_signature = args.signature.key()?;
@@ -75,8 +93,14 @@ pub fn run(args: Args) -> Result<()> {
         device: args.device,
         max_request_bytes: args.max_request_bytes,
         max_queue_size: args.max_queue_size,
-        shutdown_timeout: Duration::from_secs_f64(args.graceful_shutdown_timeout_s.max(0.0)),
+        shutdown_timeout: seconds(
+            "--graceful-shutdown-timeout-s",
+            args.graceful_shutdown_timeout_s.max(0.0),
+        )?,
         speculation: args.speculative.options(),
+        max_connections: args.max_connections,
+        header_read_timeout: seconds("--header-read-timeout-s", args.header_read_timeout_s)?,
+        body_read_timeout: seconds("--body-read-timeout-s", args.body_read_timeout_s)?,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

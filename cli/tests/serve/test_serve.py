@@ -452,3 +452,47 @@ def test_speculative_serving_gives_the_plain_greedy_tokens(artifacts):
         key = f'maxserve_spec_decode_acceptance_rate_per_position_percent_count{{position="{pos}"}}'
         assert m.get(key, 0) > 0, key
     assert m.get("maxserve_spec_decode_avg_acceptance_length_tokens_count", 0) > 0
+
+
+def test_slow_clients_cannot_hold_the_server(artifacts):
+    # Two connections at most; a client gets 1 s for its headers and 1 s for its body.
+    s = Server(artifacts["tiny"], "--max-connections", "2", "--header-read-timeout-s", "1",
+               "--body-read-timeout-s", "1")
+    port = int(s.base.rsplit(":", 1)[1])
+    try:
+        def connect():
+            c = socket.create_connection(("127.0.0.1", port))
+            c.settimeout(10)
+            return c
+
+        # Headers that never finish: the connection is closed after the timeout.
+        c = connect()
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        t = time.time()
+        assert c.recv(1000) == b""
+        assert 0.8 < time.time() - t < 5
+        # A body that never finishes: 408 in OpenAI's envelope.
+        c = connect()
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\"")
+        t = time.time()
+        reply = c.recv(4096).decode()
+        assert reply.startswith("HTTP/1.1 408"), reply
+        body = json.loads(reply.split("\r\n\r\n", 1)[1])
+        assert body["error"]["code"] == 408 and "did not arrive" in body["error"]["message"]
+        assert 0.8 < time.time() - t < 5
+        # Two idle connections fill the server: a third client waits until the header timeout
+        # frees a slot, then is served.
+        held = [connect(), connect()]
+        time.sleep(0.2)
+        t = time.time()
+        r = httpx.get(s.base + "/health", timeout=10)
+        assert r.status_code == 200
+        assert 0.5 < time.time() - t < 5
+        for h in held:
+            assert h.recv(10) == b""
+        # And the server goes on as before.
+        r = httpx.post(s.v1 + "/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        s.stop()

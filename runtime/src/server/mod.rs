@@ -4,6 +4,7 @@
 //! serves as Prometheus text.
 
 mod choice;
+pub mod listen;
 pub mod openai;
 
 use crate::artifact::Artifact;
@@ -61,6 +62,12 @@ pub struct ServeOptions {
     pub require_signature: Option<ed25519_dalek::VerifyingKey>,
     /// Speculative decoding for every request, with this draft.
     pub speculation: Option<SpeculationOptions>,
+    /// API connections served at once (more wait in the listen backlog).
+    pub max_connections: usize,
+    /// Time for a request's headers to arrive.
+    pub header_read_timeout: Duration,
+    /// Time for a request's body to arrive (408 after).
+    pub body_read_timeout: Duration,
 }
 
 /// A failure to start serving.
@@ -248,6 +255,12 @@ pub async fn serve(
             }
         });
     }
+    let limits = listen::ConnectionLimits {
+        max_connections: opts.max_connections,
+        header_read_timeout: opts.header_read_timeout,
+        body_read_timeout: opts.body_read_timeout,
+        max_request_bytes: opts.max_request_bytes,
+    };
     let router = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -256,6 +269,10 @@ pub async fn serve(
         .route("/v1/health", get(health))
         .route("/version", get(version))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            limits,
+            listen::read_body,
+        ))
         .layer(axum::middleware::from_fn_with_state(app.clone(), observe))
         .layer(DefaultBodyLimit::max(opts.max_request_bytes))
         .with_state(app.clone());
@@ -274,11 +291,12 @@ pub async fn serve(
                 .await;
         }
     });
-    let mut rx = stop_rx.clone();
-    let server = axum::serve(api, router).with_graceful_shutdown(async move {
-        let _ = rx.changed().await;
-    });
-    let server = tokio::spawn(async move { server.await });
+    let server = tokio::spawn(listen::serve_connections(
+        api,
+        router,
+        limits,
+        stop_rx.clone(),
+    ));
     // Until a signal, or until the artifact fails to load (then nothing could ever be served).
     let load_failure = async {
         match failed_rx.await {
