@@ -41,6 +41,20 @@ pub struct Artifact {
     index: BTreeMap<String, WeightView>,
 }
 
+fn weight_infos(index: &BTreeMap<String, WeightView>) -> BTreeMap<String, WeightInfo> {
+    index
+        .iter()
+        .map(|(k, v)| {
+            let info = WeightInfo {
+                dtype: v.dtype,
+                elements: v.shape.iter().product::<usize>() as u64,
+                offset: v.range.start as u64,
+            };
+            (k.clone(), info)
+        })
+        .collect()
+}
+
 fn map_file(path: &Path) -> Result<Mmap> {
     let file = std::fs::File::open(path).map_err(|source| RuntimeError::Io {
         path: path.into(),
@@ -194,18 +208,7 @@ impl Artifact {
             )
         })?);
         let index = index_weights(&weights, &weights_path)?;
-        let infos: BTreeMap<String, WeightInfo> = index
-            .iter()
-            .map(|(k, v)| {
-                let elements = v.shape.iter().product::<usize>() as u64;
-                let info = WeightInfo {
-                    dtype: v.dtype,
-                    elements,
-                    offset: v.range.start as u64,
-                };
-                (k.clone(), info)
-            })
-            .collect();
+        let infos = weight_infos(&index);
         for (role, entry) in &manifest.roles {
             let program = &programs[role];
             let path = dir.join(&entry.program);
@@ -283,6 +286,11 @@ impl Artifact {
             max_seq_len: self.manifest.runtime.max_seq_len,
         };
         Ok((bounds, limits))
+    }
+
+    /// What [`Program::validate`] is told of each weight (dtype, elements, offset), by key.
+    pub fn weight_infos(&self) -> BTreeMap<String, WeightInfo> {
+        weight_infos(&self.index)
     }
 
     /// The weight under `key`, with its bytes.

@@ -111,6 +111,9 @@ pub struct Metrics {
     pub cache_num_used_blocks: Gauge,
     /// KV pages in all.
     pub cache_num_total_blocks: Gauge,
+    /// KV pages held by the prefix cache alone, which no request uses (maxc's own metric:
+    /// once every request is done, the pages in use are exactly these).
+    pub cache_prefix_only_blocks: Gauge,
     /// Per request: share of the prompt found in the prefix cache.
     pub cache_request_prefix_coverage: Histogram,
     /// Requests preempted (to be recomputed) for lack of pages.
@@ -367,6 +370,11 @@ impl Metrics {
                 &mut r,
                 "maxserve_cache_num_total_blocks",
                 "KV cache pages",
+            ),
+            cache_prefix_only_blocks: gauge(
+                &mut r,
+                "maxc_cache_prefix_only_blocks",
+                "KV cache pages held by the prefix cache alone",
             ),
             cache_request_prefix_coverage: hist(
                 &mut r,

@@ -276,7 +276,9 @@ maxserve_cache_hits_tokens_total maxserve_cache_misses_tokens_total
 maxserve_cache_used_kv_pct_percent maxserve_cache_device_blocks_served_blocks_total
 maxserve_dp_active_token_occupancy_percent maxserve_dp_context_token_occupancy_percent
 maxserve_dp_active_tokens_total maxserve_dp_step_capacity_tokens_total
-maxserve_model_load_time_milliseconds maxserve_pipeline_load_total""".split()
+maxserve_model_load_time_milliseconds maxserve_pipeline_load_total
+maxserve_spec_decode_acceptance_rate_per_position_percent
+maxserve_spec_decode_avg_acceptance_length_tokens maxc_cache_prefix_only_blocks""".split()
 
 
 def test_every_metric_is_served_and_counts_are_exact(artifacts):
@@ -310,6 +312,9 @@ def test_every_metric_is_served_and_counts_are_exact(artifacts):
         assert m["maxserve_num_responses_buffered"] == 0
         assert m["maxserve_response_queue_time_milliseconds_count"] >= 3
         assert m["maxserve_num_requests_running"] == 0 and m["maxserve_num_requests_queued"] == 0
+        # Idle: the pages in use are exactly those the prefix cache holds (the finished
+        # requests' full pages).
+        assert m["maxc_cache_prefix_only_blocks"] == m["maxserve_cache_num_used_blocks"] > 0
     finally:
         s.stop()
 

@@ -24,7 +24,7 @@ pub struct BuildOptions {
     /// Tokens per KV cache page.
     pub page_size: usize,
     /// Logits for every token row (`[total_seq_len, vocab]`) instead of each sequence's last
-    /// (`[batch_size, vocab]`).
+    /// `return_n_logits` rows (`[logit_rows, vocab]`).
     pub all_logits: bool,
     /// The graph takes `batch_context_lengths` (from the deployment config).
     pub takes_batch_context_lengths: bool,

@@ -761,6 +761,9 @@ impl Scheduler {
             pages.total_pages(),
         );
         self.metrics
+            .cache_prefix_only_blocks
+            .set(self.cached_only_pages() as i64);
+        self.metrics
             .num_requests_queued
             .set(self.waiting.len() as i64);
         self.metrics
