@@ -75,7 +75,7 @@ fn main() -> ExitCode {
         return match commands::diff::run(a) {
             Ok(code) => ExitCode::from(code),
             Err(e) => {
-                eprintln!("error: {e:#}");
+                eprintln!("error: {}", report(&e));
                 ExitCode::from(2)
             }
         };
@@ -104,8 +104,22 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", report(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes, `: `-joined, leaving out a cause whose words the message before
+/// it already holds (errors that name a file usually quote the OS's reason too).
+fn report(e: &anyhow::Error) -> String {
+    let mut out = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !out.contains(&c) {
+            out.push_str(": ");
+            out.push_str(&c);
+        }
+    }
+    out
 }
