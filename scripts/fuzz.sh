@@ -12,6 +12,9 @@
 # coverage. cargo-fuzz is installed from crates.io where missing; the nightly toolchain is used
 # where rustup has it, else the stable one with RUSTC_BOOTSTRAP=1. MAXC_FUZZ_TEMPLATE_ONLY=1
 # stops after making the template artifact (for running several targets side by side).
+# MAXC_FUZZ_SEED and MAXC_FUZZ_RUNS fix libFuzzer's seed and stop each target after that many
+# runs (CI sets both, so that its run is the same on every machine: a new crash shows up when
+# the code changes, not at random).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -eq 2 ] || { echo "usage: scripts/fuzz.sh TARGET|all SECONDS" >&2; exit 2; }
@@ -61,12 +64,15 @@ for t in "${targets[@]}"; do
   log=$work/$t.log
   echo "== fuzz $t for ${seconds}s" >&2
   status=0
+  extra=()
+  [ -n "${MAXC_FUZZ_SEED:-}" ] && extra+=(-seed="$MAXC_FUZZ_SEED")
+  [ -n "${MAXC_FUZZ_RUNS:-}" ] && extra+=(-runs="$MAXC_FUZZ_RUNS")
   cargo "${toolchain[@]}" fuzz run --target-dir "$work/target" "$t" "$corpus" -- \
     -max_total_time="$seconds" -rss_limit_mb=4096 -print_final_stats=1 \
-    -artifact_prefix="$work/artifacts/$t/" > "$log" 2>&1 || status=$?
+    -artifact_prefix="$work/artifacts/$t/" "${extra[@]}" > "$log" 2>&1 || status=$?
   runs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || echo "?")
   cov=$(grep -o 'cov: [0-9]*' "$log" | tail -1 | grep -o '[0-9]*' || echo "?")
-  echo "fuzz $t: ${seconds}s, $runs runs, coverage $cov, corpus $(ls "$corpus" | wc -l) inputs"
+  echo "fuzz $t: up to ${seconds}s, $runs runs, coverage $cov, corpus $(ls "$corpus" | wc -l) inputs"
   if [ "$status" != 0 ]; then
     tail -40 "$log" >&2
     echo "fuzz $t: FAILED (input in $work/artifacts/$t)" >&2

@@ -158,3 +158,23 @@ fn tensor_data_past_the_end_is_named() {
         .to_string();
     assert!(e.contains("`x`") && e.contains("past the end"), "{e}");
 }
+
+/// Found by fuzzing (`scripts/fuzz.sh gguf`): a tensor offset near `u64::MAX` overflowed while
+/// the error message was written.
+#[test]
+fn a_tensor_offset_near_the_end_of_u64_is_named_not_overflowed() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("o.gguf");
+    write_gguf(&path, &[], &[("x", vec![32, 4], 0, vec![0; 512])], 0);
+    let mut b = std::fs::read(&path).unwrap();
+    // Header (24 bytes), then the tensor info: name (8 + 1), dims count (4), dims (16), type (4).
+    let at = 24 + 9 + 4 + 16 + 4;
+    assert_eq!(&b[at..at + 8], &0u64.to_le_bytes());
+    b[at..at + 8].copy_from_slice(&(u64::MAX - 7).to_le_bytes());
+    std::fs::write(&path, b).unwrap();
+    let e = GgufFile::open(&path)
+        .and_then(|g| g.state_dict().map(|_| ()))
+        .expect_err("the offset is past the end")
+        .to_string();
+    assert!(e.contains("`x`") && e.contains("past the end"), "{e}");
+}

@@ -331,9 +331,11 @@ impl GgufFile {
             _ => Err(Error::checkpoint(
                 &self.path,
                 format!(
-                    "tensor `{}` data runs past the end of the file: needs {bytes} bytes at offset {}, the file has {}",
+                    "tensor `{}` data runs past the end of the file: needs {bytes} bytes at \
+                     offset {} of the data section (which starts at byte {}), the file has {}",
                     t.name,
-                    self.data_start as u64 + t.offset,
+                    t.offset,
+                    self.data_start,
                     self.map.len()
                 ),
             )),
