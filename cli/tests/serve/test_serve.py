@@ -242,6 +242,10 @@ def test_a_disconnected_stream_frees_its_pages(artifacts):
                     seen += 1
                 if seen >= 3:
                     break
+            # The gauges move at the end of each step: wait for the one that ran these tokens.
+            deadline = time.time() + 10
+            while time.time() < deadline and s.metric("maxserve_cache_num_used_blocks") == 0:
+                time.sleep(0.05)
             assert s.metric("maxserve_cache_num_used_blocks") > 0
         deadline = time.time() + 10
         while time.time() < deadline and s.metric("maxserve_cache_num_used_blocks") != 0:
