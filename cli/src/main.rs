@@ -58,7 +58,11 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = <Cli as clap::CommandFactory>::command().get_matches();
+    let cli = match <Cli as clap::FromArgMatches>::from_arg_matches(&matches) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
     // `serve` logs one line per request at info; other commands only warnings.
     let default = if matches!(cli.command, Command::Serve(_)) {
         "info"
@@ -94,7 +98,7 @@ fn main() -> ExitCode {
         Command::Inspect(a) => commands::inspect::run(a),
         Command::Dump(a) => commands::dump::run(a),
         Command::Tokenize(a) => commands::tokenize::run(a),
-        Command::Serve(a) => commands::serve::run(a),
+        Command::Serve(a) => commands::serve::run(a, matches.subcommand_matches("serve")),
         Command::Keygen(a) => commands::sign::keygen(a),
         Command::Sign(a) => commands::sign::sign(a),
         Command::Profile(a) => commands::profile::run(a),

@@ -6,6 +6,7 @@
 pub mod artifact;
 pub mod bench;
 pub mod chat;
+pub mod config;
 pub mod cpu;
 pub mod cuda;
 pub mod diff;
@@ -20,6 +21,7 @@ pub mod scheduler;
 pub mod server;
 pub mod signature;
 pub mod tokenizer;
+pub mod trace;
 
 pub use artifact::Artifact;
 pub use engine::Engine;

@@ -23,6 +23,10 @@ use crate::metrics::{BatchType, Metrics};
 use crate::sampling::{Distribution, Sampler};
 use crate::schema::manifest::RuntimeSettings;
 use crate::schema::PageError;
+use crate::trace::capture::Capture;
+use crate::trace::{
+    GpuProfiling, ProfilingConfig, Span, SpanContext, StepTracing, TraceLevel, Tracer,
+};
 use prefix::PrefixCache;
 pub use request::{Event, EventSender, FinishReason, Request, TokenLogprob, Usage};
 use speculative::{Acceptance, Planned};
@@ -81,6 +85,40 @@ struct Active {
     draft_computed: usize,
     /// The draft's sampler (its own stream, so that proposals do not shift the decoder's).
     draft_sampler: Sampler,
+    /// Its kernel capture, while armed (`x-max-trace-level: kernel`).
+    capture: Option<ArmedCapture>,
+}
+
+/// A request's kernel capture: replayed into spans when it is full or the request ends
+/// (dropped, whichever way it leaves the scheduler).
+struct ArmedCapture {
+    capture: Option<Capture>,
+    tracer: Tracer,
+    parent: SpanContext,
+    limits: ProfilingConfig,
+}
+
+impl ArmedCapture {
+    /// Whether it still records passes.
+    fn recording(&self) -> bool {
+        self.capture.as_ref().is_some_and(|c| !c.is_full())
+    }
+
+    /// Closes the file and hands it to the exporter for replay.
+    fn finish(&mut self) {
+        if let Some(c) = self.capture.take() {
+            match c.finish() {
+                Ok(file) => self.tracer.replay(file, self.parent, self.limits),
+                Err(e) => tracing::warn!("kernel capture: {e}"),
+            }
+        }
+    }
+}
+
+impl Drop for ArmedCapture {
+    fn drop(&mut self) {
+        self.finish();
+    }
 }
 
 impl Active {
@@ -164,6 +202,18 @@ pub struct Scheduler {
     eos: Vec<i64>,
     metrics: Arc<Metrics>,
     spec: Option<Speculation>,
+    tracing: StepTracing,
+    /// Whether the engine times launches now.
+    profiling_on: bool,
+    /// Forward passes run.
+    passes: u64,
+}
+
+/// This thread's name (or id), for kernel spans.
+fn thread_name() -> String {
+    let t = std::thread::current();
+    t.name()
+        .map_or_else(|| format!("{:?}", t.id()), str::to_string)
 }
 
 /// Where the draft's sampler starts: the request's seed moved to a stream of its own.
@@ -214,7 +264,17 @@ impl Scheduler {
             eos,
             metrics,
             spec: None,
+            tracing: StepTracing::default(),
+            profiling_on: false,
+            passes: 0,
         }
+    }
+
+    /// Traces steps and requests as `tracing` says (`max.batch` spans, kernel captures,
+    /// forward-pass spans of `gpu_profiling`).
+    pub fn with_tracing(mut self, tracing: StepTracing) -> Self {
+        self.tracing = tracing;
+        self
     }
 
     /// Turns on speculative decoding with `spec` for every request.
@@ -301,7 +361,9 @@ impl Scheduler {
             seed: req.sampling.seed ^ DRAFT_SEED,
             ..req.sampling.clone()
         });
+        let capture = self.arm_capture(&req);
         self.waiting.push_back(Active {
+            capture,
             tokens: req.prompt.clone(),
             req,
             events,
@@ -320,6 +382,171 @@ impl Scheduler {
         self.metrics
             .num_requests_queued
             .set(self.waiting.len() as i64);
+    }
+
+    /// A kernel capture for `req`, where its header asks for kernels and headers may.
+    fn arm_capture(&self, req: &Request) -> Option<ArmedCapture> {
+        let t = &self.tracing;
+        let trace = req.trace?;
+        if !(t.headers && t.tracer.is_on() && trace.header >= Some(TraceLevel::Kernel)) {
+            return None;
+        }
+        let limits = t.profiling;
+        match Capture::create(&t.capture_dir, &trace.ctx, limits.kernel_trace_max_passes) {
+            Ok(c) => Some(ArmedCapture {
+                capture: Some(c),
+                tracer: t.tracer.clone(),
+                parent: trace.ctx,
+                limits,
+            }),
+            Err(e) => {
+                tracing::warn!(
+                    "kernel capture in {}: {e}; the request runs uncaptured",
+                    t.capture_dir.display()
+                );
+                None
+            }
+        }
+    }
+
+    /// Times launches in the coming step where a capture records it or `gpu_profiling` is
+    /// `detailed`.
+    fn choose_profiling(&mut self, plan: &[Planned]) {
+        let want = self.tracing.tracer.is_on()
+            && (self.tracing.profiling.gpu_profiling == GpuProfiling::Detailed
+                || plan.iter().any(|p| {
+                    self.running[p.idx]
+                        .capture
+                        .as_ref()
+                        .is_some_and(ArmedCapture::recording)
+                }));
+        if want != self.profiling_on {
+            match self.engine.set_profiling(want) {
+                Ok(()) => self.profiling_on = want,
+                Err(e) => {
+                    // Once: the tracer stays on, launches go untimed.
+                    tracing::warn!("kernel timings: {e}");
+                    self.tracing.profiling.gpu_profiling = GpuProfiling::Off;
+                    for a in self.running.iter_mut().chain(self.waiting.iter_mut()) {
+                        a.capture = None;
+                    }
+                    self.tracing.headers = false;
+                }
+            }
+        }
+    }
+
+    /// The spans of a pass over `plan` that ran from `start` to `end` (Unix nanoseconds):
+    /// `max.batch` (at level `batch`, or where a request in it carries a trace header) linked
+    /// to the requests it ran, at most `kernel_trace_max_batch_links`; `gpu_profiling`'s
+    /// forward-pass span (and launch spans where `detailed`); and the pass in each armed
+    /// capture.
+    fn trace_pass(&mut self, plan: &[Planned], start: u64, end: u64) {
+        let pass = self.passes;
+        self.passes += 1;
+        let t = &self.tracing;
+        if !t.tracer.is_on() {
+            return;
+        }
+        // Each traced request once (an HTTP request's `n` choices share its span).
+        let mut traced: Vec<&crate::trace::RequestTrace> = Vec::new();
+        for p in plan {
+            if let Some(r) = self.running[p.idx].req.trace.as_ref() {
+                if !traced.iter().any(|t| t.ctx == r.ctx) {
+                    traced.push(r);
+                }
+            }
+        }
+        let rows: usize = plan.iter().map(|p| p.n + p.drafts.len()).sum();
+        let prefill = plan.iter().any(|p| !self.running[p.idx].is_decode());
+        if t.level >= TraceLevel::Batch || traced.iter().any(|r| r.header.is_some()) {
+            let cap =
+                usize::try_from(t.profiling.kernel_trace_max_batch_links).unwrap_or(usize::MAX);
+            let links: Vec<SpanContext> = traced.iter().take(cap).map(|r| r.ctx).collect();
+            let mut attributes = BTreeMap::new();
+            attributes.insert("max.batch.pass".into(), pass.into());
+            attributes.insert("max.batch.size".into(), plan.len().into());
+            attributes.insert("max.batch.tokens".into(), rows.into());
+            attributes.insert(
+                "max.batch.type".into(),
+                if prefill { "CE" } else { "TG" }.into(),
+            );
+            attributes.insert(
+                "max.batch.links_dropped".into(),
+                (traced.len() - links.len()).into(),
+            );
+            t.tracer.export(Span {
+                name: "max.batch".into(),
+                ctx: SpanContext::new_root(),
+                parent: None,
+                start_unix_ns: start,
+                end_unix_ns: end,
+                attributes,
+                links,
+            });
+        }
+        let profile = if self.profiling_on {
+            self.engine.last_profile().cloned()
+        } else {
+            None
+        };
+        if t.profiling.gpu_profiling != GpuProfiling::Off {
+            let ctx = SpanContext::new_root();
+            let mut attributes = BTreeMap::new();
+            attributes.insert("max.pass".into(), pass.into());
+            attributes.insert("max.pass.total_seq_len".into(), rows.into());
+            attributes.insert("max.pass.batch_size".into(), plan.len().into());
+            t.tracer.export(Span {
+                name: "max.forward".into(),
+                ctx,
+                parent: None,
+                start_unix_ns: start,
+                end_unix_ns: end,
+                attributes,
+                links: Vec::new(),
+            });
+            if let (GpuProfiling::Detailed, Some(profile)) = (t.profiling.gpu_profiling, &profile) {
+                let program = self.engine.program();
+                for l in &profile.launches {
+                    let Some(launch) = program.launches.get(l.launch) else {
+                        continue;
+                    };
+                    let Some(k) = program.kernels.get(launch.kernel as usize) else {
+                        continue;
+                    };
+                    let launch = crate::trace::capture::CapturedLaunch {
+                        name: k.name.clone(),
+                        kind: k.body.kind().to_string(),
+                        nodes: launch.nodes.clone(),
+                        start_unix_ns: start + l.start_ns,
+                        dur_ns: l.dur_ns,
+                        thread: thread_name(),
+                    };
+                    t.tracer
+                        .export(crate::trace::capture::kernel_span(&launch, &ctx));
+                }
+            }
+        }
+        if let Some(profile) = &profile {
+            let thread = thread_name();
+            for p in plan {
+                let a = &mut self.running[p.idx];
+                let Some(armed) = a.capture.as_mut() else {
+                    continue;
+                };
+                let Some(c) = armed.capture.as_mut() else {
+                    continue;
+                };
+                if let Err(e) = c.record(self.engine.program(), profile, start, &thread) {
+                    tracing::warn!("kernel capture: {e}; capture stopped");
+                    armed.capture = None;
+                    continue;
+                }
+                if c.is_full() {
+                    armed.finish();
+                }
+            }
+        }
     }
 
     /// Frees `a`'s pages, caching its full computed pages first.
@@ -521,7 +748,7 @@ impl Scheduler {
         }
         let creation_ms = t0.elapsed().as_secs_f64() * 1e3;
         // Execute, evicting cached pages and then preempting until the step fits.
-        let (logits, plan, exec_ms) = loop {
+        let (logits, plan, exec_ms, start_unix, exec) = loop {
             if plan.is_empty() {
                 if self.running.is_empty() {
                     // Nothing runs and the head of the queue does not fit an empty cache.
@@ -538,6 +765,7 @@ impl Scheduler {
                 self.update_gauges();
                 return report;
             }
+            self.choose_profiling(&plan);
             let rows: Vec<Vec<i64>> = plan
                 .iter()
                 .map(|p| {
@@ -554,8 +782,12 @@ impl Scheduler {
                 .collect();
             let n_logits = 1 + plan.iter().map(|p| p.drafts.len()).max().unwrap_or(0);
             let t = Instant::now();
+            let start_unix = crate::trace::now_unix_ns();
             match self.engine.step_n(&chunks, n_logits) {
-                Ok(l) => break (l, plan, t.elapsed().as_secs_f64() * 1e3),
+                Ok(l) => {
+                    let exec = t.elapsed();
+                    break (l, plan, exec.as_secs_f64() * 1e3, start_unix, exec);
+                }
                 Err(RuntimeError::Pages(PageError::OutOfPages { needed, .. })) => {
                     let want = self.engine.pages().free_pages() + needed;
                     let evicted = match self.prefix.as_mut() {
@@ -601,6 +833,7 @@ impl Scheduler {
                 }
             }
         };
+        self.trace_pass(&plan, start_unix, start_unix + exec.as_nanos() as u64);
         let all_logits = self.engine.all_logits();
         let n_logits = if all_logits {
             1

@@ -24,6 +24,9 @@ pub struct Request {
     /// Report the prompt tokens' log-probabilities too (needs an artifact with logits for every
     /// token row).
     pub prompt_logprobs: bool,
+    /// Its place in a trace, where it is traced (the server's level, or its
+    /// `x-max-trace-level` header).
+    pub trace: Option<crate::trace::RequestTrace>,
 }
 
 impl Request {
@@ -38,6 +41,7 @@ impl Request {
             ignore_eos: false,
             logprobs: None,
             prompt_logprobs: false,
+            trace: None,
         }
     }
 }

@@ -17,6 +17,10 @@ use crate::scheduler::{
     Request, Scheduler, SchedulerConfig, SchedulerHandle, Speculation, TokenLogprob, Usage,
 };
 use crate::tokenizer::Tokenizer;
+use crate::trace::{
+    ExportOptions, ProfilingConfig, RequestTrace, Span, SpanContext, StepTracing, TraceLevel,
+    Tracer,
+};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
@@ -68,6 +72,24 @@ pub struct ServeOptions {
     pub header_read_timeout: Duration,
     /// Time for a request's body to arrive (408 after).
     pub body_read_timeout: Duration,
+    /// Traces: level, header captures, profiling limits, where spans go.
+    pub tracing: ServeTracing,
+}
+
+/// How the server traces (see [`crate::trace`]).
+#[derive(Clone, Debug, Default)]
+pub struct ServeTracing {
+    /// `MAX_SERVE_KERNEL_TRACE_LEVEL`: request spans and `max.batch` spans from `batch` up.
+    pub level: TraceLevel,
+    /// `MAX_SERVE_KERNEL_TRACE_HEADERS`: a request's `x-max-trace-level: kernel` arms a kernel
+    /// capture.
+    pub headers: bool,
+    /// MAX's ProfilingConfig (the config file's `profiling` section).
+    pub profiling: ProfilingConfig,
+    /// Where spans go (a JSON-lines file, OTLP).
+    pub export: ExportOptions,
+    /// Where kernel captures are written.
+    pub capture_dir: PathBuf,
 }
 
 /// A failure to start serving.
@@ -115,7 +137,39 @@ struct App {
     max_queue: usize,
     inflight: AtomicUsize,
     next_id: AtomicU64,
+    tracer: Tracer,
+    trace_level: TraceLevel,
 }
+
+/// A traced request's span, exported when the last holder (the middleware, the response's
+/// stream) lets go of it.
+struct RequestSpan {
+    tracer: Tracer,
+    trace: RequestTrace,
+    parent: Option<u64>,
+    start_unix_ns: u64,
+    attributes: std::sync::Mutex<std::collections::BTreeMap<String, Value>>,
+}
+
+impl Drop for RequestSpan {
+    fn drop(&mut self) {
+        let attributes =
+            std::mem::take(&mut *self.attributes.lock().unwrap_or_else(|e| e.into_inner()));
+        self.tracer.export(Span {
+            name: "max.request".into(),
+            ctx: self.trace.ctx,
+            parent: self.parent,
+            start_unix_ns: self.start_unix_ns,
+            end_unix_ns: crate::trace::now_unix_ns(),
+            attributes,
+            links: Vec::new(),
+        });
+    }
+}
+
+/// The request's span, where it is traced (a request extension).
+#[derive(Clone, Default)]
+struct Traced(Option<Arc<RequestSpan>>);
 
 type Shared = Arc<App>;
 
@@ -149,7 +203,7 @@ impl IntoResponse for ApiError {
 }
 
 /// Loads the artifact and starts the scheduler (blocking).
-fn load(opts: &ServeOptions, metrics: &Arc<Metrics>) -> Result<Loaded, String> {
+fn load(opts: &ServeOptions, metrics: &Arc<Metrics>, tracer: Tracer) -> Result<Loaded, String> {
     let t = Instant::now();
     let artifact = Arc::new(
         Artifact::open_verified(&opts.artifact, opts.require_signature.as_ref())
@@ -189,7 +243,15 @@ fn load(opts: &ServeOptions, metrics: &Arc<Metrics>) -> Result<Loaded, String> {
     };
     let all_logits = engine.all_logits();
     let (max_model_len, vocab) = (engine.max_seq_len(), engine.vocab_size());
-    let mut scheduler = Scheduler::new(engine, cfg.clone(), metrics.clone());
+    let t = &opts.tracing;
+    let mut scheduler =
+        Scheduler::new(engine, cfg.clone(), metrics.clone()).with_tracing(StepTracing {
+            tracer,
+            level: t.level,
+            headers: t.headers,
+            profiling: t.profiling,
+            capture_dir: t.capture_dir.clone(),
+        });
     if let Some(spec) = spec {
         scheduler = scheduler.with_speculation(spec);
     }
@@ -222,6 +284,9 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let api = bind(&opts.host, opts.port).await?;
     let metrics_listener = bind(&opts.host, opts.metrics_port).await?;
+    // Always on: a request's `x-max-trace-level` header is honoured at any level. Idle, it is
+    // one sleeping thread.
+    let tracer = Tracer::start(&opts.tracing.export)?;
     let model = opts.served_model_name.clone().unwrap_or_else(|| {
         opts.artifact
             .file_name()
@@ -239,12 +304,15 @@ pub async fn serve(
         max_queue: opts.max_queue_size,
         inflight: AtomicUsize::new(0),
         next_id: AtomicU64::new(1),
+        tracer: tracer.clone(),
+        trace_level: opts.tracing.level,
     });
     let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<String>();
     {
         let app = app.clone();
         let opts = opts.clone();
-        tokio::task::spawn_blocking(move || match load(&opts, &app.metrics) {
+        let tracer = tracer.clone();
+        tokio::task::spawn_blocking(move || match load(&opts, &app.metrics, tracer) {
             Ok(l) => {
                 tracing::info!(model = %app.model, "model loaded");
                 let _ = app.loaded.set(l);
@@ -326,6 +394,7 @@ pub async fn serve(
         );
     }
     metrics_task.abort();
+    tracer.flush();
     Ok(())
 }
 
@@ -366,6 +435,9 @@ async fn observe(
         .unwrap_or_else(|| format!("{:016x}", app.next_id.fetch_add(1, Ordering::Relaxed)));
     let path = req.uri().path().to_string();
     let method = req.method().clone();
+    let mut req = req;
+    let traced = request_span(&app, &req, &id, &path);
+    req.extensions_mut().insert(traced.clone());
     let mut resp = next.run(req).await;
     if let Ok(v) = HeaderValue::from_str(&id) {
         resp.headers_mut().insert("x-request-id", v);
@@ -380,8 +452,53 @@ async fn observe(
         .inc();
     let elapsed = ms(t.elapsed());
     app.metrics.request_time.observe(elapsed);
+    if let Some(span) = &traced.0 {
+        if let Ok(mut a) = span.attributes.lock() {
+            a.insert("http.response.status_code".into(), code.into());
+        }
+    }
+    drop(traced);
     tracing::info!(request_id = %id, %method, %path, status = code, ms = elapsed, "request");
     resp
+}
+
+/// The span of a request that is traced: at level `batch` and up, or where it carries an
+/// `x-max-trace-level` header (a W3C `traceparent` header puts it in the caller's trace).
+fn request_span(app: &App, req: &axum::extract::Request, id: &str, path: &str) -> Traced {
+    let header = req
+        .headers()
+        .get("x-max-trace-level")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| match v.parse::<TraceLevel>() {
+            Ok(l) => Some(l),
+            Err(e) => {
+                tracing::debug!(request_id = %id, "x-max-trace-level: {e}");
+                None
+            }
+        });
+    if app.trace_level < TraceLevel::Batch && header.is_none() {
+        return Traced(None);
+    }
+    let caller = req
+        .headers()
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .and_then(SpanContext::from_traceparent);
+    let ctx = caller.map_or_else(SpanContext::new_root, |c| c.child());
+    let mut attributes = std::collections::BTreeMap::new();
+    attributes.insert("http.request.method".into(), req.method().as_str().into());
+    attributes.insert("url.path".into(), path.into());
+    attributes.insert("max.request_id".into(), id.into());
+    if let Some(h) = header {
+        attributes.insert("max.trace_level".into(), h.as_str().into());
+    }
+    Traced(Some(Arc::new(RequestSpan {
+        tracer: app.tracer.clone(),
+        trace: RequestTrace { ctx, header },
+        parent: caller.map(|c| c.span_id),
+        start_unix_ns: crate::trace::now_unix_ns(),
+        attributes: std::sync::Mutex::new(attributes),
+    })))
 }
 
 async fn not_found() -> ApiError {
@@ -454,7 +571,8 @@ impl Drop for Awaiting {
 }
 
 /// Counts a generation request in flight for the queue limit while alive.
-struct InFlight(Shared);
+/// (The request's span rides along so that it ends when the response does.)
+struct InFlight(Shared, #[allow(dead_code)] Traced);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
@@ -611,6 +729,7 @@ fn request_for(
         ignore_eos: c.ignore_eos.unwrap_or(false),
         logprobs: None,
         prompt_logprobs: false,
+        trace: None,
     })
 }
 
@@ -669,7 +788,11 @@ fn tokenizer(l: &Loaded, param: &str) -> Result<&'static Tokenizer, ApiError> {
         .ok_or_else(|| ApiError::invalid(param, "the artifact has no tokenizer: send token ids"))
 }
 
-async fn completions(State(app): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn completions(
+    State(app): State<Shared>,
+    axum::Extension(traced): axum::Extension<Traced>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let arrival = Instant::now();
     let awaiting = Awaiting::new(&app.metrics);
     let result = async {
@@ -745,7 +868,7 @@ async fn completions(State(app): State<Shared>, body: Result<Bytes, BytesRejecti
         Ok(Plan::new(&req.common, jobs, false, logprobs.is_some()))
     }
     .await;
-    respond(app, result, arrival, awaiting).await
+    respond(app, result, arrival, awaiting, traced).await
 }
 
 fn message_text(m: &openai::Message, i: usize) -> Result<String, ApiError> {
@@ -773,6 +896,7 @@ fn message_text(m: &openai::Message, i: usize) -> Result<String, ApiError> {
 
 async fn chat_completions(
     State(app): State<Shared>,
+    axum::Extension(traced): axum::Extension<Traced>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let arrival = Instant::now();
@@ -839,7 +963,7 @@ async fn chat_completions(
         Ok(Plan::new(&req.common, vec![job], true, logprobs))
     }
     .await;
-    respond(app, result, arrival, awaiting).await
+    respond(app, result, arrival, awaiting, traced).await
 }
 
 /// Submits the plan's jobs and answers: one JSON response, or a stream of events.
@@ -848,6 +972,7 @@ async fn respond(
     plan: Result<Plan, ApiError>,
     arrival: Instant,
     awaiting: Awaiting,
+    traced: Traced,
 ) -> Response {
     let plan = match plan {
         Ok(p) => p,
@@ -869,7 +994,10 @@ async fn respond(
         .into_response();
     }
     app.inflight.fetch_add(n, Ordering::Relaxed);
-    let guards: Vec<InFlight> = (0..n).map(|_| InFlight(app.clone())).collect();
+    let guards: Vec<InFlight> = (0..n)
+        .map(|_| InFlight(app.clone(), traced.clone()))
+        .collect();
+    let trace = traced.0.as_ref().map(|s| s.trace);
     let tokenizer = l.tokenizer;
     let id = format!(
         "{}-{:x}",
@@ -877,8 +1005,9 @@ async fn respond(
         app.next_id.fetch_add(1, Ordering::Relaxed)
     );
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<(usize, Delta, Instant)>();
-    for (i, job) in plan.jobs.into_iter().enumerate() {
+    for (i, mut job) in plan.jobs.into_iter().enumerate() {
         let prompt_tokens = job.request.prompt.len();
+        job.request.trace = trace;
         let events = l.sched.submit(job.request);
         let Some(tok) = tokenizer.or_else(empty_tokenizer) else {
             continue;
