@@ -58,7 +58,11 @@ pub struct Args {
     #[arg(long, env = "MAX_SERVE_KERNEL_TRACE_LEVEL", default_value = "none")]
     pub kernel_trace_level: TraceLevel,
     /// A request's `x-max-trace-level: kernel` header arms a capture of its kernel launches.
-    #[arg(long, env = "MAX_SERVE_KERNEL_TRACE_HEADERS")]
+    #[arg(
+        long,
+        env = "MAX_SERVE_KERNEL_TRACE_HEADERS",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
     pub kernel_trace_headers: bool,
     /// Append every span to this JSON-lines file (spans also go to OTLP where
     /// OTEL_EXPORTER_OTLP_ENDPOINT is set, and to the log at MAXC_LOG=maxc::trace=debug).
