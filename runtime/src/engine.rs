@@ -179,6 +179,14 @@ impl Engine {
         }
     }
 
+    /// `gpu_profiling`: NVTX ranges on the CUDA executor (a missing NVTX library is a warning);
+    /// nothing here on the CPU, where the scheduler makes the same structure as spans.
+    pub fn set_gpu_profiling(&mut self, level: crate::config::GpuProfiling) {
+        if let Executor::Cuda(e) = &mut self.exec {
+            e.set_gpu_profiling(level);
+        }
+    }
+
     /// The per-launch timings of the last step, while profiling.
     pub fn last_profile(&self) -> Option<&crate::profile::StepProfile> {
         match &self.exec {

@@ -2,6 +2,7 @@
 //! device once at the bounds, and runs steps with the same interface as the CPU executor.
 
 use crate::artifact::Artifact;
+use crate::config::GpuProfiling;
 use crate::error::{Result, RuntimeError};
 use crate::logits::Logits;
 use crate::schema::{
@@ -90,6 +91,8 @@ pub struct CudaExecutor {
     limits: StepLimits,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
+    profiling: GpuProfiling,
+    nvtx: Option<super::nvtx::Nvtx>,
 }
 
 // SAFETY: the module, function and device pointers belong to `ctx`, which every method makes
@@ -109,6 +112,20 @@ impl Drop for CudaExecutor {
 }
 
 impl CudaExecutor {
+    /// NVTX ranges around each forward pass (`on`) and each launch too (`detailed`); a
+    /// missing NVTX library is a warning and no ranges.
+    pub fn set_gpu_profiling(&mut self, level: GpuProfiling) {
+        self.profiling = level;
+        self.nvtx = None;
+        if level == GpuProfiling::Off {
+            return;
+        }
+        match super::nvtx::Nvtx::load() {
+            Ok(n) => self.nvtx = Some(n),
+            Err(e) => tracing::warn!("gpu_profiling {level:?}: NVTX not loaded ({e}); no ranges"),
+        }
+    }
+
     /// Prepares `role` of `artifact` on GPU 0.
     pub fn new(artifact: Arc<Artifact>, role: &str) -> Result<Self> {
         cuda_available()?;
@@ -213,6 +230,8 @@ impl CudaExecutor {
             limits,
             stream,
             ctx,
+            profiling: GpuProfiling::Off,
+            nvtx: None,
         })
     }
 
@@ -274,6 +293,14 @@ impl CudaExecutor {
             Rows::Step(d) => dims[*d as usize],
             Rows::Fixed(n) => *n,
         };
+        let detailed = self.profiling == GpuProfiling::Detailed;
+        let nvtx = self.nvtx.as_ref();
+        if let Some(n) = nvtx {
+            n.push(&format!(
+                "max.forward {} tokens {} sequences",
+                dims[0], dims[1]
+            ));
+        }
         for launch in &self.program.launches {
             let k = &self.module.kernels[launch.kernel as usize];
             let mut grid = [0u32; 3];
@@ -301,6 +328,9 @@ impl CudaExecutor {
                 .map(|v| (v as *mut u64).cast::<c_void>())
                 .collect();
             let [bx, by, bz] = k.launch.block;
+            if let (Some(n), true) = (nvtx, detailed) {
+                n.push(&k.name);
+            }
             // SAFETY: parameters follow the CUDA launch contract (buffers, then the step dims),
             // each a pointer to a live u64; grid and block come from the compiler.
             unsafe {
@@ -314,6 +344,12 @@ impl CudaExecutor {
                 )
             }
             .map_err(driver(&k.name))?;
+            if let (Some(n), true) = (nvtx, detailed) {
+                n.pop();
+            }
+        }
+        if let Some(n) = nvtx {
+            n.pop();
         }
         let out = *self
             .program

@@ -2,5 +2,6 @@
 //! (cudarc, loaded dynamically). No NVRTC: the PTX was compiled ahead of time.
 
 mod executor;
+pub mod nvtx;
 
 pub use executor::{cuda_available, CudaExecutor};

@@ -273,6 +273,8 @@ impl Scheduler {
     /// Traces steps and requests as `tracing` says (`max.batch` spans, kernel captures,
     /// forward-pass spans of `gpu_profiling`).
     pub fn with_tracing(mut self, tracing: StepTracing) -> Self {
+        self.engine
+            .set_gpu_profiling(tracing.profiling.gpu_profiling);
         self.tracing = tracing;
         self
     }
