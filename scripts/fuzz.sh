@@ -5,7 +5,7 @@
 #   bash scripts/fuzz.sh all SECONDS         every target in turn
 #
 # Targets: safetensors, checkpoint_index, gguf, config, artifact, program, http_body,
-# tokenizer_stream. Each starts from the seeds in fuzz/seeds/TARGET (plus, for artifact and
+# tokenizer_stream, serve_config. Each starts from the seeds in fuzz/seeds/TARGET (plus, for artifact and
 # program, the template artifact's own manifest and program) and keeps its corpus in
 # .tools/fuzz/corpus/TARGET. A crash stops the run with the failing input in
 # .tools/fuzz/artifacts/TARGET (turn it into a regression test). Prints each target's runs and
@@ -49,7 +49,7 @@ template=$work/template.maxc
 export MAXC_FUZZ_ARTIFACT=$template
 [ "${MAXC_FUZZ_TEMPLATE_ONLY:-0}" = 1 ] && exit 0
 
-targets=(safetensors checkpoint_index gguf config artifact program http_body tokenizer_stream)
+targets=(safetensors checkpoint_index gguf config artifact program http_body tokenizer_stream serve_config)
 [ "$target" = all ] || targets=("$target")
 cd fuzz
 cargo "${toolchain[@]}" fuzz build --target-dir "$work/target" >&2
