@@ -101,7 +101,19 @@ pub fn run(args: Args) -> Result<()> {
         next = (0..args.batch).map(|b| argmax(l.row(b)) as i64).collect();
     }
     let program = engine.program().clone();
+    // The machine's probes, measured now: a streaming read and an f32 GEMM on every core.
+    let probes = Probes {
+        bytes_per_s: maxc_runtime::bench::bandwidth(),
+        flops: maxc_runtime::bench::gemm_flops(),
+    };
+    println!(
+        "machine probes: {:.2} GB/s streaming read, {:.1} GFLOP/s f32 GEMM (1024³), {} threads",
+        probes.bytes_per_s / 1e9,
+        probes.flops / 1e9,
+        maxc_runtime::cpu::pool::threads()
+    );
     report(
+        &probes,
         &program,
         &format!(
             "prefill: {} sequence(s) × {} tokens",
@@ -113,6 +125,7 @@ pub fn run(args: Args) -> Result<()> {
     );
     if !decode.is_empty() {
         report(
+            &probes,
             &program,
             &format!(
                 "decode: {} step(s) of {} sequence(s)",
@@ -139,7 +152,14 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
+/// What the machine achieves, to rate kernels against.
+struct Probes {
+    bytes_per_s: f64,
+    flops: f64,
+}
+
 fn report(
+    probes: &Probes,
     program: &maxc_runtime::schema::Program,
     title: &str,
     steps: &[StepProfile],
@@ -158,20 +178,26 @@ fn report(
         100.0 * launched as f64 / total.max(1) as f64
     );
     println!(
-        "  {:<28} {:>8} {:>10} {:>9} {:>7} {:>8} {:>9}",
-        "kernel", "launches", "total ms", "mean us", "share", "GB/s", "GFLOP/s"
+        "  {:<28} {:>8} {:>10} {:>9} {:>7} {:>8} {:>6} {:>9} {:>6}",
+        "kernel", "launches", "total ms", "mean us", "share", "GB/s", "%BW", "GFLOP/s", "%GEMM"
     );
     for k in summarize(program, steps) {
         let secs = k.total_ns as f64 / 1e9;
+        let (bw, fl) = (
+            k.bytes as f64 / secs.max(1e-12),
+            k.flops as f64 / secs.max(1e-12),
+        );
         println!(
-            "  {:<28} {:>8} {:>10.3} {:>9.1} {:>6.1}% {:>8.2} {:>9.2}",
+            "  {:<28} {:>8} {:>10.3} {:>9.1} {:>6.1}% {:>8.2} {:>5.0}% {:>9.2} {:>5.0}%",
             k.name,
             k.launches,
             k.total_ns as f64 / 1e6,
             k.total_ns as f64 / 1e3 / k.launches as f64,
             100.0 * k.total_ns as f64 / total.max(1) as f64,
-            k.bytes as f64 / 1e9 / secs.max(1e-12),
-            k.flops as f64 / 1e9 / secs.max(1e-12),
+            bw / 1e9,
+            100.0 * bw / probes.bytes_per_s.max(1.0),
+            fl / 1e9,
+            100.0 * fl / probes.flops.max(1.0),
         );
     }
 }
