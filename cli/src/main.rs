@@ -63,6 +63,15 @@ fn main() -> ExitCode {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
+    #[cfg(unix)]
+    if !matches!(cli.command, Command::Serve(_)) {
+        // SAFETY: before any thread starts; restores the default action, so that a closed pipe
+        // (`maxc inspect A | head`) ends the process as it does any Unix filter instead of
+        // panicking in `println!`. The server keeps Rust's default (ignored).
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     // `serve` logs one line per request at info; other commands only warnings.
     let default = if matches!(cli.command, Command::Serve(_)) {
         "info"

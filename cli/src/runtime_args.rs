@@ -45,6 +45,10 @@ pub struct RuntimeArgs {
     /// num_draft_tokens where it has a draft, else 0].
     #[arg(long)]
     pub num_speculative_tokens: Option<usize>,
+    /// Expert-parallel ranks a mixture-of-experts model's experts are spread over; it must
+    /// divide the expert count.
+    #[arg(long, default_value = "1", value_parser = positive, allow_negative_numbers = true)]
+    pub expert_parallel_degree: usize,
 }
 
 impl RuntimeArgs {
@@ -73,6 +77,7 @@ impl RuntimeArgs {
                 page_size: self.page_size,
                 num_pages: self.kv_cache_pages,
             },
+            expert_parallel_degree: self.expert_parallel_degree,
         }
     }
 }

@@ -118,18 +118,43 @@ impl KvCacheParams {
 }
 
 /// The deployment: what [`crate::DeploymentConfig::apply_runtime`] completes a config with.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModuleRuntime {
     /// Batch-processing limits.
     pub batch: BatchProcessorRuntime,
     /// KV cache settings.
     pub kv: KvCacheParams,
+    /// Expert-parallel ranks the experts of a mixture-of-experts model are spread over (1: every
+    /// expert on one rank).
+    #[serde(default = "one")]
+    pub expert_parallel_degree: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+impl Default for ModuleRuntime {
+    fn default() -> Self {
+        ModuleRuntime {
+            batch: BatchProcessorRuntime::default(),
+            kv: KvCacheParams::default(),
+            expert_parallel_degree: 1,
+        }
+    }
 }
 
 impl ModuleRuntime {
     /// Checks every setting; the error names the setting.
     pub fn validate(&self) -> Result<()> {
         self.batch.validate()?;
+        if self.expert_parallel_degree == 0 {
+            return Err(Error::Setting {
+                field: "expert_parallel_degree".into(),
+                value: "0".into(),
+                message: "must be at least 1".into(),
+            });
+        }
         if self.kv.page_size == 0 {
             return Err(Error::Setting {
                 field: "page_size".into(),
@@ -208,6 +233,7 @@ mod tests {
                 page_size: 16,
                 num_pages: None,
             },
+            expert_parallel_degree: 1,
         }
     }
 

@@ -87,6 +87,7 @@ pub fn report(a: &Artifact) -> Value {
         "architecture": m.architecture,
         "param_dtype": m.param_dtype,
         "runtime": m.runtime,
+        "export_records": m.export_records,
         "targets": m.targets,
         "roles": roles,
         "weights": {"count": a.weights().len(), "bytes_by_dtype": by_dtype},
@@ -132,6 +133,12 @@ pub fn run(args: Args) -> Result<()> {
             "speculation   the decoder verifies up to {} draft tokens per step",
             rt.num_speculative_tokens
         );
+    }
+    if !m.export_records.is_empty() {
+        println!("records");
+        for (k, v) in &m.export_records {
+            println!("  {k:<24} {v}");
+        }
     }
     for (role, r) in r["roles"].as_object().into_iter().flatten() {
         println!(

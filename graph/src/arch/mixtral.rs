@@ -1,11 +1,24 @@
 //! `MixtralForCausalLM`: the Llama decoder with a sparse MoE MLP (softmax router, top-k,
-//! renormalized; SwiGLU experts). Graph only: its expert-parallel deployment hooks come later.
+//! renormalized; SwiGLU experts), deployed with expert parallelism: its experts spread over
+//! `expert_parallel_degree` ranks that exchange tokens through buffers set up once by the
+//! `ep_init` graph.
+//!
+//! **Max tokens per rank.** In one step every active token (`max_batch_active_tokens`, all
+//! replicas together) sends its `top_k` slots to the ranks holding its experts. A token's
+//! experts are distinct, so at most `min(top_k, experts_per_rank)` of its slots land on one
+//! rank; the worst case, every token routed to the same rank, is
+//! `max_tokens_per_rank = max_batch_active_tokens × min(top_k, experts_per_rank)` slots, and
+//! every receive buffer is sized for it.
 
 use super::config::ConfigReader;
 use super::decoder::{DecoderConfig, MoeConfig};
 use super::llama::LlamaFamilyHooks;
 use super::{Architecture, ModelSpec};
-use crate::{DeploymentConfig, GraphRole, Result};
+use crate::deployment::DeploymentHooks;
+use crate::weights::StateDict;
+use crate::{DeploymentConfig, Error, GraphRole, ModuleRuntime, Result};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// The Mixtral architecture.
@@ -51,9 +64,232 @@ impl ModelSpec for MixtralModel {
         vec![GraphRole::Decoder]
     }
     fn deployment(&self) -> DeploymentConfig {
-        DeploymentConfig::with_hooks(Arc::new(LlamaFamilyHooks::new(&self.config)))
+        let moe = self.config.moe.clone().unwrap_or(MoeConfig {
+            num_experts: 1,
+            top_k: 1,
+        });
+        let mut d = DeploymentConfig::with_hooks(Arc::new(MixtralHooks {
+            llama: LlamaFamilyHooks::new(&self.config),
+            num_experts: moe.num_experts,
+            top_k: moe.top_k,
+            hidden_size: self.config.hidden_size,
+        }));
+        d.expert_parallel_communication = true;
+        d.export_ep_init = true;
+        d
     }
     fn decoder(&self, role: GraphRole) -> Option<&DecoderConfig> {
         (role == GraphRole::Decoder).then_some(&self.config)
+    }
+}
+
+/// Mixtral's deployment hooks: the Llama family's weight preparation, and expert parallelism.
+#[derive(Debug)]
+pub struct MixtralHooks {
+    llama: LlamaFamilyHooks,
+    num_experts: usize,
+    top_k: usize,
+    hidden_size: usize,
+}
+
+/// Bytes of one dispatched slot: the token's hidden state (f32), its row, its expert and its
+/// routing weight.
+fn slot_bytes(hidden: usize) -> usize {
+    4 * hidden + 4 + 4 + 4
+}
+
+impl MixtralHooks {
+    /// Experts each rank holds at `degree`.
+    fn experts_per_rank(&self, degree: usize) -> usize {
+        self.num_experts / degree.max(1)
+    }
+
+    /// The worst case of slots one rank receives in a step (see the module docs).
+    pub fn max_tokens_per_rank(&self, runtime: &ModuleRuntime) -> usize {
+        let per_rank = self.experts_per_rank(runtime.expert_parallel_degree);
+        runtime.batch.max_batch_active_tokens() * self.top_k.min(per_rank)
+    }
+}
+
+impl DeploymentHooks for MixtralHooks {
+    fn prepare_weights(&self, weights: StateDict) -> Result<StateDict> {
+        self.llama.prepare_weights(weights)
+    }
+
+    /// The degree must divide the experts. Without an exchange (`expert_parallel_communication`
+    /// off) every rank must hold every expert its tokens may be routed to, which only one rank
+    /// holding them all does. The `ep_init` graph is exported where there is an exchange to set
+    /// up (degree above 1).
+    fn apply_runtime(
+        &self,
+        mut config: DeploymentConfig,
+        runtime: &ModuleRuntime,
+    ) -> Result<DeploymentConfig> {
+        let d = runtime.expert_parallel_degree;
+        if d == 0 || self.num_experts % d != 0 {
+            return Err(Error::Setting {
+                field: "expert_parallel_degree".into(),
+                value: d.to_string(),
+                message: format!(
+                    "must divide the model's {} experts (num_local_experts) so that every rank holds the same number; divisors: {}",
+                    self.num_experts,
+                    (1..=self.num_experts)
+                        .filter(|k| self.num_experts % k == 0)
+                        .map(|k| k.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            });
+        }
+        if !config.expert_parallel_communication && d > 1 {
+            let per = self.experts_per_rank(d);
+            let missing: Vec<String> = (0..d)
+                .map(|r| {
+                    let lacks: Vec<String> = (0..self.num_experts)
+                        .filter(|e| e / per != r)
+                        .map(|e| e.to_string())
+                        .collect();
+                    format!("rank {r} lacks experts {}", lacks.join(","))
+                })
+                .collect();
+            return Err(Error::Setting {
+                field: "expert_parallel_degree".into(),
+                value: d.to_string(),
+                message: format!(
+                    "expert-parallel communication is off, so every rank must hold each expert its tokens are routed to (any of the {} experts); at this degree {}",
+                    self.num_experts,
+                    missing.join("; ")
+                ),
+            });
+        }
+        config.export_ep_init =
+            config.export_ep_init && config.expert_parallel_communication && d > 1;
+        Ok(config)
+    }
+
+    fn export_records(&self, runtime: &ModuleRuntime) -> BTreeMap<String, Value> {
+        let d = runtime.expert_parallel_degree.max(1);
+        let tokens = runtime.batch.max_batch_active_tokens();
+        let per_rank = self.max_tokens_per_rank(runtime);
+        let slot = slot_bytes(self.hidden_size);
+        let row = 4 * self.hidden_size;
+        let mut r = BTreeMap::new();
+        r.insert("moe.num_experts".into(), json!(self.num_experts));
+        r.insert("moe.top_k".into(), json!(self.top_k));
+        r.insert("moe.hidden_size".into(), json!(self.hidden_size));
+        r.insert("ep.degree".into(), json!(d));
+        r.insert(
+            "ep.experts_per_rank".into(),
+            json!(self.experts_per_rank(d)),
+        );
+        r.insert("ep.dispatch_dtype".into(), json!("f32"));
+        r.insert("ep.max_tokens_per_rank".into(), json!(per_rank));
+        if d == 1 {
+            // One rank: no exchange, no buffers.
+            return r;
+        }
+        // Two buffer groups, so that dispatch and combine never share a buffer in flight:
+        // dispatch sends every slot of a rank's tokens and receives at most the worst case;
+        // combine sends back the results of what it received and receives its slots' results.
+        r.insert(
+            "ep.buffers".into(),
+            json!({
+                "dispatch_send_bytes": tokens * self.top_k * slot,
+                "dispatch_recv_bytes": per_rank * slot,
+                "combine_send_bytes": per_rank * row,
+                "combine_recv_bytes": tokens * self.top_k * row,
+                "counters_bytes": 2 * d * 4,
+            }),
+        );
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::registry::Registry;
+    use crate::{Error, ModuleRuntime};
+    use std::path::Path;
+
+    fn spec() -> Box<dyn crate::arch::ModelSpec> {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../golden/fixtures/tiny-mixtral");
+        let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+        Registry::builtin()
+            .parse_config(&dir.join("config.json"), &json)
+            .unwrap()
+    }
+
+    fn runtime(degree: usize) -> ModuleRuntime {
+        let mut rt = ModuleRuntime {
+            expert_parallel_degree: degree,
+            ..Default::default()
+        };
+        rt.batch.max_batch_size = 8;
+        rt.batch.max_seq_len = 128;
+        rt.batch.max_batch_input_tokens = 64;
+        rt
+    }
+
+    #[test]
+    fn a_degree_that_does_not_divide_the_experts_is_refused() {
+        let e = spec().deployment().apply_runtime(&runtime(3)).unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, Error::Setting { ref field, .. } if field == "expert_parallel_degree"));
+        assert!(
+            msg.contains("= 3") && msg.contains("4 experts") && msg.contains("divisors: 1, 2, 4"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn without_communication_experts_must_be_local() {
+        let mut d = spec().deployment();
+        d.expert_parallel_communication = false;
+        // One rank holds every expert: fine.
+        assert!(d.clone().apply_runtime(&runtime(1)).is_ok());
+        let msg = d.apply_runtime(&runtime(2)).unwrap_err().to_string();
+        assert!(
+            msg.contains("rank 0 lacks experts 2,3") && msg.contains("rank 1 lacks experts 0,1"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn the_ep_init_graph_is_exported_where_there_is_an_exchange() {
+        let d = spec().deployment();
+        assert!(d.expert_parallel_communication && d.export_ep_init);
+        assert!(!d.clone().apply_runtime(&runtime(1)).unwrap().export_ep_init);
+        assert!(d.clone().apply_runtime(&runtime(2)).unwrap().export_ep_init);
+        assert!(d.apply_runtime(&runtime(4)).unwrap().export_ep_init);
+    }
+
+    #[test]
+    fn records_hold_the_deployment_and_the_worst_case_per_rank() {
+        let d = spec().deployment();
+        // 64 active tokens (the step budget), top-2 of 4 experts, hidden 256.
+        let (tokens, hidden) = (64u64, 256u64);
+        let slot = 4 * hidden + 12;
+        for (degree, per_rank_experts) in [(1u64, 4u64), (2, 2), (4, 1)] {
+            let r = d.export_records(&runtime(degree as usize));
+            assert_eq!(r["ep.degree"], degree);
+            assert_eq!(r["moe.num_experts"], 4);
+            assert_eq!(r["moe.top_k"], 2);
+            assert_eq!(r["moe.hidden_size"], hidden);
+            assert_eq!(r["ep.experts_per_rank"], per_rank_experts);
+            assert_eq!(r["ep.dispatch_dtype"], "f32");
+            // Every token's slots on one rank: at most min(top_k, experts there) per token.
+            let worst = tokens * 2u64.min(per_rank_experts);
+            assert_eq!(r["ep.max_tokens_per_rank"], worst, "degree {degree}");
+            if degree == 1 {
+                assert!(!r.contains_key("ep.buffers"), "one rank: no exchange");
+                continue;
+            }
+            let b = &r["ep.buffers"];
+            assert_eq!(b["dispatch_recv_bytes"], worst * slot);
+            assert_eq!(b["dispatch_send_bytes"], tokens * 2 * slot);
+            assert_eq!(b["combine_send_bytes"], worst * 4 * hidden);
+            assert_eq!(b["combine_recv_bytes"], tokens * 2 * 4 * hidden);
+        }
     }
 }
