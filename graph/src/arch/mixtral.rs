@@ -126,7 +126,7 @@ impl DeploymentHooks for MixtralHooks {
         runtime: &ModuleRuntime,
     ) -> Result<DeploymentConfig> {
         let d = runtime.expert_parallel_degree;
-        if d == 0 || self.num_experts % d != 0 {
+        if d == 0 || !self.num_experts.is_multiple_of(d) {
             return Err(Error::Setting {
                 field: "expert_parallel_degree".into(),
                 value: d.to_string(),
@@ -134,7 +134,7 @@ impl DeploymentHooks for MixtralHooks {
                     "must divide the model's {} experts (num_local_experts) so that every rank holds the same number; divisors: {}",
                     self.num_experts,
                     (1..=self.num_experts)
-                        .filter(|k| self.num_experts % k == 0)
+                        .filter(|&k| self.num_experts.is_multiple_of(k))
                         .map(|k| k.to_string())
                         .collect::<Vec<_>>()
                         .join(", ")
