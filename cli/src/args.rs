@@ -47,3 +47,22 @@ impl SpeculativeArgs {
         })
     }
 }
+
+/// The expert-parallel degree a deployment runs at.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ExpertParallelArgs {
+    /// Expert-parallel ranks to run on; an artifact compiled for another degree is refused
+    /// [default: the artifact's].
+    #[arg(long, value_name = "N")]
+    pub expert_parallel_degree: Option<usize>,
+}
+
+impl ExpertParallelArgs {
+    /// Refuses `engine` where a degree was asked for and it differs from the artifact's.
+    pub fn check(&self, engine: &maxc_runtime::Engine) -> anyhow::Result<()> {
+        if let Some(n) = self.expert_parallel_degree {
+            engine.require_expert_parallel_degree(n)?;
+        }
+        Ok(())
+    }
+}

@@ -80,6 +80,8 @@ enum Kind {
     Artifact(DType, bool),
     /// The artifact on the CUDA executor; ignored tests, run by scripts/gpu-check.sh.
     Cuda(DType),
+    /// The f32 artifact compiled at this expert-parallel degree (in-process ranks).
+    Ep(usize),
 }
 
 struct Case {
@@ -156,6 +158,14 @@ impl Case {
                     seqs: vec![],
                 })
             }
+            Kind::Ep(degree) => Box::new(Compiled {
+                engine: Engine::open(
+                    &artifact_dir_at(self.model, DType::F32, true, degree),
+                    self.role.name(),
+                )
+                .expect("artifact opens"),
+                seqs: vec![],
+            }),
             Kind::Artifact(dtype, all_logits) => {
                 let out = artifact_dir(self.model, dtype, all_logits);
                 Box::new(Compiled {
@@ -169,18 +179,26 @@ impl Case {
 
 /// Compiles each (model, dtype, logits) once per test run.
 fn artifact_dir(model: &str, dtype: DType, all_logits: bool) -> PathBuf {
+    artifact_dir_at(model, dtype, all_logits, 1)
+}
+
+/// Compiles each (model, dtype, logits, expert-parallel degree) once per test run.
+fn artifact_dir_at(model: &str, dtype: DType, all_logits: bool, degree: usize) -> PathBuf {
     static ROOT: OnceLock<tempfile::TempDir> = OnceLock::new();
     static LOCK: Mutex<()> = Mutex::new(());
     let root = ROOT.get_or_init(|| tempfile::tempdir().unwrap());
     let out = root.path().join(format!(
-        "{model}-{dtype}-{}.maxc",
+        "{model}-{dtype}-{}-ep{degree}.maxc",
         if all_logits { "all" } else { "last" }
     ));
     let _guard = LOCK.lock().unwrap();
     if !out.exists() {
         let cuda = std::env::var("MAXC_GPU").as_deref() == Ok("1");
         let opts = CompileOptions {
-            runtime: runtime(),
+            runtime: ModuleRuntime {
+                expert_parallel_degree: degree,
+                ..runtime()
+            },
             weights: dtype.into(),
             all_logits,
             cpu_matmul: CpuMatmul::Auto,
@@ -215,6 +233,7 @@ fn tol(kind: Kind) -> f32 {
         Kind::Artifact(DType::F32, _) | Kind::Interpreter => TOL,
         // bf16 weights are exact copies of the bf16 checkpoint: the same tolerance holds.
         Kind::Artifact(..) => TOL,
+        Kind::Ep(_) => TOL,
         // The GPU rounds activations to bf16 in tensor-core matmuls (issue 4's tolerance).
         Kind::Cuda(DType::BF16) => 3e-2,
         Kind::Cuda(_) => TOL,
@@ -437,6 +456,13 @@ macro_rules! every_backend {
 every_backend!(tiny_llama, "tiny-llama", GraphRole::Decoder, "");
 every_backend!(tiny_qwen2, "tiny-qwen2", GraphRole::Decoder, "");
 every_backend!(tiny_mixtral, "tiny-mixtral", GraphRole::Decoder, "");
+
+/// tiny-mixtral with its experts over 2 and 4 in-process ranks gives the fixture's logits.
+mod tiny_mixtral_expert_parallel {
+    use super::*;
+    suite!(ep2, "tiny-mixtral", GraphRole::Decoder, "", Kind::Ep(2));
+    suite!(ep4, "tiny-mixtral", GraphRole::Decoder, "", Kind::Ep(4));
+}
 every_backend!(
     tiny_roles_target,
     "tiny-roles",

@@ -108,3 +108,34 @@ fn the_artifact_records_the_expert_parallel_deployment() {
         "only the records (and the manifest's own checksum lines) change: {changed:#?}"
     );
 }
+
+#[test]
+fn an_expert_parallel_artifact_runs_only_at_its_degree() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a2 = tmp.path().join("ep2.maxc");
+    assert!(compile(&a2, 2).status.success());
+    let gen = |degree: &str| {
+        maxc(&[
+            "generate",
+            a2.to_str().unwrap(),
+            "--tokens",
+            "1,2,3",
+            "--max-new-tokens",
+            "2",
+            "--expert-parallel-degree",
+            degree,
+        ])
+    };
+    let o = gen("4");
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("expert-parallel degree 2") && err.contains("at 4"),
+        "{err}"
+    );
+    let o = gen("2");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Without the flag it runs at the artifact's degree.
+    let o = maxc(&["run", a2.to_str().unwrap(), "--tokens", "1,2,3"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}

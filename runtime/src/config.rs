@@ -87,6 +87,7 @@ pub struct ServeSettings {
     pub kernel_trace_level: Option<String>,
     pub kernel_trace_headers: Option<bool>,
     pub trace_file: Option<PathBuf>,
+    pub expert_parallel_degree: Option<usize>,
     /// MAX's ProfilingConfig.
     pub profiling: Option<ProfilingConfig>,
 }

@@ -187,6 +187,33 @@ impl Engine {
         }
     }
 
+    /// The expert-parallel ranks this engine runs its experts over (1 without expert
+    /// parallelism), as the artifact records them.
+    pub fn expert_parallel_degree(&self) -> usize {
+        match &self.exec {
+            Executor::Cpu(e) => e.ep_plan().map_or(1, |p| p.degree),
+            Executor::Cuda(_) => {
+                crate::cpu::ep::EpPlan::from_records(&self.artifact().manifest.export_records)
+                    .ok()
+                    .flatten()
+                    .map_or(1, |p| p.degree)
+            }
+        }
+    }
+
+    /// Refuses to run where the deployment asks for `degree` ranks and the artifact was
+    /// compiled for another number.
+    pub fn require_expert_parallel_degree(&self, degree: usize) -> Result<()> {
+        let have = self.expert_parallel_degree();
+        if have != degree {
+            return Err(RuntimeError::Input(format!(
+                "{}: compiled for expert-parallel degree {have} (its records), asked to run at {degree}; recompile with --expert-parallel-degree {degree}",
+                self.artifact().dir.display()
+            )));
+        }
+        Ok(())
+    }
+
     /// The per-launch timings of the last step, while profiling.
     pub fn last_profile(&self) -> Option<&crate::profile::StepProfile> {
         match &self.exec {

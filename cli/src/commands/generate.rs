@@ -59,6 +59,8 @@ pub struct Args {
     #[command(flatten)]
     signature: crate::commands::sign::RequireSignature,
     #[command(flatten)]
+    expert_parallel: crate::args::ExpertParallelArgs,
+    #[command(flatten)]
     speculative: crate::args::SpeculativeArgs,
 }
 
@@ -81,6 +83,7 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     let mut engine = Engine::open_verified(&args.artifact, &args.role, args.device, key.as_ref())?;
+    args.expert_parallel.check(&engine)?;
     let artifact = engine.artifact().clone();
     let tokenizer = artifact.tokenizer()?;
     let need_tokenizer = || {

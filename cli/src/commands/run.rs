@@ -24,6 +24,8 @@ pub struct Args {
     dump_logits: Option<PathBuf>,
     #[command(flatten)]
     signature: crate::commands::sign::RequireSignature,
+    #[command(flatten)]
+    expert_parallel: crate::args::ExpertParallelArgs,
 }
 
 /// Every position's logits of `tokens`: one step where the program returns every row, else one
@@ -50,6 +52,7 @@ pub fn run(args: Args) -> Result<()> {
     let tokens = parse_tokens(&args.tokens)?;
     let key = args.signature.key()?;
     let mut engine = Engine::open_verified(&args.artifact, &args.role, args.device, key.as_ref())?;
+    args.expert_parallel.check(&engine)?;
     if tokens.len() > engine.max_seq_len() {
         anyhow::bail!(
             "the prompt has {} tokens; the artifact's max_seq_len is {}",

@@ -84,6 +84,8 @@ pub struct Args {
     #[command(flatten)]
     pub signature: crate::commands::sign::RequireSignature,
     #[command(flatten)]
+    pub expert_parallel: crate::args::ExpertParallelArgs,
+    #[command(flatten)]
     pub speculative: crate::args::SpeculativeArgs,
 }
 
@@ -138,6 +140,9 @@ fn apply_config_file(
         args.speculative.num_speculative_tokens
     );
     take!(kernel_trace_headers, args.kernel_trace_headers);
+    if let (Some(n), false) = (s.expert_parallel_degree, explicit("expert_parallel_degree")) {
+        args.expert_parallel.expert_parallel_degree = Some(n);
+    }
     if let (Some(d), false) = (&s.device, explicit("device")) {
         args.device = d.parse().map_err(|e| bad("device", e))?;
     }
@@ -201,6 +206,7 @@ pub fn run(mut args: Args, matches: Option<&clap::ArgMatches>) -> Result<()> {
         max_connections: args.max_connections,
         header_read_timeout: seconds("--header-read-timeout-s", args.header_read_timeout_s)?,
         body_read_timeout: seconds("--body-read-timeout-s", args.body_read_timeout_s)?,
+        expert_parallel_degree: args.expert_parallel.expert_parallel_degree,
         tracing: ServeTracing {
             level: args.kernel_trace_level,
             headers: args.kernel_trace_headers,

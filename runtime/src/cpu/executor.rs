@@ -107,6 +107,8 @@ pub struct CpuExecutor {
     matmul_policy: Option<u64>,
     /// Where set, each step's launches are timed into it.
     profile: Option<StepProfile>,
+    /// Expert parallelism over in-process ranks, where the artifact records a degree above 1.
+    ep: Option<std::sync::Mutex<super::ep::InProcessExchange>>,
 }
 
 // SAFETY: the raw pointers a `CpuExecutor` holds point into its own allocations and into the
@@ -270,7 +272,10 @@ impl CpuExecutor {
                 ints.insert(b.name.clone(), vec![0i32; n as usize]);
             }
         }
+        let ep = super::ep::EpPlan::from_records(&artifact.manifest.export_records)?
+            .map(|plan| std::sync::Mutex::new(super::ep::InProcessExchange::new(plan)));
         Ok(CpuExecutor {
+            ep,
             artifact,
             program,
             _code: code,
@@ -287,6 +292,13 @@ impl CpuExecutor {
             matmul_policy,
             profile: None,
         })
+    }
+
+    /// The expert-parallel plan, where the artifact has one.
+    pub fn ep_plan(&self) -> Option<super::ep::EpPlan> {
+        self.ep
+            .as_ref()
+            .map(|m| *m.lock().unwrap_or_else(|e| e.into_inner()).plan())
     }
 
     /// The program being run.
@@ -362,7 +374,7 @@ impl CpuExecutor {
                     true
                 }
                 _ => {
-                    self.run_library(&kernel.body, &launch.buffers, &args, &dims);
+                    self.run_library(&kernel.body, &launch.buffers, &args, &dims)?;
                     false
                 }
             };
@@ -436,7 +448,7 @@ impl CpuExecutor {
         buffers: &[u32],
         args: &[*mut u8],
         dims: &[u64; StepDim::COUNT],
-    ) {
+    ) -> Result<()> {
         let rows_of = |r: &Rows| match r {
             Rows::Step(d) => dims[*d as usize] as usize,
             Rows::Fixed(n) => *n as usize,
@@ -542,7 +554,13 @@ impl CpuExecutor {
                 let out = unsafe {
                     std::slice::from_raw_parts_mut(args[2 + 3 * e].cast::<f32>(), rows * h)
                 };
-                library::moe_experts(x, routing, &ws, out, rows, h, f);
+                match &self.ep {
+                    Some(ep) => ep
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .moe_experts(x, routing, &ws, out, rows, h, f)?,
+                    None => library::moe_experts(x, routing, &ws, out, rows, h, f),
+                }
             }
             #[cfg(target_arch = "x86_64")]
             &KernelBody::Attention {
@@ -590,6 +608,7 @@ impl CpuExecutor {
             }
             other => unreachable!("{} is generated on the CPU", other.kind()),
         }
+        Ok(())
     }
 
     fn param_f32(&self, buffer: u32, ptr: *mut u8, elems: usize) -> &[f32] {

@@ -112,6 +112,29 @@ pub fn matmul(
     }
 }
 
+/// One SwiGLU expert over `m` rows `xs` (`m × hidden`): `down · (silu(gate · x) ⊙ (up · x))`,
+/// `m × hidden`.
+pub fn swiglu_expert(
+    xs: &[f32],
+    gate: &[f32],
+    up: &[f32],
+    down: &[f32],
+    m: usize,
+    hidden: usize,
+    ffn: usize,
+) -> Vec<f32> {
+    let mut g = vec![0.0; m * ffn];
+    let mut u = vec![0.0; m * ffn];
+    matmul(xs, gate, None, &mut g, m, ffn, hidden);
+    matmul(xs, up, None, &mut u, m, ffn, hidden);
+    for (g, u) in g.iter_mut().zip(&u) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+    let mut y = vec![0.0; m * hidden];
+    matmul(&g, down, None, &mut y, m, hidden, ffn);
+    y
+}
+
 /// SwiGLU experts weighted by a dense routing matrix (see `KernelBody::MoeExperts`). Each
 /// expert's rows are gathered, run as three matmuls, and added back weighted.
 #[allow(clippy::too_many_arguments)]
@@ -138,15 +161,7 @@ pub fn moe_experts(
         for &t in &picked {
             xs.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
         }
-        let mut g = vec![0.0; m * ffn];
-        let mut u = vec![0.0; m * ffn];
-        matmul(&xs, gate, None, &mut g, m, ffn, hidden);
-        matmul(&xs, up, None, &mut u, m, ffn, hidden);
-        for (g, u) in g.iter_mut().zip(&u) {
-            *g = *g / (1.0 + (-*g).exp()) * u;
-        }
-        let mut y = vec![0.0; m * hidden];
-        matmul(&g, down, None, &mut y, m, hidden, ffn);
+        let y = swiglu_expert(&xs, gate, up, down, m, hidden, ffn);
         for (i, &t) in picked.iter().enumerate() {
             let w = routing[t * e_count + e];
             for (o, v) in out[t * hidden..(t + 1) * hidden]

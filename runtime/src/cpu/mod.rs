@@ -3,6 +3,7 @@
 #[cfg(target_arch = "x86_64")]
 mod attend;
 pub mod code;
+pub mod ep;
 pub mod executor;
 pub mod library;
 pub mod pool;

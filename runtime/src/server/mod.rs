@@ -74,6 +74,8 @@ pub struct ServeOptions {
     pub body_read_timeout: Duration,
     /// Traces: level, header captures, profiling limits, where spans go.
     pub tracing: ServeTracing,
+    /// Refuse an artifact compiled for another expert-parallel degree.
+    pub expert_parallel_degree: Option<usize>,
 }
 
 /// How the server traces (see [`crate::trace`]).
@@ -220,6 +222,11 @@ fn load(opts: &ServeOptions, metrics: &Arc<Metrics>, tracer: Tracer) -> Result<L
     let engine =
         Engine::new(artifact.clone(), "decoder", opts.device).map_err(|e| e.to_string())?;
     record("engine", t.elapsed());
+    if let Some(n) = opts.expert_parallel_degree {
+        engine
+            .require_expert_parallel_degree(n)
+            .map_err(|e| e.to_string())?;
+    }
     let tokenizer: Option<&'static Tokenizer> = artifact
         .tokenizer()
         .map_err(|e| e.to_string())?
