@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader || true
-eval "$(bash scripts/install-cuda-tools.sh)"
+cuda_env=$(bash scripts/install-cuda-tools.sh)
+eval "$cuda_env"
 export MAXC_REQUIRE_NVRTC=1 MAXC_GPU=1
 echo "== fixture suite on CUDA"
 cargo test --release -p maxc-cli --test backends -- --include-ignored cuda 2>&1 | tail -n 40
