@@ -482,7 +482,9 @@ fn request_span(app: &App, req: &axum::extract::Request, id: &str, path: &str) -
                 tracing::debug!(request_id = %id, "x-max-trace-level: {e}");
                 None
             }
-        });
+        })
+        // `none` asks for nothing.
+        .filter(|l| *l > TraceLevel::None);
     if app.trace_level < TraceLevel::Batch && header.is_none() {
         return Traced(None);
     }
