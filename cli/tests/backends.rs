@@ -470,3 +470,74 @@ every_backend!(
     "target."
 );
 every_backend!(tiny_roles_draft, "tiny-roles", GraphRole::Draft, "draft.");
+
+/// The EP init program, compiled to native code and run by the executor once per rank, gives
+/// exactly what the interpreter gives for the same graph: zeroed exchange buffers at the
+/// bounds, and the rank's experts.
+#[test]
+fn the_ep_init_program_matches_the_interpreter_on_every_rank() {
+    use maxc_graph::interp::{run_init_graph, InitValue};
+    use maxc_runtime::cpu::CpuExecutor;
+    use maxc_runtime::schema::ep_init;
+    use maxc_runtime::Artifact;
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+    for degree in [2usize, 4] {
+        let dir = artifact_dir_at("tiny-mixtral", DType::F32, false, degree);
+        let artifact = Arc::new(Artifact::open(&dir).expect("artifact opens"));
+        let opts = LoadOptions {
+            runtime: ModuleRuntime {
+                expert_parallel_degree: degree,
+                ..runtime()
+            },
+            roles: vec![GraphRole::EpInit],
+            ..Default::default()
+        };
+        let loaded = load_model(&fixtures().join("tiny-mixtral"), &Registry::builtin(), &opts)
+            .expect("the EP init graph builds");
+        let graph = &loaded.roles[&GraphRole::EpInit].graph;
+        for rank in 0..degree {
+            let mut exec = CpuExecutor::new(artifact.clone(), ep_init::ROLE).unwrap();
+            // What the arena held before is irrelevant: fill it with garbage first.
+            let outs = exec
+                .run_once(&[(ep_init::RANK_INPUT, vec![rank as i32])])
+                .unwrap();
+            for &(ptr, bytes) in outs.values() {
+                // SAFETY: the output's bytes in the executor's arena.
+                unsafe { std::ptr::write_bytes(ptr, 0xA5, bytes) };
+            }
+            let outs = exec
+                .run_once(&[(ep_init::RANK_INPUT, vec![rank as i32])])
+                .unwrap();
+            let inputs = BTreeMap::from([(ep_init::RANK_INPUT.to_string(), vec![rank as i64])]);
+            let want = run_init_graph(graph, &inputs).unwrap();
+            assert_eq!(
+                outs.keys().collect::<Vec<_>>(),
+                want.keys().collect::<Vec<_>>()
+            );
+            for (name, &(ptr, bytes)) in &outs {
+                // SAFETY: as above; every output is 4-byte values.
+                let got = unsafe { std::slice::from_raw_parts(ptr.cast::<u32>(), bytes / 4) };
+                let want: Vec<u32> = match &want[name] {
+                    InitValue::Ints(v) => v.iter().map(|&x| x as i32 as u32).collect(),
+                    InitValue::Floats(v) => v.iter().map(|x| x.to_bits()).collect(),
+                };
+                assert_eq!(got, want.as_slice(), "degree {degree}, rank {rank}: `{name}`");
+            }
+        }
+        // The program is no step program, and CUDA has no exchange yet: both refused clearly.
+        let e = Engine::new(artifact.clone(), ep_init::ROLE, maxc_runtime::engine::Device::Cpu)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(e.contains("runs once at load"), "{e}");
+        let e = Engine::new(artifact, "decoder", maxc_runtime::engine::Device::Cuda)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            e.contains(&format!("expert-parallel degree {degree}")) && e.contains("--device cpu"),
+            "{e}"
+        );
+    }
+}

@@ -1,7 +1,8 @@
 //! Mixture of experts deployed with expert parallelism, through `maxc compile`: a degree that
 //! does not divide the experts is refused and leaves no artifact; the artifact records the
 //! deployment (experts, top-k, degree, experts per rank, max tokens per rank, exchange
-//! buffers), shown by `inspect` and changed, between degrees, only where the degree matters.
+//! buffers) and holds the EP init program, shown by `inspect` and changed, between degrees,
+//! only where the degree matters.
 
 use maxc_golden::fixtures;
 use std::path::Path;
@@ -84,7 +85,22 @@ fn the_artifact_records_the_expert_parallel_deployment() {
         text.contains("ep.max_tokens_per_rank") && text.contains("128"),
         "{text}"
     );
-    // Degree 4: one expert per rank, so one slot per token at worst; only the records differ.
+    // The EP init program is in the artifact, and `inspect` shows its role.
+    assert!(a2.join("ep_init/program.bin").is_file() && a2.join("ep_init/cpu.bin").is_file());
+    assert!(text.contains("role ep_init"), "{text}");
+    // Degree 1 has no exchange to set up: no EP init program.
+    let a1 = tmp.path().join("ep1.maxc");
+    assert!(compile(&a1, 1).status.success());
+    assert!(!a1.join("ep_init").exists());
+    let m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(a1.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(
+        m["roles"].as_object().unwrap().keys().collect::<Vec<_>>(),
+        ["decoder"]
+    );
+    // Degree 4: one expert per rank, so one slot per token at worst. Only the records, the EP
+    // init program (its buffers' shapes and arena) and its role's bounds change; the decoder
+    // is the same program.
     let o = maxc(&["diff", a2.to_str().unwrap(), a4.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(1));
     let d = String::from_utf8_lossy(&o.stdout);
@@ -92,20 +108,32 @@ fn the_artifact_records_the_expert_parallel_deployment() {
         d.contains("\"ep.degree\": 4") && d.contains("\"ep.max_tokens_per_rank\": 64"),
         "{d}"
     );
-    let changed: Vec<&str> = d
+    assert!(
+        d.contains("+  b2    dispatch_recv") && d.contains("f32[64, 259]"),
+        "the receive buffer shrinks to the new bound: {d}"
+    );
+    let files = d
         .lines()
-        .filter(|l| {
-            (l.starts_with('+') || l.starts_with('-'))
-                && !l.starts_with("+++")
-                && !l.starts_with("---")
-        })
+        .find_map(|l| l.split_once("file(s) differ: ").map(|(_, f)| f))
+        .expect("a list of the files that differ");
+    assert!(
+        files
+            .split(", ")
+            .all(|f| f.starts_with("ep_init/") || f == "manifest.json"),
+        "only the EP init program and the manifest differ: {files}"
+    );
+    assert!(!d.contains("decoder/"), "the decoder is unchanged: {d}");
+    // In the manifest: the records and the ep_init role entry's sizes.
+    let manifest_diff = &d[d.find("+++ b/manifest.json").expect("a manifest diff")..];
+    let changed: Vec<&str> = manifest_diff
+        .lines()
+        .filter(|l| (l.starts_with('+') || l.starts_with('-')) && !l.starts_with("+++"))
         .collect();
     assert!(
         changed.iter().all(|l| l.contains("ep.")
             || l.contains("_bytes")
-            || l.contains("sha256")
-            || l.contains("size")),
-        "only the records (and the manifest's own checksum lines) change: {changed:#?}"
+            || l.contains("\"kernels\"")),
+        "only the records and the ep_init role's sizes change in the manifest: {changed:#?}"
     );
 }
 

@@ -248,6 +248,21 @@ pub fn load_model(dir: &Path, registry: &Registry, opts: &LoadOptions) -> Result
         .deployment()
         .apply_runtime(&opts.runtime)?
         .apply_model_load_context(&ctx)?;
+    // The EP init graph goes into the artifact only where the deployment exports it.
+    let mut roles = roles;
+    if !deployment.export_ep_init {
+        if !opts.roles.is_empty() && opts.roles.contains(&GraphRole::EpInit) {
+            return Err(Error::Setting {
+                field: "role".into(),
+                value: GraphRole::EpInit.to_string(),
+                message: format!(
+                    "this deployment of {} exports no EP init graph (it needs an expert-parallel degree above 1 and expert-parallel communication)",
+                    spec.architecture()
+                ),
+            });
+        }
+        roles.retain(|r| *r != GraphRole::EpInit);
+    }
 
     let raw = read_weights(dir)?;
     let checkpoint_dtype = stored_float_dtype(&raw);
@@ -266,10 +281,23 @@ pub fn load_model(dir: &Path, registry: &Registry, opts: &LoadOptions) -> Result
         all_logits: opts.all_logits,
         takes_batch_context_lengths: deployment.takes_batch_context_lengths,
         checkpoint_dtype,
+        runtime: opts.runtime.clone(),
     };
     let mut built = BTreeMap::new();
     for role in roles {
         let mut graph = spec.build(role, &build)?;
+        if role == GraphRole::EpInit {
+            // The exchange state holds no weights.
+            graph.validate()?;
+            built.insert(
+                role,
+                RoleGraph {
+                    graph,
+                    weights: StateDict::new(),
+                },
+            );
+            continue;
+        }
         let selected = deployment.role_weights(role, &prepared);
         let prefix = deployment.weight_prefixes.get(&role).map(String::as_str);
         let weights = bind_weights(role, &mut graph, selected, prefix, opts.weights)?;

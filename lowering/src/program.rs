@@ -118,10 +118,14 @@ fn emit(
     for (name, &v) in &k.outputs {
         outputs.insert(name.clone(), buffer(v)?);
     }
-    let kv = k.kv.clone().ok_or_else(|| LowerError::Invalid {
-        pass: "emit".into(),
-        message: "no KV cache".into(),
-    })?;
+    // Every program but the EP init program has a KV cache.
+    let kv = k.kv.clone();
+    if kv.is_none() && k.role != maxc_schema::ep_init::ROLE {
+        return Err(LowerError::Invalid {
+            pass: "emit".into(),
+            message: "no KV cache".into(),
+        });
+    }
     Ok(Program {
         role: k.role.clone(),
         buffers,

@@ -294,6 +294,16 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                     renormalize: *renormalize,
                 }
             }
+            Op::Zeros { dtype, shape } => {
+                let elements = shape.iter().filter_map(Dim::fixed).product::<usize>();
+                KernelBody::Zeros {
+                    elements: elements as u64,
+                    dtype: *dtype,
+                }
+            }
+            Op::RankExperts { experts_per_rank } => KernelBody::RankExperts {
+                experts_per_rank: *experts_per_rank as u64,
+            },
             Op::MoeExperts { num_experts } => {
                 let shape = shape_of(&k, ops[0]);
                 let ffn = match k.values[ops[2]].shape[0] {

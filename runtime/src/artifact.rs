@@ -282,7 +282,7 @@ impl Artifact {
         let limits = StepLimits {
             bounds,
             vocab_size: program.vocab_size,
-            page_size: program.kv.page_size,
+            page_size: program.page_size(),
             max_seq_len: self.manifest.runtime.max_seq_len,
         };
         Ok((bounds, limits))

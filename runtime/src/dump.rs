@@ -110,7 +110,14 @@ fn plan(role: &str, p: &Program, dims: Option<&BTreeMap<String, u64>>) -> String
     let _ = writeln!(t, "role {role}");
     let _ = writeln!(t, "arena_bytes {}", p.arena_bytes);
     let _ = writeln!(t, "vocab_size {}", p.vocab_size);
-    let _ = writeln!(t, "kv {:?}", p.kv);
+    match &p.kv {
+        Some(kv) => {
+            let _ = writeln!(t, "kv {kv:?}");
+        }
+        None => {
+            let _ = writeln!(t, "kv none");
+        }
+    }
     for (d, b) in dims.into_iter().flatten() {
         let _ = writeln!(t, "dim {d} <= {b}");
     }

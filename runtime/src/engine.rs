@@ -107,13 +107,29 @@ impl Engine {
 
     /// Prepares `role` of an opened artifact on `device`.
     pub fn new(artifact: Arc<Artifact>, role: &str, device: Device) -> Result<Self> {
+        if role == crate::schema::ep_init::ROLE {
+            return Err(RuntimeError::Input(format!(
+                "role `{role}` runs once at load, on each expert-parallel rank, to set up the exchange; it runs no steps (run the `decoder` role)"
+            )));
+        }
+        if device == Device::Cuda {
+            if let Some(plan) =
+                crate::cpu::ep::EpPlan::from_records(&artifact.manifest.export_records)?
+            {
+                return Err(RuntimeError::Target(format!(
+                    "{}: compiled for expert-parallel degree {}; the CUDA executor has no exchange between GPUs yet (the NCCL/NVSHMEM plan is in runtime/docs/expert-parallelism.md); run it with --device cpu, or compile with --expert-parallel-degree 1 for one GPU",
+                    artifact.dir.display(),
+                    plan.degree
+                )));
+            }
+        }
         let exec = match device {
             Device::Cpu => Executor::Cpu(CpuExecutor::new(artifact.clone(), role)?),
             Device::Cuda => Executor::Cuda(CudaExecutor::new(artifact.clone(), role)?),
         };
         let rt = &artifact.manifest.runtime;
         let bounds = *exec.bounds();
-        let page = exec.program().kv.page_size as usize;
+        let page = exec.program().page_size() as usize;
         let pages = PageTable::new(
             bounds[StepDim::TotalNumPages as usize] as usize,
             page,

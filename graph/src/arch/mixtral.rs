@@ -11,9 +11,10 @@
 //! every receive buffer is sized for it.
 
 use super::config::ConfigReader;
+use super::ep_init::EpExchange;
 use super::decoder::{DecoderConfig, MoeConfig};
 use super::llama::LlamaFamilyHooks;
-use super::{Architecture, ModelSpec};
+use super::{Architecture, BuildOptions, ModelSpec};
 use crate::deployment::DeploymentHooks;
 use crate::weights::StateDict;
 use crate::{DeploymentConfig, Error, GraphRole, ModuleRuntime, Result};
@@ -32,7 +33,7 @@ impl Architecture for Mixtral {
         "Mixtral decoder: Llama attention, sparse MoE MLP with top-k routing"
     }
     fn roles(&self) -> &'static [GraphRole] {
-        &[GraphRole::Decoder]
+        &[GraphRole::Decoder, GraphRole::EpInit]
     }
     fn parse_config(&self, cfg: &ConfigReader<'_>) -> Result<Box<dyn ModelSpec>> {
         let mut config = DecoderConfig::read(cfg)?;
@@ -60,8 +61,10 @@ impl ModelSpec for MixtralModel {
     fn architecture(&self) -> &'static str {
         "MixtralForCausalLM"
     }
+    /// The decoder, and the EP init graph where the deployment exports it (an
+    /// expert-parallel degree above 1).
     fn roles(&self) -> Vec<GraphRole> {
-        vec![GraphRole::Decoder]
+        vec![GraphRole::Decoder, GraphRole::EpInit]
     }
     fn deployment(&self) -> DeploymentConfig {
         let moe = self.config.moe.clone().unwrap_or(MoeConfig {
@@ -81,6 +84,18 @@ impl ModelSpec for MixtralModel {
     fn decoder(&self, role: GraphRole) -> Option<&DecoderConfig> {
         (role == GraphRole::Decoder).then_some(&self.config)
     }
+    fn build(&self, role: GraphRole, opts: &BuildOptions) -> Result<crate::Graph> {
+        match (role, &self.config.moe) {
+            (GraphRole::EpInit, Some(moe)) => EpExchange::new(
+                moe.num_experts,
+                moe.top_k,
+                self.config.hidden_size,
+                &opts.runtime,
+            )
+            .graph(),
+            _ => super::decoder::build_decoder(&self.config, role, opts),
+        }
+    }
 }
 
 /// Mixtral's deployment hooks: the Llama family's weight preparation, and expert parallelism.
@@ -92,13 +107,12 @@ pub struct MixtralHooks {
     hidden_size: usize,
 }
 
-/// Bytes of one dispatched slot: the token's hidden state (f32), its row, its expert and its
-/// routing weight.
-fn slot_bytes(hidden: usize) -> usize {
-    4 * hidden + 4 + 4 + 4
-}
-
 impl MixtralHooks {
+    /// The exchange at `runtime`'s deployment.
+    fn exchange(&self, runtime: &ModuleRuntime) -> EpExchange {
+        EpExchange::new(self.num_experts, self.top_k, self.hidden_size, runtime)
+    }
+
     /// Experts each rank holds at `degree`.
     fn experts_per_rank(&self, degree: usize) -> usize {
         self.num_experts / degree.max(1)
@@ -106,8 +120,7 @@ impl MixtralHooks {
 
     /// The worst case of slots one rank receives in a step (see the module docs).
     pub fn max_tokens_per_rank(&self, runtime: &ModuleRuntime) -> usize {
-        let per_rank = self.experts_per_rank(runtime.expert_parallel_degree);
-        runtime.batch.max_batch_active_tokens() * self.top_k.min(per_rank)
+        self.exchange(runtime).max_tokens_per_rank()
     }
 }
 
@@ -168,37 +181,31 @@ impl DeploymentHooks for MixtralHooks {
     }
 
     fn export_records(&self, runtime: &ModuleRuntime) -> BTreeMap<String, Value> {
-        let d = runtime.expert_parallel_degree.max(1);
-        let tokens = runtime.batch.max_batch_active_tokens();
-        let per_rank = self.max_tokens_per_rank(runtime);
-        let slot = slot_bytes(self.hidden_size);
-        let row = 4 * self.hidden_size;
+        let x = self.exchange(runtime);
         let mut r = BTreeMap::new();
         r.insert("moe.num_experts".into(), json!(self.num_experts));
         r.insert("moe.top_k".into(), json!(self.top_k));
         r.insert("moe.hidden_size".into(), json!(self.hidden_size));
-        r.insert("ep.degree".into(), json!(d));
-        r.insert(
-            "ep.experts_per_rank".into(),
-            json!(self.experts_per_rank(d)),
-        );
+        r.insert("ep.degree".into(), json!(x.degree));
+        r.insert("ep.experts_per_rank".into(), json!(x.experts_per_rank()));
         r.insert("ep.dispatch_dtype".into(), json!("f32"));
-        r.insert("ep.max_tokens_per_rank".into(), json!(per_rank));
-        if d == 1 {
+        r.insert("ep.max_tokens_per_rank".into(), json!(x.max_tokens_per_rank()));
+        if x.degree == 1 {
             // One rank: no exchange, no buffers.
             return r;
         }
-        // Two buffer groups, so that dispatch and combine never share a buffer in flight:
-        // dispatch sends every slot of a rank's tokens and receives at most the worst case;
-        // combine sends back the results of what it received and receives its slots' results.
+        // The `ep_init` program's outputs, in bytes (see `ep_init`'s module docs): two buffer
+        // groups, so that dispatch and combine never share a buffer in flight.
+        let (send, recv) = (x.send_slots(), x.max_tokens_per_rank());
+        let (slot, row) = (4 * x.slot_floats(), 4 * x.hidden);
         r.insert(
             "ep.buffers".into(),
             json!({
-                "dispatch_send_bytes": tokens * self.top_k * slot,
-                "dispatch_recv_bytes": per_rank * slot,
-                "combine_send_bytes": per_rank * row,
-                "combine_recv_bytes": tokens * self.top_k * row,
-                "counters_bytes": 2 * d * 4,
+                "dispatch_send_bytes": send * slot,
+                "dispatch_recv_bytes": recv * slot,
+                "combine_send_bytes": recv * row,
+                "combine_recv_bytes": send * row,
+                "counters_bytes": 2 * 2 * x.degree * 4,
             }),
         );
         r

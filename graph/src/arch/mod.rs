@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod decoder;
+pub mod ep_init;
 pub mod gguf;
 pub mod llama;
 pub mod llama_with_draft;
@@ -31,6 +32,8 @@ pub struct BuildOptions {
     /// The float dtype the checkpoint stores its weights in (before conversion); rotary
     /// frequencies follow it as transformers does ([`rope::RopeConfig::inv_freq`]).
     pub checkpoint_dtype: DType,
+    /// The deployment (the `ep_init` graph's sizes come from it).
+    pub runtime: crate::ModuleRuntime,
 }
 
 impl Default for BuildOptions {
@@ -41,6 +44,7 @@ impl Default for BuildOptions {
             all_logits: false,
             takes_batch_context_lengths: false,
             checkpoint_dtype: DType::F32,
+            runtime: crate::ModuleRuntime::default(),
         }
     }
 }

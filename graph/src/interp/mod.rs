@@ -65,6 +65,66 @@ impl Val {
     }
 }
 
+/// A value of an init graph's output: integers (i32 and i64 types) or floats.
+#[derive(Clone, Debug, PartialEq)]
+pub enum InitValue {
+    /// Integer elements.
+    Ints(Vec<i64>),
+    /// Float elements.
+    Floats(Vec<f32>),
+}
+
+/// Runs an init graph (the `ep_init` graph: inputs, zeros and rank experts, no weights and no
+/// steps) with integer `inputs` by name, and returns its outputs by name.
+pub fn run_init_graph(
+    graph: &Graph,
+    inputs: &BTreeMap<String, Vec<i64>>,
+) -> Result<BTreeMap<String, InitValue>> {
+    graph.validate()?;
+    let mut vals: BTreeMap<NodeIndex, InitValue> = BTreeMap::new();
+    for id in graph.node_ids() {
+        let node = graph.node(id);
+        let elements = || -> Result<usize> {
+            node.ty.shape.iter().try_fold(1usize, |n, d| {
+                d.fixed()
+                    .map(|d| n * d)
+                    .ok_or_else(|| Error::Eval(format!("`{}` has symbolic dim `{d}`", node.name)))
+            })
+        };
+        let v = match &node.op {
+            Op::Input => InitValue::Ints(
+                inputs
+                    .get(&node.name)
+                    .cloned()
+                    .ok_or_else(|| Error::Eval(format!("no value for graph input `{}`", node.name)))?,
+            ),
+            Op::Zeros { dtype, .. } if dtype.is_float() => InitValue::Floats(vec![0.0; elements()?]),
+            Op::Zeros { .. } => InitValue::Ints(vec![0; elements()?]),
+            Op::RankExperts { experts_per_rank } => {
+                let rank = match vals.get(&graph.operands(id)[0]) {
+                    Some(InitValue::Ints(r)) if r.len() == 1 => r[0],
+                    _ => return Err(Error::Eval(format!("`{}`: the rank is not one integer", node.name))),
+                };
+                let per = *experts_per_rank as i64;
+                InitValue::Ints((0..per).map(|i| rank * per + i).collect())
+            }
+            other => {
+                return Err(Error::Eval(format!(
+                    "`{}` ({}) is not an init-graph op",
+                    node.name,
+                    other.name()
+                )))
+            }
+        };
+        vals.insert(id, v);
+    }
+    Ok(graph
+        .outputs()
+        .iter()
+        .map(|(name, id)| (name.clone(), vals[id].clone()))
+        .collect())
+}
+
 /// A graph with its weights as f32, ready to run steps.
 pub struct Interpreter {
     graph: Graph,
@@ -310,6 +370,13 @@ impl Interpreter {
                         }
                     }
                     Val::F(out)
+                }
+                Op::Zeros { .. } | Op::RankExperts { .. } => {
+                    return Err(Error::Eval(format!(
+                        "`{}` ({}) belongs in an init graph; run it with `run_init_graph`",
+                        node.name,
+                        node.op.name()
+                    )))
                 }
                 Op::LastTokens => {
                     let h = last(0);

@@ -134,6 +134,20 @@ pub enum Op {
         /// Experts E.
         num_experts: usize,
     },
+    /// `() -> dtype [shape]`: zeros (state that a program allocates and initialises, such as
+    /// expert-parallel exchange buffers). The shape is fixed.
+    Zeros {
+        /// Element type.
+        dtype: DType,
+        /// The shape.
+        shape: Shape,
+    },
+    /// `(rank i32 [1]) -> i32 [experts_per_rank]`: the experts an expert-parallel rank holds,
+    /// `rank · experts_per_rank + i`.
+    RankExperts {
+        /// Experts per rank.
+        experts_per_rank: usize,
+    },
     /// `(x [T, H], input_row_offsets [B+1]) -> [logit_rows, H]`: the last `return_n_logits`
     /// rows of each sequence (`logit_rows = B × return_n_logits`), zeros in front where a
     /// sequence has fewer rows.
@@ -161,6 +175,8 @@ impl Op {
             Op::TopK { .. } => "top_k",
             Op::MoeExperts { .. } => "moe_experts",
             Op::LastTokens => "last_tokens",
+            Op::Zeros { .. } => "zeros",
+            Op::RankExperts { .. } => "rank_experts",
         }
     }
 
@@ -373,6 +389,25 @@ impl Op {
                     }
                 }
                 Ok(TensorType::new(DType::F32, x.shape.clone()))
+            }
+            Op::Zeros { dtype, shape } => {
+                arity(xs, 0)?;
+                if let Some(d) = shape.iter().find(|d| d.fixed().is_none()) {
+                    return Err(format!("zeros of symbolic dim `{d}`: the shape must be fixed"));
+                }
+                Ok(TensorType::new(*dtype, shape.clone()))
+            }
+            Op::RankExperts { experts_per_rank } => {
+                arity(xs, 1)?;
+                rank(xs[0], 1, "rank")?;
+                integer(xs[0], "rank")?;
+                if xs[0].shape[0] != Dim::Fixed(1) || xs[0].dtype != DType::I32 {
+                    return Err(format!("rank is {}, expected i32 [1]", xs[0]));
+                }
+                if *experts_per_rank == 0 {
+                    return Err("no experts per rank".into());
+                }
+                Ok(TensorType::new(DType::I32, [Dim::Fixed(*experts_per_rank)]))
             }
             Op::LastTokens => {
                 arity(xs, 2)?;

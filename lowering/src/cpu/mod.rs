@@ -13,6 +13,7 @@ mod dtype;
 mod elementwise;
 mod error;
 mod gather;
+mod init;
 mod math;
 mod matmul;
 mod norm;
@@ -167,6 +168,11 @@ fn emit_body(kb: &mut KernelBuilder, body: &KernelBody) -> Result<(), CpuError> 
             weight_dtype,
             bias,
         } => matmul::emit(kb, *rows, *n, *k, *weight_dtype, *bias),
+        KernelBody::Zeros { dtype, .. } => init::emit_zeros(kb, *dtype),
+        KernelBody::RankExperts { experts_per_rank } => {
+            init::emit_rank_experts(kb, *experts_per_rank);
+            Ok(())
+        }
         KernelBody::MoeExperts { .. } => Err(CpuError::Unsupported {
             kind: body.kind(),
             what: "MoE experts run as a runtime library kernel, not generated code".to_string(),

@@ -14,6 +14,7 @@ mod attention;
 mod elementwise;
 mod error;
 mod gather;
+mod init;
 mod matmul;
 mod mma;
 mod moe;
@@ -134,6 +135,10 @@ pub fn emit_kernel(
             experts,
             weight_dtype,
         } => moe::emit(cx, *rows, *hidden, *ffn, *experts, *weight_dtype)?,
+        KernelBody::Zeros { elements, dtype } => init::emit_zeros(cx, *elements, *dtype)?,
+        KernelBody::RankExperts { experts_per_rank } => {
+            init::emit_rank_experts(cx, *experts_per_rank)?
+        }
     };
     Ok(CudaKernel {
         name: name.to_string(),

@@ -274,6 +274,20 @@ pub enum KernelBody {
         /// Element type of the expert weights.
         weight_dtype: DType,
     },
+    /// `out[i] = 0` for `i < elements`. Buffers: `out [elements]` (`dtype`, a 1-, 2-, 4- or
+    /// 8-byte type). Parallel range: elements.
+    Zeros {
+        /// Elements.
+        elements: u64,
+        /// Element type.
+        dtype: DType,
+    },
+    /// The experts an expert-parallel rank holds: `out[i] = rank[0] · experts_per_rank + i`.
+    /// Buffers: `rank i32 [1]`, `out i32 [experts_per_rank]`. Parallel range: `0..experts_per_rank`.
+    RankExperts {
+        /// Experts per rank.
+        experts_per_rank: u64,
+    },
 }
 
 impl KernelBody {
@@ -291,6 +305,8 @@ impl KernelBody {
             KernelBody::TopK { .. } => "top_k",
             KernelBody::Matmul { .. } => "matmul",
             KernelBody::MoeExperts { .. } => "moe_experts",
+            KernelBody::Zeros { .. } => "zeros",
+            KernelBody::RankExperts { .. } => "rank_experts",
         }
     }
 
@@ -312,6 +328,8 @@ impl KernelBody {
             KernelBody::Attention { kv_heads, .. } => t.saturating_mul(*kv_heads),
             KernelBody::Matmul { n, .. } => *n,
             KernelBody::MoeExperts { experts, .. } => *experts,
+            KernelBody::Zeros { elements, .. } => *elements,
+            KernelBody::RankExperts { experts_per_rank } => *experts_per_rank,
         }
     }
 
@@ -344,6 +362,7 @@ impl KernelBody {
                 }
             }
             KernelBody::MoeExperts { hidden, ffn, .. } => hidden * ffn * t,
+            KernelBody::Zeros { .. } | KernelBody::RankExperts { .. } => 1,
         };
         self.parallel_extent(dims).saturating_mul(width)
     }

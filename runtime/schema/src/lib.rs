@@ -32,7 +32,7 @@ pub use manifest::{
 /// The artifact format this runtime reads and the exporter writes. Bumped on any change to a
 /// bincode type (bincode records no field names, so an older file cannot be read as a newer
 /// type); readers refuse every other version and ask for a recompile.
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 
 /// Lowercase hex sha256 of `bytes`, as the manifest records files.
 pub fn sha256_hex(bytes: &[u8]) -> String {
@@ -161,6 +161,47 @@ impl KvLayout {
     }
 }
 
+/// The expert-parallel init program's contract: the role, its one input and its outputs.
+///
+/// The `ep_init` program runs once at load on each rank, with the rank's index in its input,
+/// and its outputs are that rank's exchange state, kept for the life of the process: the
+/// dispatch group (`dispatch_send`, `dispatch_recv`, `dispatch_counts`) and the combine group
+/// (`combine_send`, `combine_recv`, `combine_counts`), so that dispatch and combine never share
+/// a buffer in flight, and `local_experts`, the experts the rank holds.
+pub mod ep_init {
+    /// The role's name.
+    pub const ROLE: &str = "ep_init";
+    /// The input: the rank's index, i32 `[1]`.
+    pub const RANK_INPUT: &str = "ep_rank";
+    /// Slots a rank sends in one layer (`max_batch_active_tokens × top_k` of them), f32
+    /// `[slots, hidden + 3]`: each slot is the token's hidden state, then its token row and its
+    /// expert (u32 bit patterns), then its routing weight.
+    pub const DISPATCH_SEND: &str = "dispatch_send";
+    /// Slots a rank receives in one layer (`max_tokens_per_rank`), laid out as
+    /// [`DISPATCH_SEND`].
+    pub const DISPATCH_RECV: &str = "dispatch_recv";
+    /// i32 `[2, degree]`: slots sent to each peer (row 0) and received from each (row 1).
+    pub const DISPATCH_COUNTS: &str = "dispatch_counts";
+    /// Expert outputs of the received slots, f32 `[max_tokens_per_rank, hidden]`.
+    pub const COMBINE_SEND: &str = "combine_send";
+    /// Expert outputs of the rank's own slots, in its send order, f32 `[slots, hidden]`.
+    pub const COMBINE_RECV: &str = "combine_recv";
+    /// i32 `[2, degree]`: as [`DISPATCH_COUNTS`], for the combine group.
+    pub const COMBINE_COUNTS: &str = "combine_counts";
+    /// i32 `[experts_per_rank]`: the experts the rank holds.
+    pub const LOCAL_EXPERTS: &str = "local_experts";
+    /// Every output, sorted.
+    pub const OUTPUTS: [&str; 7] = [
+        COMBINE_COUNTS,
+        COMBINE_RECV,
+        COMBINE_SEND,
+        DISPATCH_COUNTS,
+        DISPATCH_RECV,
+        DISPATCH_SEND,
+        LOCAL_EXPERTS,
+    ];
+}
+
 /// One role's compiled program.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Program {
@@ -173,9 +214,9 @@ pub struct Program {
     pub inputs: BTreeMap<String, u32>,
     /// Output buffers by output name (`logits`).
     pub outputs: BTreeMap<String, u32>,
-    /// The KV cache layout.
-    pub kv: KvLayout,
-    /// Vocabulary size (rows of the token embedding).
+    /// The KV cache layout; `None` for a program without a cache (the `ep_init` program).
+    pub kv: Option<KvLayout>,
+    /// Vocabulary size (rows of the token embedding; 0 without one).
     pub vocab_size: u64,
     /// Rotary tables the runtime builds at load.
     pub rope_tables: Vec<RopeTable>,
@@ -185,6 +226,23 @@ pub struct Program {
     pub launches: Vec<Launch>,
     /// Arena size at the bounds, in bytes.
     pub arena_bytes: u64,
+}
+
+impl Program {
+    /// Tokens per KV page (0 without a cache).
+    pub fn page_size(&self) -> u64 {
+        self.kv.as_ref().map_or(0, |kv| kv.page_size)
+    }
+
+    /// Bytes of the KV cache at the bounds `dims` (0 without a cache).
+    pub fn kv_cache_bytes(&self, dims: [u64; StepDim::COUNT]) -> u64 {
+        self.kv.as_ref().map_or(0, |kv| kv.cache_bytes(dims))
+    }
+
+    /// Bytes from one layer's slot of the cache to the next (0 without a cache).
+    pub fn kv_layer_bytes(&self) -> u64 {
+        self.kv.as_ref().map_or(0, KvLayout::layer_bytes)
+    }
 }
 
 /// A role's native CPU code: every generated kernel's machine code in one blob.

@@ -185,7 +185,16 @@ impl Program {
     }
 
     fn validate_kv(&self, env: &ProgramEnv) -> Result<(), ValidationError> {
-        let kv = &self.kv;
+        let Some(kv) = &self.kv else {
+            if self.role == crate::ep_init::ROLE {
+                return Ok(());
+            }
+            return err(format!(
+                "the {} program has no KV layout (only the {} program runs without a cache)",
+                self.role,
+                crate::ep_init::ROLE
+            ));
+        };
         if kv.dtype != DType::F32 {
             return err(format!(
                 "kv.dtype is {}, the kernels' cache is f32",
@@ -288,6 +297,24 @@ impl Program {
                     }
                     elements
                 }
+                Storage::Input if b.name == crate::ep_init::RANK_INPUT => {
+                    let want = [Extent::Fixed(1)];
+                    if self.role != crate::ep_init::ROLE
+                        || b.dtype != DType::I32
+                        || b.shape != want
+                        || self.inputs.get(&b.name) != Some(&(id as u32))
+                    {
+                        return err(format!(
+                            "{what}: `{}` is the {} program's input, i32 [1]; here it is {} {:?} in the {} program",
+                            b.name,
+                            crate::ep_init::ROLE,
+                            b.dtype,
+                            b.shape,
+                            self.role
+                        ));
+                    }
+                    1
+                }
                 Storage::Input => {
                     let Some((name, dtype, dims)) =
                         STEP_INPUTS.iter().find(|(n, _, _)| *n == b.name)
@@ -310,12 +337,15 @@ impl Program {
                     }
                     elements
                 }
+                Storage::KvCache if self.kv.is_none() => {
+                    return err(format!("{what}: the KV cache of a program without one"))
+                }
                 Storage::KvCache => 0,
                 Storage::KvCacheLayer { layer } => {
-                    if *layer >= self.kv.num_layers {
+                    let layers = self.kv.as_ref().map_or(0, |kv| kv.num_layers);
+                    if *layer >= layers {
                         return err(format!(
-                            "{what}: KV layer {layer}, the cache has {} layers",
-                            self.kv.num_layers
+                            "{what}: KV layer {layer}, the cache has {layers} layers"
                         ));
                     }
                     0
@@ -456,6 +486,9 @@ impl Program {
     }
 
     fn validate_outputs(&self) -> Result<(), ValidationError> {
+        if self.role == crate::ep_init::ROLE {
+            return self.validate_ep_init_outputs();
+        }
         let Some(&id) = self.outputs.get("logits") else {
             return err("the program has no `logits` output");
         };
@@ -478,6 +511,39 @@ impl Program {
         let written = self.launches.iter().any(|l| l.buffers.last() == Some(&id));
         if !written {
             return err(format!("output `logits` (buffer {id}) is never written"));
+        }
+        Ok(())
+    }
+}
+
+impl Program {
+    /// The `ep_init` program's outputs are exactly [`crate::ep_init::OUTPUTS`], each an arena
+    /// buffer that a launch writes (the exchange state handed to the runtime).
+    fn validate_ep_init_outputs(&self) -> Result<(), ValidationError> {
+        let names: Vec<&str> = self.outputs.keys().map(String::as_str).collect();
+        if names != crate::ep_init::OUTPUTS {
+            return err(format!(
+                "the {} program's outputs are {names:?}, expected {:?}",
+                crate::ep_init::ROLE,
+                crate::ep_init::OUTPUTS
+            ));
+        }
+        for (name, &o) in &self.outputs {
+            let Some(b) = self.buffers.get(o as usize) else {
+                return err(format!(
+                    "output `{name}` is buffer {o} of {}",
+                    self.buffers.len()
+                ));
+            };
+            if !matches!(b.storage, Storage::Arena { .. }) {
+                return err(format!(
+                    "output `{name}` (buffer {o}) must be an arena buffer, is in {:?}",
+                    b.storage
+                ));
+            }
+            if !self.launches.iter().any(|l| l.buffers.last() == Some(&o)) {
+                return err(format!("output `{name}` (buffer {o}) is never written"));
+            }
         }
         Ok(())
     }
@@ -553,10 +619,10 @@ fn check_use(
                 Storage::KvCacheLayer { layer } => layer,
                 _ => return err(format!("{at}: must be the KV cache")),
             };
-            if view + layer >= p.kv.num_layers {
+            let layers = p.kv.as_ref().map_or(0, |kv| kv.num_layers);
+            if view + layer >= layers {
                 return err(format!(
-                    "{at}: layer {layer} of a view at layer {view} is past the cache's {} layers",
-                    p.kv.num_layers
+                    "{at}: layer {layer} of a view at layer {view} is past the cache's {layers} layers"
                 ));
             }
         }
@@ -742,13 +808,28 @@ fn operand_uses(body: &KernelBody, cx: &Ctx, what: &str) -> Result<Vec<Use>, Val
             v.push(f32s(mul(&[rows, *hidden], what)?, true));
             v
         }
+        KernelBody::Zeros { elements, dtype } => vec![Use::Values {
+            dtype: *dtype,
+            elements: *elements,
+            write: true,
+        }],
+        KernelBody::RankExperts { experts_per_rank } => vec![
+            vals(DType::I32, 1),
+            Use::Values {
+                dtype: DType::I32,
+                elements: *experts_per_rank,
+                write: true,
+            },
+        ],
     })
 }
 
 /// The parameters of one kernel body, on their own and against the program's KV layout.
 fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(), ValidationError> {
-    let kv = &p.kv;
     let paged = |layer: u64, num_layers: u64, kv_heads: u64, head_dim: u64, page_size: u64| {
+        let Some(kv) = &p.kv else {
+            return err("a KV cache kernel in a program without a KV cache");
+        };
         if (num_layers, kv_heads, head_dim, page_size)
             != (kv.num_layers, kv.kv_heads, kv.head_dim, kv.page_size)
         {
@@ -856,6 +937,18 @@ fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(),
                 return err("no experts");
             }
             float(*weight_dtype, "weight_dtype")
+        }
+        KernelBody::Zeros { dtype, .. } => {
+            if dtype.is_quantized() || ![1, 2, 4, 8].contains(&dtype.size()) {
+                return err(format!("zeros of {dtype}, expected a 1-, 2-, 4- or 8-byte type"));
+            }
+            Ok(())
+        }
+        KernelBody::RankExperts { experts_per_rank } => {
+            if *experts_per_rank == 0 || *experts_per_rank > 1 << 20 {
+                return err(format!("{experts_per_rank} experts per rank"));
+            }
+            Ok(())
         }
     }
 }

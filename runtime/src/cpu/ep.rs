@@ -1,16 +1,29 @@
 //! Expert parallelism on the CPU: `degree` ranks in one process, each holding
-//! `experts / degree` consecutive experts, exchanging token slots through buffers sized once
-//! from the artifact's records (see `runtime/docs/expert-parallelism.md`).
+//! `experts / degree` consecutive experts, exchanging token slots through the buffers that the
+//! artifact's `ep_init` program allocated and initialised once, at load, on each rank (see
+//! `runtime/docs/expert-parallelism.md`).
+//!
+//! The exchange is one interface, [`Exchange`]: the ranks this process holds, and an
+//! all-to-all of each buffer group. [`InProcessExchange`] holds every rank and moves slots with
+//! copies; a GPU implementation (NCCL's grouped send/receive, or NVSHMEM puts into the peers'
+//! symmetric buffers) holds one rank per process and moves the same segments (the plan is in
+//! the doc). [`moe_layer`] is written against the interface alone.
 //!
 //! A step's token rows are split evenly over the ranks (rank `r` owns a contiguous share). Per
-//! MoE layer: **dispatch** copies each owned token's hidden state, once per chosen expert, into
-//! the receive buffer of the rank holding that expert; each rank runs its received slots
-//! grouped by expert (every expert's weights read once); **combine** sends each result back to
-//! its token's rank, which adds them weighted, in expert order. A count above
+//! MoE layer: each rank packs its tokens' slots into `dispatch_send`, grouped by destination
+//! rank (counts in `dispatch_counts`); **dispatch** moves each segment into its destination's
+//! `dispatch_recv`; each rank runs its received slots grouped by expert (every expert's
+//! weights read once) into `combine_send`; **combine** moves the results back, in the
+//! sender's order, into its `combine_recv`; each rank adds its tokens' results weighted, in
+//! expert order (the same sums in the same order as one rank). A count above
 //! `max_tokens_per_rank` fails the step before anything is written past a buffer.
 
+use super::executor::CpuExecutor;
+use crate::artifact::Artifact;
 use crate::error::{Result, RuntimeError};
+use crate::schema::ep_init as names;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 /// The deployment the artifact records (`ep.degree`, `ep.max_tokens_per_rank`, ...).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,147 +71,452 @@ impl EpPlan {
             hidden: num("moe.hidden_size")?,
         }))
     }
+
+    /// f32 values of one slot: the hidden state, its token row and expert (u32 bits), its
+    /// routing weight.
+    pub fn slot_floats(&self) -> usize {
+        self.hidden + 3
+    }
 }
 
-/// One rank's exchange state: the dispatch group (received slots: hidden states, their source
-/// token and expert and weight) and the combine group (results of the received slots).
-#[derive(Debug)]
-struct Rank {
-    recv: Vec<f32>,
-    recv_meta: Vec<(u32, u32, f32)>,
-    results: Vec<f32>,
+/// One of the two buffer groups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Group {
+    /// Token slots to the ranks of their experts.
+    Dispatch,
+    /// Expert outputs back to the slots' ranks.
+    Combine,
 }
 
-/// N in-process ranks and their exchange buffers, allocated once at their bounds.
+/// Where a rank's exchange memory comes from.
+#[allow(dead_code)] // each variant is held for the memory it owns, never read
+enum Memory {
+    /// The arena of the executor that ran the `ep_init` program for this rank.
+    Program(Box<CpuExecutor>),
+    /// Host memory of the same layout (unit tests of the exchange without an artifact).
+    #[cfg(test)]
+    Host(Vec<Vec<u32>>),
+}
+
+/// One rank's exchange state: the `ep_init` program's outputs.
+pub struct RankState {
+    rank: usize,
+    _memory: Memory,
+    /// Address and elements (4-byte) of each output, in [`names::OUTPUTS`] order.
+    bufs: [(*mut u8, usize); 7],
+    send_slots: usize,
+}
+
+// SAFETY: the pointers point into memory this state owns (`_memory`), which nothing else
+// references; `&mut self` serializes access.
+unsafe impl Send for RankState {}
+
+impl std::fmt::Debug for RankState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankState")
+            .field("rank", &self.rank)
+            .field("send_slots", &self.send_slots)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A rank's buffers, borrowed at once (they never overlap).
+pub struct RankBuffers<'a> {
+    /// `[send_slots, hidden + 3]`: the rank's slots, grouped by destination.
+    pub dispatch_send: &'a mut [f32],
+    /// `[max_tokens_per_rank, hidden + 3]`: the slots it received, grouped by source.
+    pub dispatch_recv: &'a mut [f32],
+    /// `[2, degree]`: slots sent to each peer, then received from each.
+    pub dispatch_counts: &'a mut [i32],
+    /// `[max_tokens_per_rank, hidden]`: expert outputs of the received slots.
+    pub combine_send: &'a mut [f32],
+    /// `[send_slots, hidden]`: expert outputs of its own slots, in its send order.
+    pub combine_recv: &'a mut [f32],
+    /// `[2, degree]`: results sent to each peer, then received from each.
+    pub combine_counts: &'a mut [i32],
+    /// The experts the rank holds.
+    pub local_experts: &'a [i32],
+}
+
+impl RankState {
+    /// Rank `rank`'s state from the `ep_init` program's outputs `outs` (address and bytes by
+    /// name), checked against `plan`; `memory` owns them.
+    fn new(
+        plan: &EpPlan,
+        rank: usize,
+        memory: Memory,
+        outs: &BTreeMap<String, (*mut u8, usize)>,
+    ) -> Result<Self> {
+        let (d, width, recv) = (plan.degree, plan.slot_floats(), plan.max_tokens_per_rank);
+        let mut bufs = [(std::ptr::null_mut(), 0); 7];
+        for (i, name) in names::OUTPUTS.iter().enumerate() {
+            let &(ptr, bytes) = outs.get(*name).ok_or_else(|| {
+                RuntimeError::Input(format!("the ep_init program has no output `{name}`"))
+            })?;
+            bufs[i] = (ptr, bytes / 4);
+        }
+        let elems = |name: &str| bufs[names::OUTPUTS.iter().position(|n| *n == name).unwrap_or(0)].1;
+        let send_slots = elems(names::DISPATCH_SEND) / width;
+        let want = [
+            (names::DISPATCH_SEND, send_slots * width),
+            (names::DISPATCH_RECV, recv * width),
+            (names::DISPATCH_COUNTS, 2 * d),
+            (names::COMBINE_SEND, recv * plan.hidden),
+            (names::COMBINE_RECV, send_slots * plan.hidden),
+            (names::COMBINE_COUNTS, 2 * d),
+            (names::LOCAL_EXPERTS, plan.experts_per_rank),
+        ];
+        for (name, n) in want {
+            if elems(name) != n || (name == names::DISPATCH_SEND && send_slots == 0) {
+                return Err(RuntimeError::Input(format!(
+                    "the ep_init program's `{name}` holds {} values; the records (degree {d}, {} experts per rank, max_tokens_per_rank {recv}, hidden {}) need {n}",
+                    elems(name),
+                    plan.experts_per_rank,
+                    plan.hidden
+                )));
+            }
+        }
+        Ok(RankState {
+            rank,
+            _memory: memory,
+            bufs,
+            send_slots,
+        })
+    }
+
+    /// The rank's index.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Slots the rank can send in one layer.
+    pub fn send_slots(&self) -> usize {
+        self.send_slots
+    }
+
+    /// Every buffer, borrowed at once.
+    pub fn buffers(&mut self) -> RankBuffers<'_> {
+        let [cc, cr, cs, dc, dr, ds, le] = self.bufs;
+        // SAFETY: each pointer addresses its own output of `len` 4-byte values, aligned (arena
+        // offsets are 64-byte aligned), owned by `_memory`; outputs never share bytes (the
+        // program's validation), and `&mut self` makes these the only borrows.
+        unsafe {
+            RankBuffers {
+                dispatch_send: std::slice::from_raw_parts_mut(ds.0.cast(), ds.1),
+                dispatch_recv: std::slice::from_raw_parts_mut(dr.0.cast(), dr.1),
+                dispatch_counts: std::slice::from_raw_parts_mut(dc.0.cast(), dc.1),
+                combine_send: std::slice::from_raw_parts_mut(cs.0.cast(), cs.1),
+                combine_recv: std::slice::from_raw_parts_mut(cr.0.cast(), cr.1),
+                combine_counts: std::slice::from_raw_parts_mut(cc.0.cast(), cc.1),
+                local_experts: std::slice::from_raw_parts(le.0.cast(), le.1),
+            }
+        }
+    }
+
+    /// The same buffers in host memory, laid out as the `ep_init` program lays them out.
+    #[cfg(test)]
+    fn host(plan: &EpPlan, rank: usize, send_slots: usize) -> Self {
+        let (d, w, recv) = (plan.degree, plan.slot_floats(), plan.max_tokens_per_rank);
+        let sizes = [
+            2 * d,
+            send_slots * plan.hidden,
+            recv * plan.hidden,
+            2 * d,
+            recv * w,
+            send_slots * w,
+            plan.experts_per_rank,
+        ];
+        let mut vecs: Vec<Vec<u32>> = sizes.iter().map(|&n| vec![0u32; n]).collect();
+        for (i, e) in vecs[6].iter_mut().enumerate() {
+            *e = (rank * plan.experts_per_rank + i) as u32;
+        }
+        let outs: BTreeMap<String, (*mut u8, usize)> = names::OUTPUTS
+            .iter()
+            .zip(vecs.iter_mut())
+            .map(|(n, v)| (n.to_string(), (v.as_mut_ptr().cast::<u8>(), v.len() * 4)))
+            .collect();
+        // Moving the Vecs into `Memory` keeps their heap buffers where they are.
+        RankState::new(plan, rank, Memory::Host(vecs), &outs).expect("host layout")
+    }
+}
+
+/// The exchange between expert-parallel ranks: the ranks this process holds, and an
+/// all-to-all of a buffer group.
+pub trait Exchange: Send + std::fmt::Debug {
+    /// The deployment.
+    fn plan(&self) -> &EpPlan;
+    /// The ranks this process holds (every rank in process; one per process across GPUs).
+    fn local_ranks(&mut self) -> &mut [RankState];
+    /// Moves every rank's send segments of `group` (sizes in row 0 of the group's counts, in
+    /// peer order) to its peers' receive buffers, concatenated in source order, and records
+    /// each rank's received counts (row 1). A receive above its buffer's bound is an error and
+    /// moves nothing.
+    fn all_to_all(&mut self, group: Group) -> Result<()>;
+}
+
+/// Every rank in this process; segments move by copies.
 #[derive(Debug)]
 pub struct InProcessExchange {
     plan: EpPlan,
-    ranks: Vec<Rank>,
-    /// The most slots any rank received in one layer so far (for tests and metrics).
-    pub peak_slots: usize,
+    ranks: Vec<RankState>,
 }
 
 impl InProcessExchange {
-    /// The exchange of `plan`, every buffer allocated at its bound.
-    pub fn new(plan: EpPlan) -> Self {
-        let ranks = (0..plan.degree)
-            .map(|_| Rank {
-                recv: vec![0.0; plan.max_tokens_per_rank * plan.hidden],
-                recv_meta: Vec::with_capacity(plan.max_tokens_per_rank),
-                results: vec![0.0; plan.max_tokens_per_rank * plan.hidden],
-            })
-            .collect();
-        InProcessExchange {
-            plan,
-            ranks,
-            peak_slots: 0,
+    /// The exchange of `artifact`: runs its `ep_init` program once per rank (the rank's
+    /// index as `ep_rank`) and keeps each run's outputs as that rank's state.
+    pub fn from_artifact(artifact: &Arc<Artifact>, plan: EpPlan) -> Result<Self> {
+        if !artifact.programs.contains_key(names::ROLE) {
+            return Err(RuntimeError::artifact(
+                &artifact.dir,
+                format!(
+                    "the export records say expert-parallel degree {}, but the artifact has no {} program to set up the exchange; recompile it",
+                    plan.degree,
+                    names::ROLE
+                ),
+            ));
         }
+        let mut ranks = Vec::with_capacity(plan.degree);
+        for r in 0..plan.degree {
+            let mut exec = Box::new(CpuExecutor::new(artifact.clone(), names::ROLE)?);
+            let outs = exec.run_once(&[(names::RANK_INPUT, vec![r as i32])])?;
+            let state = RankState::new(&plan, r, Memory::Program(exec), &outs)?;
+            ranks.push(state);
+        }
+        for rank in &mut ranks {
+            let r = rank.rank;
+            let b = rank.buffers();
+            let want: Vec<i32> = (0..plan.experts_per_rank)
+                .map(|i| (r * plan.experts_per_rank + i) as i32)
+                .collect();
+            if b.local_experts != want.as_slice() {
+                return Err(RuntimeError::artifact(
+                    &artifact.dir,
+                    format!(
+                        "the ep_init program gives rank {r} experts {:?}, expected {want:?}",
+                        b.local_experts
+                    ),
+                ));
+            }
+        }
+        Ok(InProcessExchange { plan, ranks })
     }
 
-    /// The plan.
-    pub fn plan(&self) -> &EpPlan {
+    /// The exchange over host buffers of the `ep_init` layout, each rank sending up to
+    /// `send_slots` slots.
+    #[cfg(test)]
+    fn host(plan: EpPlan, send_slots: usize) -> Self {
+        let ranks = (0..plan.degree)
+            .map(|r| RankState::host(&plan, r, send_slots))
+            .collect();
+        InProcessExchange { plan, ranks }
+    }
+}
+
+impl Exchange for InProcessExchange {
+    fn plan(&self) -> &EpPlan {
         &self.plan
     }
 
-    /// SwiGLU experts (`experts[e] = (gate, up, down)`) weighted by the dense `routing`
-    /// (`rows × experts`), over the ranks: dispatch, grouped expert compute, combine.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_experts(
-        &mut self,
-        x: &[f32],
-        routing: &[f32],
-        experts: &[(&[f32], &[f32], &[f32])],
-        out: &mut [f32],
-        rows: usize,
-        hidden: usize,
-        ffn: usize,
-    ) -> Result<()> {
-        let (d, per) = (self.plan.degree, self.plan.experts_per_rank);
-        let e_count = experts.len();
-        if hidden != self.plan.hidden || per * d != e_count {
-            return Err(RuntimeError::Input(format!(
-                "expert parallelism: the kernel has {e_count} experts of width {hidden}; the records say {d} ranks × {per} experts of width {}",
-                self.plan.hidden
-            )));
-        }
-        // Dispatch: every rank's tokens, in token order, each to the ranks of its experts.
-        for r in &mut self.ranks {
-            r.recv_meta.clear();
-        }
-        // Rank `src` owns rows [src·rows/d, (src+1)·rows/d).
-        for src in 0..d {
-            for t in src * rows / d..(src + 1) * rows / d {
-                for e in 0..e_count {
-                    let w = routing[t * e_count + e];
-                    if w == 0.0 {
-                        continue;
+    fn local_ranks(&mut self) -> &mut [RankState] {
+        &mut self.ranks
+    }
+
+    fn all_to_all(&mut self, group: Group) -> Result<()> {
+        let d = self.plan.degree;
+        let (width, capacity) = match group {
+            Group::Dispatch => (self.plan.slot_floats(), self.plan.max_tokens_per_rank),
+            Group::Combine => (self.plan.hidden, self.ranks[0].send_slots),
+        };
+        // sent[s][p]: rows rank s sends to peer p.
+        let sent: Vec<Vec<usize>> = self
+            .ranks
+            .iter_mut()
+            .map(|r| {
+                let b = r.buffers();
+                let counts = match group {
+                    Group::Dispatch => b.dispatch_counts,
+                    Group::Combine => b.combine_counts,
+                };
+                counts[..d].iter().map(|&c| c.max(0) as usize).collect()
+            })
+            .collect();
+        for p in 0..d {
+            let total: usize = (0..d).map(|s| sent[s][p]).sum();
+            if total > capacity {
+                return Err(RuntimeError::Input(format!(
+                    "expert parallelism: rank {p} would receive {total} {} rows, above its buffer's {capacity} (max_tokens_per_rank for dispatch)",
+                    match group {
+                        Group::Dispatch => "dispatch",
+                        Group::Combine => "combine",
                     }
-                    let dest = &mut self.ranks[e / per];
-                    let slot = dest.recv_meta.len();
-                    if slot >= self.plan.max_tokens_per_rank {
-                        return Err(RuntimeError::Input(format!(
-                            "expert parallelism: rank {} received more than max_tokens_per_rank ({}) slots",
-                            e / per,
-                            self.plan.max_tokens_per_rank
-                        )));
-                    }
-                    dest.recv[slot * hidden..(slot + 1) * hidden]
-                        .copy_from_slice(&x[t * hidden..(t + 1) * hidden]);
-                    dest.recv_meta.push((t as u32, e as u32, w));
-                }
+                )));
             }
         }
-        // Each rank: its slots grouped by expert, every expert's weights read once.
-        for (r, rank) in self.ranks.iter_mut().enumerate() {
-            self.peak_slots = self.peak_slots.max(rank.recv_meta.len());
-            for le in 0..per {
-                let e = r * per + le;
-                let picked: Vec<usize> = (0..rank.recv_meta.len())
-                    .filter(|&s| rank.recv_meta[s].1 as usize == e)
-                    .collect();
-                if picked.is_empty() {
-                    continue;
-                }
-                let m = picked.len();
-                let mut xs = Vec::with_capacity(m * hidden);
-                for &s in &picked {
-                    xs.extend_from_slice(&rank.recv[s * hidden..(s + 1) * hidden]);
-                }
-                let (gate, up, down) = experts[e];
-                let y = super::library::swiglu_expert(&xs, gate, up, down, m, hidden, ffn);
-                for (i, &s) in picked.iter().enumerate() {
-                    rank.results[s * hidden..(s + 1) * hidden]
-                        .copy_from_slice(&y[i * hidden..(i + 1) * hidden]);
-                }
-            }
-        }
-        // Combine: each token adds its results weighted, in expert order (as on one rank).
-        out[..rows * hidden].fill(0.0);
-        let mut slots: Vec<(u32, u32, usize, usize)> = Vec::new();
-        for (r, rank) in self.ranks.iter().enumerate() {
-            for (s, &(t, e, _)) in rank.recv_meta.iter().enumerate() {
-                slots.push((t, e, r, s));
-            }
-        }
-        slots.sort_unstable();
-        for (t, _, r, s) in slots {
-            let rank = &self.ranks[r];
-            let w = rank.recv_meta[s].2;
-            let t = t as usize;
-            for (o, v) in out[t * hidden..(t + 1) * hidden]
-                .iter_mut()
-                .zip(&rank.results[s * hidden..(s + 1) * hidden])
-            {
-                *o += w * v;
+        // Peer p's receive buffer: every source's segment for p, in source order.
+        let mut at = vec![0usize; d];
+        for s in 0..d {
+            let mut offset = 0;
+            for p in 0..d {
+                let n = sent[s][p];
+                let src_rows = {
+                    let b = self.ranks[s].buffers();
+                    let send: &[f32] = match group {
+                        Group::Dispatch => b.dispatch_send,
+                        Group::Combine => b.combine_send,
+                    };
+                    send[offset * width..(offset + n) * width].to_vec()
+                };
+                let b = self.ranks[p].buffers();
+                let recv = match group {
+                    Group::Dispatch => b.dispatch_recv,
+                    Group::Combine => b.combine_recv,
+                };
+                recv[at[p] * width..(at[p] + n) * width].copy_from_slice(&src_rows);
+                let counts = match group {
+                    Group::Dispatch => b.dispatch_counts,
+                    Group::Combine => b.combine_counts,
+                };
+                counts[d + s] = n as i32;
+                at[p] += n;
+                offset += n;
             }
         }
         Ok(())
     }
 }
 
+/// One MoE layer over the exchange: SwiGLU experts (`experts[e] = (gate, up, down)`) weighted
+/// by the dense `routing` (`rows × experts`). Returns the most slots any rank received.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_layer(
+    ex: &mut dyn Exchange,
+    x: &[f32],
+    routing: &[f32],
+    experts: &[(&[f32], &[f32], &[f32])],
+    out: &mut [f32],
+    rows: usize,
+    hidden: usize,
+    ffn: usize,
+) -> Result<usize> {
+    let plan = *ex.plan();
+    let (d, per, w) = (plan.degree, plan.experts_per_rank, plan.slot_floats());
+    let e_count = experts.len();
+    if hidden != plan.hidden || per * d != e_count {
+        return Err(RuntimeError::Input(format!(
+            "expert parallelism: the kernel has {e_count} experts of width {hidden}; the records say {d} ranks × {per} experts of width {}",
+            plan.hidden
+        )));
+    }
+    // Pack: each rank's tokens' slots, grouped by destination rank, tokens in order and each
+    // token's experts in order within a group.
+    for rank in ex.local_ranks() {
+        let r = rank.rank;
+        let cap = rank.send_slots;
+        let b = rank.buffers();
+        let owned = r * rows / d..(r + 1) * rows / d;
+        let mut count = vec![0usize; d];
+        for t in owned.clone() {
+            for e in 0..e_count {
+                if routing[t * e_count + e] != 0.0 {
+                    count[e / per] += 1;
+                }
+            }
+        }
+        let total: usize = count.iter().sum();
+        if total > cap {
+            return Err(RuntimeError::Input(format!(
+                "expert parallelism: rank {r} has {total} slots to send, above its buffer's {cap}"
+            )));
+        }
+        let mut next: Vec<usize> = count
+            .iter()
+            .scan(0, |acc, &c| {
+                let start = *acc;
+                *acc += c;
+                Some(start)
+            })
+            .collect();
+        for t in owned {
+            for e in 0..e_count {
+                let weight = routing[t * e_count + e];
+                if weight == 0.0 {
+                    continue;
+                }
+                let slot = &mut b.dispatch_send[next[e / per] * w..][..w];
+                slot[..hidden].copy_from_slice(&x[t * hidden..(t + 1) * hidden]);
+                slot[hidden] = f32::from_bits(t as u32);
+                slot[hidden + 1] = f32::from_bits(e as u32);
+                slot[hidden + 2] = weight;
+                next[e / per] += 1;
+            }
+        }
+        for (c, n) in b.dispatch_counts[..d].iter_mut().zip(&count) {
+            *c = *n as i32;
+        }
+    }
+    ex.all_to_all(Group::Dispatch)?;
+    // Each rank: its received slots grouped by expert, every expert's weights read once; the
+    // results go back to each source, in its order.
+    let mut peak = 0;
+    for rank in ex.local_ranks() {
+        let b = rank.buffers();
+        let received: usize = b.dispatch_counts[d..2 * d].iter().map(|&c| c as usize).sum();
+        peak = peak.max(received);
+        for &e in b.local_experts {
+            let e = e as usize;
+            let picked: Vec<usize> = (0..received)
+                .filter(|&s| b.dispatch_recv[s * w + hidden + 1].to_bits() as usize == e)
+                .collect();
+            if picked.is_empty() {
+                continue;
+            }
+            let m = picked.len();
+            let mut xs = Vec::with_capacity(m * hidden);
+            for &s in &picked {
+                xs.extend_from_slice(&b.dispatch_recv[s * w..s * w + hidden]);
+            }
+            let (gate, up, down) = experts[e];
+            let y = super::library::swiglu_expert(&xs, gate, up, down, m, hidden, ffn);
+            for (i, &s) in picked.iter().enumerate() {
+                b.combine_send[s * hidden..(s + 1) * hidden]
+                    .copy_from_slice(&y[i * hidden..(i + 1) * hidden]);
+            }
+        }
+        let (sent_back, received_from) = b.combine_counts.split_at_mut(d);
+        sent_back.copy_from_slice(&b.dispatch_counts[d..2 * d]);
+        received_from.fill(0);
+    }
+    ex.all_to_all(Group::Combine)?;
+    // Combine: each token adds its results weighted, in expert order (its slots' send order).
+    out[..rows * hidden].fill(0.0);
+    for rank in ex.local_ranks() {
+        let b = rank.buffers();
+        let sent: usize = b.dispatch_counts[..d].iter().map(|&c| c as usize).sum();
+        let mut order: Vec<usize> = (0..sent).collect();
+        // Send order is (destination, token, expert); a token's experts ascend with their
+        // destination, so sorting by (token, expert) keeps one rank's order of sums.
+        order.sort_by_key(|&i| {
+            let slot = &b.dispatch_send[i * w..];
+            (slot[hidden].to_bits(), slot[hidden + 1].to_bits())
+        });
+        for i in order {
+            let slot = &b.dispatch_send[i * w..(i + 1) * w];
+            let t = slot[hidden].to_bits() as usize;
+            let weight = slot[hidden + 2];
+            for (o, v) in out[t * hidden..(t + 1) * hidden]
+                .iter_mut()
+                .zip(&b.combine_recv[i * hidden..(i + 1) * hidden])
+            {
+                *o += weight * v;
+            }
+        }
+    }
+    Ok(peak)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{EpPlan, InProcessExchange};
+    use super::{moe_layer, EpPlan, InProcessExchange};
     use crate::cpu::library;
 
     /// Deterministic values in [-1, 1).
@@ -263,12 +581,21 @@ mod tests {
                 max_tokens_per_rank: bound,
                 hidden,
             };
-            let mut ex = InProcessExchange::new(plan);
+            let mut ex = InProcessExchange::host(plan, rows * top_k);
             let mut got = vec![0.0; rows * hidden];
-            ex.moe_experts(&x, &routing, &layer.refs(), &mut got, rows, hidden, ffn)
-                .unwrap();
+            let peak = moe_layer(
+                &mut ex,
+                &x,
+                &routing,
+                &layer.refs(),
+                &mut got,
+                rows,
+                hidden,
+                ffn,
+            )
+            .unwrap();
             assert_eq!(
-                ex.peak_slots, bound,
+                peak, bound,
                 "degree {degree}: one rank at the bound"
             );
             let d = got
@@ -278,14 +605,25 @@ mod tests {
                 .fold(0.0, f32::max);
             assert!(d < 1e-5, "degree {degree}: max |diff| {d} against one rank");
             // One slot less room: the step fails cleanly instead of writing past the buffer.
-            let mut small = InProcessExchange::new(EpPlan {
-                max_tokens_per_rank: bound - 1,
-                ..plan
-            });
-            let e = small
-                .moe_experts(&x, &routing, &layer.refs(), &mut got, rows, hidden, ffn)
-                .unwrap_err()
-                .to_string();
+            let mut small = InProcessExchange::host(
+                EpPlan {
+                    max_tokens_per_rank: bound - 1,
+                    ..plan
+                },
+                rows * top_k,
+            );
+            let e = moe_layer(
+                &mut small,
+                &x,
+                &routing,
+                &layer.refs(),
+                &mut got,
+                rows,
+                hidden,
+                ffn,
+            )
+            .unwrap_err()
+            .to_string();
             assert!(e.contains("max_tokens_per_rank"), "{e}");
         }
     }
@@ -303,15 +641,27 @@ mod tests {
         let mut want = vec![0.0; rows * hidden];
         library::moe_experts(&x, &routing, &layer.refs(), &mut want, rows, hidden, ffn);
         for degree in [1usize, 2, 4] {
-            let mut ex = InProcessExchange::new(EpPlan {
-                degree,
-                experts_per_rank: experts / degree,
-                max_tokens_per_rank: rows * 2,
-                hidden,
-            });
+            let mut ex = InProcessExchange::host(
+                EpPlan {
+                    degree,
+                    experts_per_rank: experts / degree,
+                    max_tokens_per_rank: rows * 2,
+                    hidden,
+                },
+                rows * 2,
+            );
             let mut got = vec![0.0; rows * hidden];
-            ex.moe_experts(&x, &routing, &layer.refs(), &mut got, rows, hidden, ffn)
-                .unwrap();
+            moe_layer(
+                &mut ex,
+                &x,
+                &routing,
+                &layer.refs(),
+                &mut got,
+                rows,
+                hidden,
+                ffn,
+            )
+            .unwrap();
             assert_eq!(
                 got, want,
                 "degree {degree}: the same sums in the same order"

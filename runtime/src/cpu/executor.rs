@@ -108,7 +108,7 @@ pub struct CpuExecutor {
     /// Where set, each step's launches are timed into it.
     profile: Option<StepProfile>,
     /// Expert parallelism over in-process ranks, where the artifact records a degree above 1.
-    ep: Option<std::sync::Mutex<super::ep::InProcessExchange>>,
+    ep: Option<std::sync::Mutex<Box<dyn super::ep::Exchange>>>,
 }
 
 // SAFETY: the raw pointers a `CpuExecutor` holds point into its own allocations and into the
@@ -233,7 +233,7 @@ impl CpuExecutor {
             }
         }
         let (bounds, limits) = artifact.step_limits(role)?;
-        let kv = Aligned::zeroed(program.kv.cache_bytes(limits.bounds), "KV cache")?;
+        let kv = Aligned::zeroed(program.kv_cache_bytes(limits.bounds), "KV cache")?;
         let max_seq_len = limits.max_seq_len as usize;
         let mut rope = Vec::new();
         for t in &program.rope_tables {
@@ -272,8 +272,20 @@ impl CpuExecutor {
                 ints.insert(b.name.clone(), vec![0i32; n as usize]);
             }
         }
-        let ep = super::ep::EpPlan::from_records(&artifact.manifest.export_records)?
-            .map(|plan| std::sync::Mutex::new(super::ep::InProcessExchange::new(plan)));
+        // A program with MoE layers exchanges over the ranks the `ep_init` program set up.
+        let has_moe = program
+            .kernels
+            .iter()
+            .any(|k| matches!(k.body, KernelBody::MoeExperts { .. }));
+        let ep = match super::ep::EpPlan::from_records(&artifact.manifest.export_records)? {
+            Some(plan) if has_moe => {
+                let ex = super::ep::InProcessExchange::from_artifact(&artifact, plan)?;
+                Some(std::sync::Mutex::new(
+                    Box::new(ex) as Box<dyn super::ep::Exchange>
+                ))
+            }
+            _ => None,
+        };
         Ok(CpuExecutor {
             ep,
             artifact,
@@ -333,60 +345,8 @@ impl CpuExecutor {
             }
         }
 
-        let arena = self.arena.ptr();
-        let kv = self.kv.ptr();
-        let rope: Vec<*mut u8> = self.rope.iter_mut().map(|r| r.ptr()).collect();
-        let mut ptrs: Vec<*mut u8> = Vec::with_capacity(self.program.buffers.len());
-        for (id, buf) in self.program.buffers.iter().enumerate() {
-            // Program::validate (at open) checked each offset, index and layer below, and that
-            // every launch's operands hold what its kernel touches at the bounds.
-            ptrs.push(match &buf.storage {
-                // SAFETY: offset + size lies inside arena_bytes, the arena's size.
-                Storage::Arena { offset } => unsafe { arena.add(*offset as usize) },
-                Storage::Param { .. } => self.params[&(id as u32)].ptr as *mut u8,
-                Storage::KvCache => kv,
-                // SAFETY: layer < num_layers: the slot lies inside the cache's first page.
-                Storage::KvCacheLayer { layer } => unsafe {
-                    kv.add((layer * self.program.kv.layer_bytes()) as usize)
-                },
-                Storage::RopeTable { table } => rope[*table as usize],
-                Storage::Input if buf.name == "tokens" => self.tokens.as_mut_ptr().cast(),
-                Storage::Input => self
-                    .ints
-                    .get_mut(&buf.name)
-                    .ok_or_else(|| {
-                        RuntimeError::Input(format!("no value for program input `{}`", buf.name))
-                    })?
-                    .as_mut_ptr()
-                    .cast(),
-            });
-        }
-        let mut args: Vec<*mut u8> = Vec::new();
-        let mut timings = self.profile.as_ref().map(|_| Vec::new());
-        for (i, launch) in self.program.launches.iter().enumerate() {
-            let kernel = &self.program.kernels[launch.kernel as usize];
-            args.clear();
-            args.extend(launch.buffers.iter().map(|&b| ptrs[b as usize]));
-            let t = std::time::Instant::now();
-            let generated = match self.fns[launch.kernel as usize] {
-                Some(f) if self.generated_fits(&kernel.body, &dims) => {
-                    run_generated(f, &kernel.body, &args, &dims, self.threads);
-                    true
-                }
-                _ => {
-                    self.run_library(&kernel.body, &launch.buffers, &args, &dims)?;
-                    false
-                }
-            };
-            if let Some(v) = timings.as_mut() {
-                v.push(LaunchTiming {
-                    launch: i,
-                    start_ns: (t - step_start).as_nanos() as u64,
-                    dur_ns: t.elapsed().as_nanos() as u64,
-                    generated,
-                });
-            }
-        }
+        let ptrs = self.bind()?;
+        let timings = self.run_launches(&ptrs, &dims, step_start)?;
         let out = self.program.outputs.get("logits").ok_or_else(|| {
             RuntimeError::artifact(&self.artifact.dir, "the program has no `logits` output")
         })?;
@@ -409,6 +369,121 @@ impl CpuExecutor {
             };
         }
         Ok(Logits { rows, vocab, data })
+    }
+
+    /// Each buffer's address, in buffer order.
+    fn bind(&mut self) -> Result<Vec<*mut u8>> {
+        let arena = self.arena.ptr();
+        let kv = self.kv.ptr();
+        let rope: Vec<*mut u8> = self.rope.iter_mut().map(|r| r.ptr()).collect();
+        let mut ptrs: Vec<*mut u8> = Vec::with_capacity(self.program.buffers.len());
+        for (id, buf) in self.program.buffers.iter().enumerate() {
+            // Program::validate (at open) checked each offset, index and layer below, and that
+            // every launch's operands hold what its kernel touches at the bounds.
+            ptrs.push(match &buf.storage {
+                // SAFETY: offset + size lies inside arena_bytes, the arena's size.
+                Storage::Arena { offset } => unsafe { arena.add(*offset as usize) },
+                Storage::Param { .. } => self.params[&(id as u32)].ptr as *mut u8,
+                Storage::KvCache => kv,
+                // SAFETY: layer < num_layers: the slot lies inside the cache's first page.
+                Storage::KvCacheLayer { layer } => unsafe {
+                    kv.add((layer * self.program.kv_layer_bytes()) as usize)
+                },
+                Storage::RopeTable { table } => rope[*table as usize],
+                Storage::Input if buf.name == "tokens" => self.tokens.as_mut_ptr().cast(),
+                Storage::Input => self
+                    .ints
+                    .get_mut(&buf.name)
+                    .ok_or_else(|| {
+                        RuntimeError::Input(format!("no value for program input `{}`", buf.name))
+                    })?
+                    .as_mut_ptr()
+                    .cast(),
+            });
+        }
+        Ok(ptrs)
+    }
+
+    /// Runs every launch at `dims` over the buffers at `ptrs`; the launches' timings where
+    /// profiling.
+    fn run_launches(
+        &mut self,
+        ptrs: &[*mut u8],
+        dims: &[u64; StepDim::COUNT],
+        step_start: std::time::Instant,
+    ) -> Result<Option<Vec<LaunchTiming>>> {
+        let mut args: Vec<*mut u8> = Vec::new();
+        let mut timings = self.profile.as_ref().map(|_| Vec::new());
+        for (i, launch) in self.program.launches.iter().enumerate() {
+            let kernel = &self.program.kernels[launch.kernel as usize];
+            args.clear();
+            args.extend(launch.buffers.iter().map(|&b| ptrs[b as usize]));
+            let t = std::time::Instant::now();
+            let generated = match self.fns[launch.kernel as usize] {
+                Some(f) if self.generated_fits(&kernel.body, dims) => {
+                    run_generated(f, &kernel.body, &args, dims, self.threads);
+                    true
+                }
+                _ => {
+                    self.run_library(&kernel.body, &launch.buffers, &args, dims)?;
+                    false
+                }
+            };
+            if let Some(v) = timings.as_mut() {
+                v.push(LaunchTiming {
+                    launch: i,
+                    start_ns: (t - step_start).as_nanos() as u64,
+                    dur_ns: t.elapsed().as_nanos() as u64,
+                    generated,
+                });
+            }
+        }
+        Ok(timings)
+    }
+
+    /// Runs a program without steps (the `ep_init` program) once, at its bounds, with its
+    /// integer inputs by name, and returns each output's address and bytes. The outputs live
+    /// in this executor's arena: they stay valid, and no other buffer shares their bytes
+    /// (the program's validation), for as long as the executor lives and runs nothing else.
+    pub fn run_once(
+        &mut self,
+        inputs: &[(&str, Vec<i32>)],
+    ) -> Result<BTreeMap<String, (*mut u8, usize)>> {
+        for (name, values) in inputs {
+            let buf = self.ints.get_mut(*name).ok_or_else(|| {
+                RuntimeError::Input(format!(
+                    "the {} program has no input `{name}`",
+                    self.program.role
+                ))
+            })?;
+            if values.len() != buf.len() {
+                return Err(RuntimeError::Input(format!(
+                    "input `{name}` of the {} program takes {} values, got {}",
+                    self.program.role,
+                    buf.len(),
+                    values.len()
+                )));
+            }
+            buf.copy_from_slice(values);
+        }
+        let ptrs = self.bind()?;
+        let dims = self.bounds;
+        self.run_launches(&ptrs, &dims, std::time::Instant::now())?;
+        let mut out = BTreeMap::new();
+        for (name, &id) in &self.program.outputs {
+            let b = &self.program.buffers[id as usize];
+            let elements: u64 = b
+                .shape
+                .iter()
+                .map(|e| match e {
+                    Extent::Fixed(n) => *n,
+                    Extent::Step(d) => dims[*d as usize],
+                })
+                .product();
+            let bytes = b.dtype.bytes_for(elements).unwrap_or(0) as usize;
+            out.insert(name.clone(), (ptrs[id as usize], bytes));
+        }
+        Ok(out)
     }
 
     /// Times every launch of the following steps (or stops timing).
@@ -555,10 +630,10 @@ impl CpuExecutor {
                     std::slice::from_raw_parts_mut(args[2 + 3 * e].cast::<f32>(), rows * h)
                 };
                 match &self.ep {
-                    Some(ep) => ep
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .moe_experts(x, routing, &ws, out, rows, h, f)?,
+                    Some(ep) => {
+                        let mut ex = ep.lock().unwrap_or_else(|e| e.into_inner());
+                        super::ep::moe_layer(&mut **ex, x, routing, &ws, out, rows, h, f)?;
+                    }
                     None => library::moe_experts(x, routing, &ws, out, rows, h, f),
                 }
             }

@@ -167,7 +167,7 @@ impl CudaExecutor {
         let max_seq_len = artifact.manifest.runtime.max_seq_len as usize;
         let mut memory = Vec::new();
         let arena = DeviceBuf::zeroed(program.arena_bytes as usize, &stream)?;
-        let kv = DeviceBuf::zeroed(program.kv.cache_bytes(bounds) as usize, &stream)?;
+        let kv = DeviceBuf::zeroed(program.kv_cache_bytes(bounds) as usize, &stream)?;
         let mut rope = Vec::new();
         for t in &program.rope_tables {
             let half = t.inv_freq.len();
@@ -189,7 +189,7 @@ impl CudaExecutor {
             bufs.push(match &b.storage {
                 Storage::Arena { offset } => arena.ptr + offset,
                 Storage::KvCache => kv.ptr,
-                Storage::KvCacheLayer { layer } => kv.ptr + layer * program.kv.layer_bytes(),
+                Storage::KvCacheLayer { layer } => kv.ptr + layer * program.kv_layer_bytes(),
                 Storage::RopeTable { table } => rope[*table as usize].ptr,
                 Storage::Param { key } => match params.get(key) {
                     Some(&p) => p,
