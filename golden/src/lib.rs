@@ -59,7 +59,8 @@ fn for_model(model: &str, rt: &ModuleRuntime) -> ModuleRuntime {
 }
 
 /// Every golden case: each tiny model at two runtime settings on the CPU, and once for CUDA
-/// (sm_90, bf16 weights, so the tensor-core matmuls are covered).
+/// (sm_90, bf16 weights, so the tensor-core matmuls are covered); tiny-mixtral also at
+/// expert-parallel degree 2, on both.
 pub fn cases() -> Vec<Case> {
     let settings = [
         ("b8-len128", runtime(8, 128, 256, true)),
@@ -95,6 +96,27 @@ pub fn cases() -> Vec<Case> {
                 force: true,
                 cpu: false,
                 cuda_arch: Some("sm_90".into()),
+            },
+        });
+    }
+    // tiny-mixtral's experts over 2 ranks: the export records and the EP init program, on the
+    // CPU and for CUDA.
+    let ep2 = ModuleRuntime {
+        expert_parallel_degree: 2,
+        ..settings[0].1.clone()
+    };
+    for (target, cuda) in [("cpu", false), ("cuda-sm90-bf16", true)] {
+        out.push(Case {
+            name: format!("tiny-mixtral-{target}-b8-len128-ep2"),
+            model: "tiny-mixtral",
+            options: CompileOptions {
+                runtime: ep2.clone(),
+                weights: if cuda { DType::BF16 } else { DType::F32 }.into(),
+                all_logits: false,
+                cpu_matmul: CpuMatmul::Auto,
+                force: true,
+                cpu: !cuda,
+                cuda_arch: cuda.then(|| "sm_90".into()),
             },
         });
     }
