@@ -141,8 +141,13 @@ pub fn run(args: Args) -> Result<()> {
         }
     }
     for (role, r) in r["roles"].as_object().into_iter().flatten() {
+        let when = if role == maxc_runtime::schema::ep_init::ROLE {
+            "launches once at load on each expert-parallel rank"
+        } else {
+            "launches per step"
+        };
         println!(
-            "\nrole {role}: {} launches per step, arena {} bytes",
+            "\nrole {role}: {} {when}, arena {} bytes",
             r["launches"], r["arena_bytes"]
         );
         let dims: Vec<String> = r["dims"]
@@ -151,7 +156,11 @@ pub fn run(args: Args) -> Result<()> {
             .flatten()
             .map(|(d, b)| format!("{d} <= {b}"))
             .collect();
-        println!("  dims     {}", dims.join(", "));
+        if dims.is_empty() {
+            println!("  dims     (none: every size is fixed)");
+        } else {
+            println!("  dims     {}", dims.join(", "));
+        }
         println!("  kernels");
         for k in r["kernels"].as_array().into_iter().flatten() {
             let bytes = k["code_bytes"]
