@@ -493,8 +493,12 @@ fn the_ep_init_program_matches_the_interpreter_on_every_rank() {
             roles: vec![GraphRole::EpInit],
             ..Default::default()
         };
-        let loaded = load_model(&fixtures().join("tiny-mixtral"), &Registry::builtin(), &opts)
-            .expect("the EP init graph builds");
+        let loaded = load_model(
+            &fixtures().join("tiny-mixtral"),
+            &Registry::builtin(),
+            &opts,
+        )
+        .expect("the EP init graph builds");
         let graph = &loaded.roles[&GraphRole::EpInit].graph;
         for rank in 0..degree {
             let mut exec = CpuExecutor::new(artifact.clone(), ep_init::ROLE).unwrap();
@@ -522,14 +526,22 @@ fn the_ep_init_program_matches_the_interpreter_on_every_rank() {
                     InitValue::Ints(v) => v.iter().map(|&x| x as i32 as u32).collect(),
                     InitValue::Floats(v) => v.iter().map(|x| x.to_bits()).collect(),
                 };
-                assert_eq!(got, want.as_slice(), "degree {degree}, rank {rank}: `{name}`");
+                assert_eq!(
+                    got,
+                    want.as_slice(),
+                    "degree {degree}, rank {rank}: `{name}`"
+                );
             }
         }
         // The program is no step program, and CUDA has no exchange yet: both refused clearly.
-        let e = Engine::new(artifact.clone(), ep_init::ROLE, maxc_runtime::engine::Device::Cpu)
-            .err()
-            .expect("refused")
-            .to_string();
+        let e = Engine::new(
+            artifact.clone(),
+            ep_init::ROLE,
+            maxc_runtime::engine::Device::Cpu,
+        )
+        .err()
+        .expect("refused")
+        .to_string();
         assert!(e.contains("runs once at load"), "{e}");
         let e = Engine::new(artifact, "decoder", maxc_runtime::engine::Device::Cuda)
             .err()

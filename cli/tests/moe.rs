@@ -130,9 +130,9 @@ fn the_artifact_records_the_expert_parallel_deployment() {
         .filter(|l| (l.starts_with('+') || l.starts_with('-')) && !l.starts_with("+++"))
         .collect();
     assert!(
-        changed.iter().all(|l| l.contains("ep.")
-            || l.contains("_bytes")
-            || l.contains("\"kernels\"")),
+        changed
+            .iter()
+            .all(|l| l.contains("ep.") || l.contains("_bytes") || l.contains("\"kernels\"")),
         "only the records and the ep_init role's sizes change in the manifest: {changed:#?}"
     );
 }

@@ -11,8 +11,8 @@
 //! every receive buffer is sized for it.
 
 use super::config::ConfigReader;
-use super::ep_init::EpExchange;
 use super::decoder::{DecoderConfig, MoeConfig};
+use super::ep_init::EpExchange;
 use super::llama::LlamaFamilyHooks;
 use super::{Architecture, BuildOptions, ModelSpec};
 use crate::deployment::DeploymentHooks;
@@ -189,7 +189,10 @@ impl DeploymentHooks for MixtralHooks {
         r.insert("ep.degree".into(), json!(x.degree));
         r.insert("ep.experts_per_rank".into(), json!(x.experts_per_rank()));
         r.insert("ep.dispatch_dtype".into(), json!("f32"));
-        r.insert("ep.max_tokens_per_rank".into(), json!(x.max_tokens_per_rank()));
+        r.insert(
+            "ep.max_tokens_per_rank".into(),
+            json!(x.max_tokens_per_rank()),
+        );
         if x.degree == 1 {
             // One rank: no exchange, no buffers.
             return r;

@@ -91,31 +91,36 @@ pub fn run_init_graph(
                     .ok_or_else(|| Error::Eval(format!("`{}` has symbolic dim `{d}`", node.name)))
             })
         };
-        let v = match &node.op {
-            Op::Input => InitValue::Ints(
-                inputs
-                    .get(&node.name)
-                    .cloned()
-                    .ok_or_else(|| Error::Eval(format!("no value for graph input `{}`", node.name)))?,
-            ),
-            Op::Zeros { dtype, .. } if dtype.is_float() => InitValue::Floats(vec![0.0; elements()?]),
-            Op::Zeros { .. } => InitValue::Ints(vec![0; elements()?]),
-            Op::RankExperts { experts_per_rank } => {
-                let rank = match vals.get(&graph.operands(id)[0]) {
-                    Some(InitValue::Ints(r)) if r.len() == 1 => r[0],
-                    _ => return Err(Error::Eval(format!("`{}`: the rank is not one integer", node.name))),
-                };
-                let per = *experts_per_rank as i64;
-                InitValue::Ints((0..per).map(|i| rank * per + i).collect())
-            }
-            other => {
-                return Err(Error::Eval(format!(
-                    "`{}` ({}) is not an init-graph op",
-                    node.name,
-                    other.name()
-                )))
-            }
-        };
+        let v =
+            match &node.op {
+                Op::Input => InitValue::Ints(inputs.get(&node.name).cloned().ok_or_else(|| {
+                    Error::Eval(format!("no value for graph input `{}`", node.name))
+                })?),
+                Op::Zeros { dtype, .. } if dtype.is_float() => {
+                    InitValue::Floats(vec![0.0; elements()?])
+                }
+                Op::Zeros { .. } => InitValue::Ints(vec![0; elements()?]),
+                Op::RankExperts { experts_per_rank } => {
+                    let rank = match vals.get(&graph.operands(id)[0]) {
+                        Some(InitValue::Ints(r)) if r.len() == 1 => r[0],
+                        _ => {
+                            return Err(Error::Eval(format!(
+                                "`{}`: the rank is not one integer",
+                                node.name
+                            )))
+                        }
+                    };
+                    let per = *experts_per_rank as i64;
+                    InitValue::Ints((0..per).map(|i| rank * per + i).collect())
+                }
+                other => {
+                    return Err(Error::Eval(format!(
+                        "`{}` ({}) is not an init-graph op",
+                        node.name,
+                        other.name()
+                    )))
+                }
+            };
         vals.insert(id, v);
     }
     Ok(graph

@@ -393,7 +393,9 @@ impl Op {
             Op::Zeros { dtype, shape } => {
                 arity(xs, 0)?;
                 if let Some(d) = shape.iter().find(|d| d.fixed().is_none()) {
-                    return Err(format!("zeros of symbolic dim `{d}`: the shape must be fixed"));
+                    return Err(format!(
+                        "zeros of symbolic dim `{d}`: the shape must be fixed"
+                    ));
                 }
                 Ok(TensorType::new(*dtype, shape.clone()))
             }

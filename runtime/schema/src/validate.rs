@@ -940,7 +940,9 @@ fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(),
         }
         KernelBody::Zeros { dtype, .. } => {
             if dtype.is_quantized() || ![1, 2, 4, 8].contains(&dtype.size()) {
-                return err(format!("zeros of {dtype}, expected a 1-, 2-, 4- or 8-byte type"));
+                return err(format!(
+                    "zeros of {dtype}, expected a 1-, 2-, 4- or 8-byte type"
+                ));
             }
             Ok(())
         }

@@ -155,7 +155,8 @@ impl RankState {
             })?;
             bufs[i] = (ptr, bytes / 4);
         }
-        let elems = |name: &str| bufs[names::OUTPUTS.iter().position(|n| *n == name).unwrap_or(0)].1;
+        let elems =
+            |name: &str| bufs[names::OUTPUTS.iter().position(|n| *n == name).unwrap_or(0)].1;
         let send_slots = elems(names::DISPATCH_SEND) / width;
         let want = [
             (names::DISPATCH_SEND, send_slots * width),
@@ -460,7 +461,10 @@ pub fn moe_layer(
     let mut peak = 0;
     for rank in ex.local_ranks() {
         let b = rank.buffers();
-        let received: usize = b.dispatch_counts[d..2 * d].iter().map(|&c| c as usize).sum();
+        let received: usize = b.dispatch_counts[d..2 * d]
+            .iter()
+            .map(|&c| c as usize)
+            .sum();
         peak = peak.max(received);
         for &e in b.local_experts {
             let e = e as usize;
@@ -594,10 +598,7 @@ mod tests {
                 ffn,
             )
             .unwrap();
-            assert_eq!(
-                peak, bound,
-                "degree {degree}: one rank at the bound"
-            );
+            assert_eq!(peak, bound, "degree {degree}: one rank at the bound");
             let d = got
                 .iter()
                 .zip(&want)
