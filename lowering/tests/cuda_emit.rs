@@ -471,7 +471,7 @@ fn matmul_uses_tensor_cores_for_16_bit_weights_on_sm80_and_later() {
 }
 
 #[test]
-fn moe_experts_run_every_routed_expert_in_one_kernel() {
+fn moe_experts_run_every_routed_expert_in_one_kernel_grouped_by_row_tile() {
     let k = emit(&KernelBody::MoeExperts {
         rows: STEP,
         hidden: 64,
@@ -490,19 +490,35 @@ fn moe_experts_run_every_routed_expert_in_one_kernel() {
         &k,
         &[
             "static __device__ __noinline__ void moe_experts_expert(",
-            "if (r >= total_seq_len) return;",
-            "const float* route = routing + r * 3ULL;",
-            "if (route[0] != 0.0f) moe_experts_expert(x_row, route[0], gate0, up0, down0, out_row, h);",
-            "if (route[2] != 0.0f) moe_experts_expert(x_row, route[2], gate2, up2, down2, out_row, h);",
-            // ffn 3000 in chunks of 2048 activations.
-            "__shared__ float h[2048ULL];",
-            "f0 += 2048ULL",
-            "h[f] = maxc_silu(g) * u;",
-            "out_row[j] += route * y;",
-            "out_row[j] = 0.0f;",
+            // A block per tile of 8 rows; every expert in order, skipped inside where no row
+            // of the tile is routed to it.
+            "const maxc_u64 row0 = (maxc_u64)blockIdx.x * 8ULL;",
+            "if (row0 >= total_seq_len) return;",
+            "moe_experts_expert(x, routing, row0, total_seq_len, 0ULL, gate0, up0, down0, out, h);",
+            "moe_experts_expert(x, routing, row0, total_seq_len, 2ULL, gate2, up2, down2, out, h);",
+            "route[m] = row0 + m < rows ? routing[(row0 + m) * 3ULL + e] : 0.0f;",
+            "if (!any) return;",
+            // Each weight element is loaded once and used for every routed row of the tile.
+            "const float gw = maxc_ld(gate, w_row + c);",
+            "const float dw = maxc_ld(down, d_row + f);",
+            // ffn 3000 in chunks of 1024 activations per row.
+            "__shared__ float h[8ULL * 1024ULL];",
+            "f0 += 1024ULL",
+            "h[m * 1024ULL + f] = maxc_silu(gs) * us;",
+            "out[(row0 + m) * 64ULL + j] += route[m] * ys;",
+            "out[(row0 + m) * 64ULL + j] = 0.0f;",
         ],
     );
-    assert_eq!(k.launch.grid[0], ceil_rows(STEP, 1));
+    // The expert order of each row's sum is fixed: 0, 1, 2.
+    let calls: Vec<usize> = (0..3)
+        .map(|e| {
+            k.source
+                .find(&format!(", {e}ULL, gate{e}"))
+                .expect("a call")
+        })
+        .collect();
+    assert!(calls.windows(2).all(|w| w[0] < w[1]));
+    assert_eq!(k.launch.grid[0], ceil_rows(STEP, 8));
 }
 
 /// One kernel of every kind.

@@ -1,21 +1,27 @@
-//! SwiGLU experts weighted by a dense routing matrix, all experts in one launch.
+//! SwiGLU experts weighted by a dense routing matrix, all experts in one launch, tokens grouped
+//! by expert within tiles of rows.
 
-use super::source::{self, fill, per_row, rows_expr, ull, Buf, Ctx};
+use super::source::{self, fill, rows_expr, ull, Buf, Ctx};
 use super::{CudaError, Emitted};
 use maxc_schema::{CudaLaunch, DType, GridExtent, Rows};
 
 /// Threads per block (8 warps).
 const THREADS: u32 = 256;
-/// Most `ffn` activations kept in shared memory at once.
-const CHUNK: u64 = 2048;
+/// Rows per block: each expert's weights are read once for all the tile's rows routed to it
+/// (a decode step of up to this many sequences reads every expert once).
+const TILE: u64 = 8;
+/// Most `ffn` activations per row kept in shared memory at once (`TILE × CHUNK` floats, 32 KiB).
+const CHUNK: u64 = 1024;
 
-/// Emits [`maxc_schema::KernelBody::MoeExperts`] as one kernel over all experts (on
-/// CUDA there are no partial outputs to sum: the kernel overwrites `out`). One block per row
-/// `r < rows`: it zeroes `out[r]`, then for each expert `e` in order whose routing weight
-/// `routing[r, e]` is non-zero (the same for the whole block) calls `<name>_expert`, which per
-/// chunk of `ffn`: warp per activation `f`, `h[f] = silu(gate[f]·x) · (up[f]·x)` into shared
-/// memory; then warp per output `j` (the same warp for `j` in every chunk and expert, so no
-/// two threads touch one output), `out[r, j] += routing[r, e] · Σ_f down[j, f] · h[f]`.
+/// Emits [`maxc_schema::KernelBody::MoeExperts`] as one kernel over all experts (on CUDA there
+/// are no partial outputs to sum: the kernel overwrites `out`). One block per tile of `TILE`
+/// rows: it zeroes the tile's output rows, then for each expert `e` in order that any of the
+/// tile's rows is routed to (the same for the whole block) calls `<name>_expert`, which per
+/// chunk of `ffn`: warp per activation `f`, reading `gate[f]` and `up[f]` once for every routed
+/// row `m`, `h[m, f] = silu(gate[f]·x_m) · (up[f]·x_m)` into shared memory; then warp per output
+/// `j` (the same warp for `j` in every chunk and expert, so no two threads touch one output),
+/// reading `down[j]` once, `out[m, j] += routing[m, e] · Σ_f down[j, f] · h[m, f]`. Each row's
+/// experts are summed in order, so the result does not depend on the tiling.
 pub(crate) fn emit(
     cx: Ctx,
     rows: Rows,
@@ -43,43 +49,82 @@ pub(crate) fn emit(
         ("FFN", ull(ffn)),
         ("EXPERTS", ull(experts)),
         ("CHUNK", ull(chunk)),
+        ("TILE", TILE.to_string()),
     ];
     let expert_fn = fill(
-        r#"// One expert's weighted SwiGLU output added to out_row; called by every thread of the block.
+        r#"// Expert `e`'s weighted SwiGLU output added to the rows of the tile at `row0` routed to it;
+// called by every thread of the block.
 static __device__ __noinline__ void ${NAME}_expert(
-    const float* __restrict__ x_row,
-    const float route,
+    const float* __restrict__ x,
+    const float* __restrict__ routing,
+    const maxc_u64 row0,
+    const maxc_u64 rows,
+    const maxc_u64 e,
     const ${W}* __restrict__ gate,
     const ${W}* __restrict__ up,
     const ${W}* __restrict__ down,
-    float* __restrict__ out_row,
+    float* __restrict__ out,
     float* __restrict__ h)
 {
     const unsigned lane = threadIdx.x & 31u;
     const unsigned warp = threadIdx.x >> 5;
     const unsigned warps = blockDim.x >> 5;
+    float route[${TILE}];
+    bool any = false;
+#pragma unroll
+    for (int m = 0; m < ${TILE}; ++m) {
+        route[m] = row0 + m < rows ? routing[(row0 + m) * ${EXPERTS} + e] : 0.0f;
+        any = any || route[m] != 0.0f;
+    }
+    if (!any) return;
     for (maxc_u64 f0 = 0; f0 < ${FFN}; f0 += ${CHUNK}) {
         const maxc_u64 len = ${FFN} - f0 < ${CHUNK} ? ${FFN} - f0 : ${CHUNK};
         for (maxc_u64 f = warp; f < len; f += warps) {
             const maxc_u64 w_row = (f0 + f) * ${HIDDEN};
-            float g = 0.0f;
-            float u = 0.0f;
+            float g[${TILE}];
+            float u[${TILE}];
+#pragma unroll
+            for (int m = 0; m < ${TILE}; ++m) { g[m] = 0.0f; u[m] = 0.0f; }
             for (maxc_u64 c = lane; c < ${HIDDEN}; c += 32) {
-                const float xv = x_row[c];
-                g += maxc_ld(gate, w_row + c) * xv;
-                u += maxc_ld(up, w_row + c) * xv;
+                const float gw = maxc_ld(gate, w_row + c);
+                const float uw = maxc_ld(up, w_row + c);
+#pragma unroll
+                for (int m = 0; m < ${TILE}; ++m) {
+                    if (route[m] != 0.0f) {
+                        const float xv = x[(row0 + m) * ${HIDDEN} + c];
+                        g[m] += gw * xv;
+                        u[m] += uw * xv;
+                    }
+                }
             }
-            g = maxc_warp_sum(g);
-            u = maxc_warp_sum(u);
-            if (lane == 0) h[f] = maxc_silu(g) * u;
+#pragma unroll
+            for (int m = 0; m < ${TILE}; ++m) {
+                if (route[m] != 0.0f) {
+                    const float gs = maxc_warp_sum(g[m]);
+                    const float us = maxc_warp_sum(u[m]);
+                    if (lane == 0) h[m * ${CHUNK} + f] = maxc_silu(gs) * us;
+                }
+            }
         }
         __syncthreads();
         for (maxc_u64 j = warp; j < ${HIDDEN}; j += warps) {
             const maxc_u64 d_row = j * ${FFN} + f0;
-            float y = 0.0f;
-            for (maxc_u64 f = lane; f < len; f += 32) y += maxc_ld(down, d_row + f) * h[f];
-            y = maxc_warp_sum(y);
-            if (lane == 0) out_row[j] += route * y;
+            float y[${TILE}];
+#pragma unroll
+            for (int m = 0; m < ${TILE}; ++m) y[m] = 0.0f;
+            for (maxc_u64 f = lane; f < len; f += 32) {
+                const float dw = maxc_ld(down, d_row + f);
+#pragma unroll
+                for (int m = 0; m < ${TILE}; ++m)
+                    if (route[m] != 0.0f) y[m] += dw * h[m * ${CHUNK} + f];
+            }
+#pragma unroll
+            for (int m = 0; m < ${TILE}; ++m) {
+                if (route[m] != 0.0f) {
+                    const float ys = maxc_warp_sum(y[m]);
+                    if (lane == 0) out[(row0 + m) * ${HIDDEN} + j] += route[m] * ys;
+                }
+            }
         }
         __syncthreads();
     }
@@ -94,33 +139,36 @@ static __device__ __noinline__ void ${NAME}_expert(
             bufs.push(Buf::input(w_ty, &format!("{part}{e}")));
         }
         calls.push_str(&format!(
-            "    if (route[{e}] != 0.0f) {}_expert(x_row, route[{e}], gate{e}, up{e}, down{e}, out_row, h);\n",
+            "    {}_expert(x, routing, row0, ${{ROWS}}, {e}ULL, gate{e}, up{e}, down{e}, out, h);\n",
             cx.name
         ));
     }
     bufs.push(Buf::output("float", "out"));
     let body = fill(
-        r#"
-    const maxc_u64 r = blockIdx.x;
-    if (r >= ${ROWS}) return;
-    __shared__ float h[${CHUNK}];
-    const float* x_row = x + r * ${HIDDEN};
-    const float* route = routing + r * ${EXPERTS};
-    float* out_row = out + r * ${HIDDEN};
-    // Zero with the ownership the experts use (warp j % warps, lane 0).
-    for (maxc_u64 j = threadIdx.x >> 5; j < ${HIDDEN}; j += blockDim.x >> 5)
-        if ((threadIdx.x & 31u) == 0u) out_row[j] = 0.0f;
-${CALLS}"#,
+        &format!(
+            r#"
+    const maxc_u64 row0 = (maxc_u64)blockIdx.x * ${{TILE}};
+    if (row0 >= ${{ROWS}}) return;
+    __shared__ float h[${{TILE}} * ${{CHUNK}}];
+    // Zero the tile's rows with the ownership the experts use (warp j % warps, lane 0).
+    for (maxc_u64 m = 0; m < ${{TILE}} && row0 + m < ${{ROWS}}; ++m)
+        for (maxc_u64 j = threadIdx.x >> 5; j < ${{HIDDEN}}; j += blockDim.x >> 5)
+            if ((threadIdx.x & 31u) == 0u) out[(row0 + m) * ${{HIDDEN}} + j] = 0.0f;
+{calls}"#
+        ),
         &[
             ("ROWS", rows_expr(rows)),
             ("CHUNK", ull(chunk)),
             ("HIDDEN", ull(hidden)),
-            ("EXPERTS", ull(experts)),
-            ("CALLS", calls),
+            ("TILE", ull(TILE)),
         ],
     );
     let launch = CudaLaunch {
-        grid: [per_row(rows), GridExtent::Fixed(1), GridExtent::Fixed(1)],
+        grid: [
+            GridExtent::CeilDiv { rows, by: TILE },
+            GridExtent::Fixed(1),
+            GridExtent::Fixed(1),
+        ],
         block: [THREADS, 1, 1],
         shared_bytes: 0,
     };

@@ -730,41 +730,79 @@ extern "C" __global__ void __launch_bounds__(128) top_k_99f8fd91(
     }
 }
 
-// One expert's weighted SwiGLU output added to out_row; called by every thread of the block.
+// Expert `e`'s weighted SwiGLU output added to the rows of the tile at `row0` routed to it;
+// called by every thread of the block.
 static __device__ __noinline__ void moe_experts_45e36628_expert(
-    const float* __restrict__ x_row,
-    const float route,
+    const float* __restrict__ x,
+    const float* __restrict__ routing,
+    const maxc_u64 row0,
+    const maxc_u64 rows,
+    const maxc_u64 e,
     const __nv_bfloat16* __restrict__ gate,
     const __nv_bfloat16* __restrict__ up,
     const __nv_bfloat16* __restrict__ down,
-    float* __restrict__ out_row,
+    float* __restrict__ out,
     float* __restrict__ h)
 {
     const unsigned lane = threadIdx.x & 31u;
     const unsigned warp = threadIdx.x >> 5;
     const unsigned warps = blockDim.x >> 5;
+    float route[8];
+    bool any = false;
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+        route[m] = row0 + m < rows ? routing[(row0 + m) * 4ULL + e] : 0.0f;
+        any = any || route[m] != 0.0f;
+    }
+    if (!any) return;
     for (maxc_u64 f0 = 0; f0 < 344ULL; f0 += 344ULL) {
         const maxc_u64 len = 344ULL - f0 < 344ULL ? 344ULL - f0 : 344ULL;
         for (maxc_u64 f = warp; f < len; f += warps) {
             const maxc_u64 w_row = (f0 + f) * 256ULL;
-            float g = 0.0f;
-            float u = 0.0f;
+            float g[8];
+            float u[8];
+#pragma unroll
+            for (int m = 0; m < 8; ++m) { g[m] = 0.0f; u[m] = 0.0f; }
             for (maxc_u64 c = lane; c < 256ULL; c += 32) {
-                const float xv = x_row[c];
-                g += maxc_ld(gate, w_row + c) * xv;
-                u += maxc_ld(up, w_row + c) * xv;
+                const float gw = maxc_ld(gate, w_row + c);
+                const float uw = maxc_ld(up, w_row + c);
+#pragma unroll
+                for (int m = 0; m < 8; ++m) {
+                    if (route[m] != 0.0f) {
+                        const float xv = x[(row0 + m) * 256ULL + c];
+                        g[m] += gw * xv;
+                        u[m] += uw * xv;
+                    }
+                }
             }
-            g = maxc_warp_sum(g);
-            u = maxc_warp_sum(u);
-            if (lane == 0) h[f] = maxc_silu(g) * u;
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                if (route[m] != 0.0f) {
+                    const float gs = maxc_warp_sum(g[m]);
+                    const float us = maxc_warp_sum(u[m]);
+                    if (lane == 0) h[m * 344ULL + f] = maxc_silu(gs) * us;
+                }
+            }
         }
         __syncthreads();
         for (maxc_u64 j = warp; j < 256ULL; j += warps) {
             const maxc_u64 d_row = j * 344ULL + f0;
-            float y = 0.0f;
-            for (maxc_u64 f = lane; f < len; f += 32) y += maxc_ld(down, d_row + f) * h[f];
-            y = maxc_warp_sum(y);
-            if (lane == 0) out_row[j] += route * y;
+            float y[8];
+#pragma unroll
+            for (int m = 0; m < 8; ++m) y[m] = 0.0f;
+            for (maxc_u64 f = lane; f < len; f += 32) {
+                const float dw = maxc_ld(down, d_row + f);
+#pragma unroll
+                for (int m = 0; m < 8; ++m)
+                    if (route[m] != 0.0f) y[m] += dw * h[m * 344ULL + f];
+            }
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                if (route[m] != 0.0f) {
+                    const float ys = maxc_warp_sum(y[m]);
+                    if (lane == 0) out[(row0 + m) * 256ULL + j] += route[m] * ys;
+                }
+            }
         }
         __syncthreads();
     }
@@ -793,19 +831,17 @@ extern "C" __global__ void __launch_bounds__(256) moe_experts_45e36628(
     const unsigned long long input_row_offsets_len,
     const unsigned long long logit_rows)
 {
-    const maxc_u64 r = blockIdx.x;
-    if (r >= total_seq_len) return;
-    __shared__ float h[344ULL];
-    const float* x_row = x + r * 256ULL;
-    const float* route = routing + r * 4ULL;
-    float* out_row = out + r * 256ULL;
-    // Zero with the ownership the experts use (warp j % warps, lane 0).
-    for (maxc_u64 j = threadIdx.x >> 5; j < 256ULL; j += blockDim.x >> 5)
-        if ((threadIdx.x & 31u) == 0u) out_row[j] = 0.0f;
-    if (route[0] != 0.0f) moe_experts_45e36628_expert(x_row, route[0], gate0, up0, down0, out_row, h);
-    if (route[1] != 0.0f) moe_experts_45e36628_expert(x_row, route[1], gate1, up1, down1, out_row, h);
-    if (route[2] != 0.0f) moe_experts_45e36628_expert(x_row, route[2], gate2, up2, down2, out_row, h);
-    if (route[3] != 0.0f) moe_experts_45e36628_expert(x_row, route[3], gate3, up3, down3, out_row, h);
+    const maxc_u64 row0 = (maxc_u64)blockIdx.x * 8ULL;
+    if (row0 >= total_seq_len) return;
+    __shared__ float h[8ULL * 344ULL];
+    // Zero the tile's rows with the ownership the experts use (warp j % warps, lane 0).
+    for (maxc_u64 m = 0; m < 8ULL && row0 + m < total_seq_len; ++m)
+        for (maxc_u64 j = threadIdx.x >> 5; j < 256ULL; j += blockDim.x >> 5)
+            if ((threadIdx.x & 31u) == 0u) out[(row0 + m) * 256ULL + j] = 0.0f;
+    moe_experts_45e36628_expert(x, routing, row0, total_seq_len, 0ULL, gate0, up0, down0, out, h);
+    moe_experts_45e36628_expert(x, routing, row0, total_seq_len, 1ULL, gate1, up1, down1, out, h);
+    moe_experts_45e36628_expert(x, routing, row0, total_seq_len, 2ULL, gate2, up2, down2, out, h);
+    moe_experts_45e36628_expert(x, routing, row0, total_seq_len, 3ULL, gate3, up3, down3, out, h);
 }
 
 extern "C" __global__ void __launch_bounds__(256) gather_34274645(
