@@ -342,7 +342,7 @@ impl Exchange for InProcessExchange {
             })
             .collect();
         for p in 0..d {
-            let total: usize = (0..d).map(|s| sent[s][p]).sum();
+            let total: usize = sent.iter().map(|row| row[p]).sum();
             if total > capacity {
                 return Err(RuntimeError::Input(format!(
                     "expert parallelism: rank {p} would receive {total} {} rows, above its buffer's {capacity} (max_tokens_per_rank for dispatch)",
