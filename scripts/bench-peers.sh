@@ -37,15 +37,25 @@ fi
 # llama.cpp's sources from the llama-cpp-python sdist.
 src="$peers/llama_cpp_python-$version/vendor/llama.cpp"
 if [ ! -f "$src/CMakeLists.txt" ]; then
-  python3 -m pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: \
-    "llama-cpp-python==$version" -d "$peers/sdist" >&2
-  tar -xzf "$peers/sdist/llama_cpp_python-$version.tar.gz" -C "$peers"
+  # The sdist file itself, from PyPI's simple index (JSON), its sha256 checked. (`pip download
+  # --no-binary :all:` would build the sdist's build tools, CMake included, from source first.)
+  sdist="$peers/sdist/llama_cpp_python-$version.tar.gz"
+  mkdir -p "$peers/sdist"
+  read -r url sha < <(curl -sfL -H "Accept: application/vnd.pypi.simple.v1+json" \
+    https://pypi.org/simple/llama-cpp-python/ | python3 -c "
+import json, sys
+f = [f for f in json.load(sys.stdin)['files'] if f['filename'] == 'llama_cpp_python-$version.tar.gz'][0]
+print(f['url'], f['hashes']['sha256'])")
+  curl -sfL -o "$sdist" "$url"
+  echo "$sha  $sdist" | sha256sum -c --quiet >&2
+  tar -xzf "$sdist" -C "$peers"
 fi
 bin="$src/build/bin"
-if [ ! -x "$bin/llama-bench" ] || [ ! -x "$bin/llama-quantize" ]; then
+if [ ! -x "$bin/llama-bench" ] || [ ! -x "$bin/llama-quantize" ] || [ ! -x "$bin/llama-server" ]; then
   cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
-  cmake --build "$src/build" --target llama-bench llama-quantize -j "$threads" >&2
+  # llama-server too, for `scripts/load-test.sh --llama-server "$bin/llama-server"`.
+  cmake --build "$src/build" --target llama-bench llama-quantize llama-server -j "$threads" >&2
 fi
 
 # The variants, made by llama-quantize from the given file.
