@@ -4,7 +4,9 @@
 //! kernel's speed-up over the generic one.
 
 use maxc_runtime::bench::bandwidth;
-use maxc_runtime::cpu::weights::{isa_name, matmul, set_block_tiles, set_hand_kernels};
+use maxc_runtime::cpu::weights::{
+    isa_name, matmul, set_block_tiles, set_hand_kernels, set_packed_min_rows,
+};
 use maxc_runtime::schema::DType;
 use std::time::Instant;
 
@@ -47,13 +49,12 @@ fn main() {
     };
     let rows_picked = pick("MAXC_BENCH_ROWS");
     let formats_picked = pick("MAXC_BENCH_FORMATS");
-    for rows in [1usize, 4, 8, 128] {
-        if rows_picked
-            .as_ref()
-            .is_some_and(|p| !p.contains(&rows.to_string()))
-        {
-            continue;
-        }
+    // MAXC_BENCH_ROWS picks any row counts (default 1, 4, 8, 128).
+    let row_counts: Vec<usize> = match &rows_picked {
+        Some(p) => p.iter().filter_map(|r| r.trim().parse().ok()).collect(),
+        None => vec![1, 4, 8, 128],
+    };
+    for rows in row_counts {
         println!("rows {rows}: [{n}, {k}] weights, {copies} copies cycled");
         for dtype in formats {
             if formats_picked
@@ -95,22 +96,36 @@ fn main() {
                     .collect();
                 median(reps)
             };
-            let s = time(true);
-            let generic = time(false);
-            // Tiles straight on blocks against dequantized panels, where both run.
-            set_block_tiles(false);
-            let panels = time(true);
-            set_block_tiles(true);
+            // Interleaved, so that the machine's drift hits every variant alike.
+            let (mut ss, mut gs, mut ps, mut ts, mut ks) = (vec![], vec![], vec![], vec![], vec![]);
+            for _ in 0..3 {
+                ss.push(time(true));
+                gs.push(time(false));
+                // Tiles straight on blocks against dequantized panels, where both run.
+                set_block_tiles(false);
+                ps.push(time(true));
+                set_block_tiles(true);
+                // Register tiles against the packed kernel, whichever the default picks.
+                set_packed_min_rows(usize::MAX);
+                ts.push(time(true));
+                set_packed_min_rows(1);
+                ks.push(time(true));
+                set_packed_min_rows(0);
+            }
+            let (s, generic, panels) = (median(ss), median(gs), median(ps));
+            let (tiles, packed) = (median(ts), median(ks));
             let gbs = bytes as f64 / s;
             println!(
-                "  {:>5}  {:>8.1} us  {:>6.1} GB/s  {:>5.2} of bandwidth  {:>6.1} GFLOP/s  {:>5.2}x the generic kernel  {:>5.2}x panels",
+                "  {:>5}  {:>8.1} us  {:>6.1} GB/s  {:>5.2} of bandwidth  {:>6.1} GFLOP/s  {:>5.2}x the generic kernel  {:>5.2}x panels  tiles {:>7.1} us  packed {:>7.1} us",
                 dtype.name(),
                 s * 1e6,
                 gbs / 1e9,
                 gbs / bw,
                 2.0 * (rows * n * k) as f64 / s / 1e9,
                 generic / s,
-                panels / s
+                panels / s,
+                tiles * 1e6,
+                packed * 1e6
             );
         }
     }

@@ -25,8 +25,30 @@ const PANEL: usize = 48;
 /// With register tiles, steps of at least this many rows dequantize panels for them instead of
 /// streaming.
 const TILE_MIN_ROWS: usize = 4;
-/// Steps of at least this many rows pack their activations for the broadcast kernel.
+/// Steps of at least this many rows pack their activations for the broadcast kernel: float
+/// weights (whose register tiles read them as stored) ...
 const PACKED_MIN_ROWS: usize = 32;
+/// ... and block weights (whose tiles pay for their conversion every four or eight rows; the
+/// weights bench measures the packed kernel 13–25% faster for Q4_1 and Q8_0 from 24 rows and
+/// even at 20-22).
+const BLOCK_PACKED_MIN_ROWS: usize = 22;
+
+/// Where non-zero, the packed kernel's threshold for every dtype (benchmarks).
+static PACKED_MIN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Steps of at least `rows` rows run the packed kernel, whatever the dtype (for benchmarks;
+/// `usize::MAX`: never; 0: the defaults again).
+pub fn set_packed_min_rows(rows: usize) {
+    PACKED_MIN.store(rows, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn packed_min_rows(dtype: DType) -> usize {
+    match PACKED_MIN.load(std::sync::atomic::Ordering::Relaxed) {
+        0 if dtype.is_quantized() => BLOCK_PACKED_MIN_ROWS,
+        0 => PACKED_MIN_ROWS,
+        n => n,
+    }
+}
 /// Below this many weight bytes a matmul runs on the calling thread.
 const SPLIT_BYTES: usize = 1 << 16;
 
@@ -365,7 +387,7 @@ fn matmul_as<F: Format>(
     let panels = n.div_ceil(PANEL);
     let chunks = threads.max(1).min(panels);
     #[cfg(target_arch = "x86_64")]
-    let xt = if tiles && rows >= PACKED_MIN_ROWS {
+    let xt = if tiles && rows >= packed_min_rows(dtype) {
         super::tile::pack_transposed(x, rows, k)
     } else {
         Vec::new()
@@ -550,14 +572,14 @@ pub fn matmul(
         // SAFETY (the casts): f32 weights are 4-aligned and f16/bf16 weights 2-aligned
         // (validated at load); each holds n·k values.
         let done = match dtype {
-            DType::F32 if rows >= PACKED_MIN_ROWS => {
+            DType::F32 if rows >= packed_min_rows(dtype) => {
                 // SAFETY: f32 weights are 4-aligned (validated) and hold n·k values.
                 let wf = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), n * k) };
                 packed_f32(x, wf, out, rows, n, k, threads);
                 true
             }
             // Other formats go through f32 panels (below).
-            _ if rows >= PACKED_MIN_ROWS => false,
+            _ if rows >= packed_min_rows(dtype) => false,
             // Steps of a few rows: 32-value blocks dequantized as the tiles load them.
             // (Measured: a win for Q8_0; Q4_0 and Q4_1 spend more converting each half-block's
             // scales than panels do, and stay on panels.)
@@ -695,7 +717,7 @@ mod tests {
                 }
                 v
             };
-            for rows in [1, 3, 4, 8, 16, 17, 40] {
+            for rows in [1, 3, 4, 8, 16, 17, 21, 22, 27, 40] {
                 let want = reference(&x, &wf, rows, n, k);
                 for threads in [1, 2] {
                     let mut out = vec![f32::NAN; rows * n];
