@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Load test of `maxc serve` with ../shared/tools/serve_load.py (OpenAI completions over SSE;
 # TTFT, ITL, TPOT, tokens/s) at 1, 8 and 32 concurrent clients on SmolLM2 (Q4_1 GGUF), at the
-# default step budget and at a latency budget of 256 tokens, with the same prompts through
+# default step budget and at a latency budget of 64 tokens, with the same prompts through
 # `maxc generate` one at a time for comparison, and, given --llama-server PATH, llama.cpp's
 # server on the same GGUF driven the same way. tiny-llama gets the `maxc generate` baseline
 # only: its test tokenizer decodes random ids to no text, and serve_load.py times text chunks.
@@ -48,7 +48,7 @@ compile() { # name model flags...
 }
 compile tiny golden/fixtures/tiny-llama
 compile smollm2 "$gguf"
-compile smollm2-b256 "$gguf" --max-batch-input-tokens 256
+compile smollm2-b64 "$gguf" --max-batch-input-tokens 64
 
 wait_health() { # url
   for _ in $(seq 1 600); do
@@ -105,7 +105,7 @@ PY
 sequential tiny "generate tiny-llama"
 sequential smollm2 "generate smollm2"
 serve_maxc smollm2 "maxc smollm2 (budget 2048)"
-serve_maxc smollm2-b256 "maxc smollm2 (budget 256)"
+serve_maxc smollm2-b64 "maxc smollm2 (budget 64)"
 
 if [ -n "$llama_server" ]; then
   port=18600
