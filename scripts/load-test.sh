@@ -3,8 +3,9 @@
 # TTFT, ITL, TPOT, tokens/s) at 1, 8 and 32 concurrent clients on SmolLM2 (Q4_1 GGUF), at the
 # default step budget and at a latency budget of 64 tokens, with the same prompts through
 # `maxc generate` one at a time for comparison, and, given --llama-server PATH, llama.cpp's
-# server on the same GGUF driven the same way. tiny-llama gets the `maxc generate` baseline
-# only: its test tokenizer decodes random ids to no text, and serve_load.py times text chunks.
+# server on the same GGUF driven the same way. tiny-llama's test tokenizer decodes random ids
+# to no text, and serve_load.py times text chunks, so tiny-llama's server is measured in total
+# tokens/s only: the same prompts, non-streaming, from 1, 8 and 32 concurrent clients.
 #
 #   bash scripts/load-test.sh [--llama-server PATH] [--requests-per-client N] [--quick]
 #
@@ -103,7 +104,44 @@ PY
 }
 
 sequential tiny "generate tiny-llama"
+
+# tiny-llama served: every client sends its prompts one after another, non-streaming; output
+# tokens from `usage`, over the wall time of the whole run.
+burst() { # name label
+  local name=$1 label=$2 port=18500 c
+  "$maxc" serve "$work/$name.maxc" --host 127.0.0.1 --port $port --metrics-port $((port + 1)) \
+    2> "$work/$name.serve.log" &
+  local pid=$!
+  wait_health "http://127.0.0.1:$port/health"
+  for c in $clients; do
+    python3 - "http://127.0.0.1:$port" "$name.maxc" "$c" "$per_client" "$prompt_tokens" "$max_tokens" "$label" <<'PY' | tee -a "$results"
+import asyncio, json, sys, time
+import aiohttp
+url, model, c, per, pt, mt, label = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
+n = max(c * per, 8)
+async def client(session, reqs, out):
+    for r in reqs:
+        ids = [(i * 7919 + 13 + r * 31) % 1000 + 3 for i in range(pt)]
+        body = {"model": model, "prompt": ids, "max_tokens": mt, "temperature": 0, "ignore_eos": True}
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            resp.raise_for_status()
+            out.append((await resp.json())["usage"]["completion_tokens"])
+async def main():
+    out = []
+    async with aiohttp.ClientSession() as s:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(s, range(i, n, c), out) for i in range(c)))
+        wall = time.perf_counter() - t0
+    print(json.dumps({"server": label, "concurrency": c, "requests": n, "wall_s": round(wall, 3),
+                      "req_per_s": round(n / wall, 3), "output_tok_per_s": round(sum(out) / wall, 2),
+                      "note": "non-streaming; total tokens/s only"}))
+asyncio.run(main())
+PY
+  done
+  kill -TERM "$pid"; wait "$pid" || true
+}
 sequential smollm2 "generate smollm2"
+burst tiny "maxc tiny-llama (budget 2048)"
 serve_maxc smollm2 "maxc smollm2 (budget 2048)"
 serve_maxc smollm2-b64 "maxc smollm2 (budget 64)"
 
