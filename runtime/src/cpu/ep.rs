@@ -138,6 +138,34 @@ pub struct RankBuffers<'a> {
     pub local_experts: &'a [i32],
 }
 
+/// One buffer group of a rank: what it sends, what it receives, and the counts.
+pub struct GroupBuffers<'a> {
+    /// The rows it sends, grouped by peer.
+    pub send: &'a mut [f32],
+    /// The rows it received, grouped by source.
+    pub recv: &'a mut [f32],
+    /// `[2, degree]`: rows sent to each peer, then received from each.
+    pub counts: &'a mut [i32],
+}
+
+impl<'a> RankBuffers<'a> {
+    /// The buffers of `group`.
+    pub fn group(self, group: Group) -> GroupBuffers<'a> {
+        match group {
+            Group::Dispatch => GroupBuffers {
+                send: self.dispatch_send,
+                recv: self.dispatch_recv,
+                counts: self.dispatch_counts,
+            },
+            Group::Combine => GroupBuffers {
+                send: self.combine_send,
+                recv: self.combine_recv,
+                counts: self.combine_counts,
+            },
+        }
+    }
+}
+
 impl RankState {
     /// Rank `rank`'s state from the `ep_init` program's outputs `outs` (address and bytes by
     /// name), checked against `plan`; `memory` owns them.
@@ -333,51 +361,29 @@ impl Exchange for InProcessExchange {
             .ranks
             .iter_mut()
             .map(|r| {
-                let b = r.buffers();
-                let counts = match group {
-                    Group::Dispatch => b.dispatch_counts,
-                    Group::Combine => b.combine_counts,
-                };
-                counts[..d].iter().map(|&c| c.max(0) as usize).collect()
+                let g = r.buffers().group(group);
+                g.counts[..d].iter().map(|&c| c.max(0) as usize).collect()
             })
             .collect();
         for p in 0..d {
             let total: usize = sent.iter().map(|row| row[p]).sum();
             if total > capacity {
                 return Err(RuntimeError::Input(format!(
-                    "expert parallelism: rank {p} would receive {total} {} rows, above its buffer's {capacity} (max_tokens_per_rank for dispatch)",
-                    match group {
-                        Group::Dispatch => "dispatch",
-                        Group::Combine => "combine",
-                    }
+                    "expert parallelism: rank {p} would receive {total} {group:?} rows, above its buffer's {capacity} (max_tokens_per_rank for dispatch)"
                 )));
             }
         }
         // Peer p's receive buffer: every source's segment for p, in source order.
         let mut at = vec![0usize; d];
-        for s in 0..d {
+        for (s, row) in sent.iter().enumerate() {
             let mut offset = 0;
-            for p in 0..d {
-                let n = sent[s][p];
-                let src_rows = {
-                    let b = self.ranks[s].buffers();
-                    let send: &[f32] = match group {
-                        Group::Dispatch => b.dispatch_send,
-                        Group::Combine => b.combine_send,
-                    };
-                    send[offset * width..(offset + n) * width].to_vec()
-                };
-                let b = self.ranks[p].buffers();
-                let recv = match group {
-                    Group::Dispatch => b.dispatch_recv,
-                    Group::Combine => b.combine_recv,
-                };
-                recv[at[p] * width..(at[p] + n) * width].copy_from_slice(&src_rows);
-                let counts = match group {
-                    Group::Dispatch => b.dispatch_counts,
-                    Group::Combine => b.combine_counts,
-                };
-                counts[d + s] = n as i32;
+            for (p, &n) in row.iter().enumerate() {
+                let rows = self.ranks[s].buffers().group(group).send
+                    [offset * width..(offset + n) * width]
+                    .to_vec();
+                let g = self.ranks[p].buffers().group(group);
+                g.recv[at[p] * width..(at[p] + n) * width].copy_from_slice(&rows);
+                g.counts[d + s] = n as i32;
                 at[p] += n;
                 offset += n;
             }
