@@ -281,6 +281,230 @@ mod avx512 {
     }
 }
 
+/// Register tiles on 32-value blocks for steps of 1 to 21 rows (AVX-512): each block is
+/// dequantized once (`d·q + m`, the values of `Block::dequantize`) into two f32 vectors held
+/// in registers for every row of the tile, its scales converted once per block; up to eight
+/// rows by two weight rows (or one row by four) of sixteen-lane accumulators, summed once at
+/// the end. Activations stay f32.
+#[cfg(target_arch = "x86_64")]
+mod tiles_avx512 {
+    use super::*;
+
+    /// A 32-value block's values as f32, elements 0..16 and 16..32.
+    pub(super) trait Dequant: Block {
+        /// # Safety
+        /// AVX-512F/BW and F16C must be available.
+        unsafe fn values(&self) -> (__m512, __m512);
+    }
+
+    /// The f16 pair `a`, `b` as two broadcast f32 vectors, converted together.
+    #[inline(always)]
+    unsafe fn pair(a: [u8; 2], b: [u8; 2]) -> (__m512, __m512) {
+        // SAFETY: the caller has AVX-512F and F16C.
+        unsafe {
+            let v = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
+                a[0], a[1], b[0], b[1],
+            ])));
+            (
+                _mm512_broadcastss_ps(v),
+                _mm512_broadcastss_ps(_mm_movehdup_ps(v)),
+            )
+        }
+    }
+
+    /// Low and high nibbles of 16 bytes as f32 (elements 0..16 and 16..32).
+    #[inline(always)]
+    unsafe fn nibbles(qs: &[u8; 16]) -> (__m512, __m512) {
+        // SAFETY: 16 bytes, read unaligned; the caller has AVX-512F.
+        unsafe {
+            let w = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.as_ptr().cast()));
+            (
+                _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(0x0F))),
+                _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4)),
+            )
+        }
+    }
+
+    impl Dequant for BlockQ4_1 {
+        #[inline(always)]
+        unsafe fn values(&self) -> (__m512, __m512) {
+            // SAFETY: the caller's features.
+            unsafe {
+                let (d, m) = pair(self.d, self.m);
+                let (lo, hi) = nibbles(&self.qs);
+                (_mm512_fmadd_ps(lo, d, m), _mm512_fmadd_ps(hi, d, m))
+            }
+        }
+    }
+
+    impl Dequant for BlockQ4_0 {
+        #[inline(always)]
+        unsafe fn values(&self) -> (__m512, __m512) {
+            // SAFETY: the caller's features.
+            unsafe {
+                let (d, _) = pair(self.d, [0, 0]);
+                let m = _mm512_mul_ps(d, _mm512_set1_ps(-8.0));
+                let (lo, hi) = nibbles(&self.qs);
+                (_mm512_fmadd_ps(lo, d, m), _mm512_fmadd_ps(hi, d, m))
+            }
+        }
+    }
+
+    impl Dequant for BlockQ8_0 {
+        #[inline(always)]
+        unsafe fn values(&self) -> (__m512, __m512) {
+            let p = self.qs.as_ptr().cast::<__m128i>();
+            // SAFETY: 32 bytes of qs, read unaligned; the caller's features.
+            unsafe {
+                let (d, _) = pair(self.d, [0, 0]);
+                (
+                    _mm512_mul_ps(
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))),
+                        d,
+                    ),
+                    _mm512_mul_ps(
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(1)))),
+                        d,
+                    ),
+                )
+            }
+        }
+    }
+
+    /// `out[r·n + c] = Σ_i x[r·k + i] · w_c[i]` for `r < R`, `c < C`: `w` points at the first
+    /// block of weight row 0 of the tile (rows `nb` blocks apart); `next` is the next tile's
+    /// first byte and length, prefetched a little per block.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile<B: Dequant, const R: usize, const C: usize>(
+        x: *const f32,
+        k: usize,
+        w: *const B,
+        nb: usize,
+        out: *mut f32,
+        n: usize,
+        next: (*const u8, usize),
+    ) {
+        // SAFETY: the caller has AVX-512F/BW and F16C, R rows of k values at x, C weight rows
+        // of nb blocks at w, and room for R rows of n outputs (C of them each) at out;
+        // prefetches never fault.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); C]; R];
+            let lines = next.1.div_ceil(64).div_ceil(nb.max(1));
+            let mut line = 0;
+            for b in 0..nb {
+                for _ in 0..lines {
+                    _mm_prefetch::<_MM_HINT_T0>(next.0.wrapping_add(line * 64).cast());
+                    line += 1;
+                }
+                let mut wv = [[_mm512_setzero_ps(); 2]; C];
+                for c in 0..C {
+                    let (lo, hi) = (*w.add(c * nb + b)).values();
+                    wv[c] = [lo, hi];
+                }
+                for r in 0..R {
+                    let px = x.add(r * k + b * QK);
+                    let (x0, x1) = (_mm512_loadu_ps(px), _mm512_loadu_ps(px.add(16)));
+                    for c in 0..C {
+                        acc[r][c] = _mm512_fmadd_ps(x0, wv[c][0], acc[r][c]);
+                        acc[r][c] = _mm512_fmadd_ps(x1, wv[c][1], acc[r][c]);
+                    }
+                }
+            }
+            for r in 0..R {
+                for c in 0..C {
+                    *out.add(r * n + c) = _mm512_reduce_add_ps(acc[r][c]);
+                }
+            }
+        }
+    }
+
+    /// Columns `cols` of rows `row0..row0 + R` in tiles of `C` weight rows (the last ones
+    /// one at a time).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn columns<B: Dequant, const R: usize, const C: usize>(
+        x: &[f32],
+        w: &[B],
+        out: &mut [f32],
+        row0: usize,
+        n: usize,
+        k: usize,
+        cols: std::ops::Range<usize>,
+    ) {
+        let nb = k / QK;
+        let bytes = nb * std::mem::size_of::<B>();
+        let xr = x[row0 * k..].as_ptr();
+        let o = out[row0 * n..].as_mut_ptr();
+        let mut j = cols.start;
+        // SAFETY: as `tile`'s contract: rows row0..row0 + R of x and out exist (the caller's
+        // row groups), weight rows j..j + C lie in `cols` and in `w`.
+        unsafe {
+            while j + C <= cols.end {
+                let ahead = C.min(cols.end - j - C);
+                let next = (w.as_ptr().add((j + C) * nb).cast::<u8>(), ahead * bytes);
+                tile::<B, R, C>(
+                    xr,
+                    k,
+                    w.as_ptr().add(j * nb),
+                    nb,
+                    o.add(j - cols.start),
+                    n,
+                    next,
+                );
+                j += C;
+            }
+            while j < cols.end {
+                let next = (std::ptr::null(), 0);
+                tile::<B, R, 1>(
+                    xr,
+                    k,
+                    w.as_ptr().add(j * nb),
+                    nb,
+                    o.add(j - cols.start),
+                    n,
+                    next,
+                );
+                j += 1;
+            }
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F/BW/VL and F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")]
+    pub(super) unsafe fn stream<B: Dequant>(
+        x: &[f32],
+        w: &[u8],
+        out: &mut [f32],
+        rows: usize,
+        n: usize,
+        k: usize,
+        cols: std::ops::Range<usize>,
+    ) {
+        let Some(w) = as_blocks::<B>(w) else { return };
+        let mut r = 0;
+        while r < rows {
+            let left = rows - r;
+            let c = cols.clone();
+            // SAFETY: this function's features; rows r..r + R exist.
+            unsafe {
+                match left {
+                    1 => columns::<B, 1, 4>(x, w, out, r, n, k, c),
+                    2 => columns::<B, 2, 4>(x, w, out, r, n, k, c),
+                    3 => columns::<B, 3, 4>(x, w, out, r, n, k, c),
+                    4 => columns::<B, 4, 4>(x, w, out, r, n, k, c),
+                    5 => columns::<B, 5, 3>(x, w, out, r, n, k, c),
+                    6 => columns::<B, 6, 3>(x, w, out, r, n, k, c),
+                    7 => columns::<B, 7, 2>(x, w, out, r, n, k, c),
+                    _ => columns::<B, 8, 2>(x, w, out, r, n, k, c),
+                }
+            }
+            r += left.min(8);
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod bf16_avx512 {
     use super::*;
@@ -562,6 +786,27 @@ mod avx2 {
         let Some(w) = as_blocks::<B>(w) else { return };
         let xs = block_sums(x, rows, k);
         row_groups!(rows, n, k, cols, columns [B,] (x, &xs, w, out));
+    }
+}
+
+/// The register-tile kernel on 32-value blocks for `dtype` on this CPU (steps below the
+/// packed kernel's row count), where there is one.
+pub fn block_tile_kernel(dtype: maxc_schema::DType, isa: super::weights::Isa) -> Option<StreamFn> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::weights::Isa;
+        use maxc_schema::DType;
+        return match (isa, dtype) {
+            (Isa::Avx512, DType::Q8_0) => Some(tiles_avx512::stream::<BlockQ8_0>),
+            (Isa::Avx512, DType::Q4_0) => Some(tiles_avx512::stream::<BlockQ4_0>),
+            (Isa::Avx512, DType::Q4_1) => Some(tiles_avx512::stream::<BlockQ4_1>),
+            _ => None,
+        };
+    }
+    #[allow(unreachable_code)]
+    {
+        let _ = (dtype, isa);
+        None
     }
 }
 

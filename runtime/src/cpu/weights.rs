@@ -446,6 +446,39 @@ fn matmul_as<F: Format>(
     });
 }
 
+/// `out[rows, n] = x[rows, k] · wᵀ` by a streaming kernel `f` (chosen for this CPU and the
+/// weights' format), output columns split across threads where the weights are large enough.
+#[allow(clippy::too_many_arguments)]
+fn stream_split(
+    x: &[f32],
+    w: &[u8],
+    out: &mut [f32],
+    rows: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+    f: super::simd::StreamFn,
+) {
+    let chunks = if w.len() < SPLIT_BYTES {
+        1
+    } else {
+        threads.max(1).min(n)
+    };
+    let optr = OutPtr(out.as_mut_ptr());
+    super::pool::run(chunks, &|c| {
+        let cols = n * c / chunks..n * (c + 1) / chunks;
+        // SAFETY: `out` holds rows × n values; this call writes only columns `cols` of each
+        // row, which no other call writes. The slice starts at column `cols.start` and ends
+        // after the last row's last column of the range. `f` was chosen for this CPU's
+        // features and this format.
+        unsafe {
+            let len = (rows - 1) * n + cols.len();
+            let o = std::slice::from_raw_parts_mut(optr.get().add(cols.start), len);
+            f(x, w, o, rows, n, k, cols)
+        }
+    });
+}
+
 thread_local! {
     /// Each thread's dequantized panel, kept between calls.
     static PANEL_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -580,15 +613,23 @@ pub fn matmul(
             }
             // Other formats go through f32 panels (below).
             _ if rows >= packed_min_rows(dtype) => false,
+            // Steps of a few rows on 32-value blocks: each block dequantized once into
+            // registers for up to eight rows.
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1
+                if BLOCK_TILES.load(std::sync::atomic::Ordering::Relaxed) =>
+            {
+                match super::simd::block_tile_kernel(dtype, isa()) {
+                    Some(f) => {
+                        stream_split(x, w, out, rows, n, k, threads, f);
+                        true
+                    }
+                    None => false,
+                }
+            }
             // Steps of a few rows: 32-value blocks dequantized as the tiles load them.
             // (Measured: a win for Q8_0; Q4_0 and Q4_1 spend more converting each half-block's
             // scales than panels do, and stay on panels.)
-            DType::Q8_0
-                if rows < TILE_MIN_ROWS
-                    || !BLOCK_TILES.load(std::sync::atomic::Ordering::Relaxed) =>
-            {
-                false
-            }
+            DType::Q8_0 if rows < TILE_MIN_ROWS => false,
             DType::Q8_0 => block_tiles::<BlockQ8_0>(x, w, out, rows, n, k, threads),
             DType::F32 => tiled(x, out, rows, n, k, threads, w.len(), |j| F32Rows {
                 ptr: unsafe { w.as_ptr().cast::<f32>().add(j * k) },
@@ -717,7 +758,7 @@ mod tests {
                 }
                 v
             };
-            for rows in [1, 3, 4, 8, 16, 17, 21, 22, 27, 40] {
+            for rows in [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 21, 22, 27, 40] {
                 let want = reference(&x, &wf, rows, n, k);
                 for threads in [1, 2] {
                     let mut out = vec![f32::NAN; rows * n];
