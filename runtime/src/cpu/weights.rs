@@ -353,12 +353,6 @@ fn matmul_as<F: Format>(
     dtype: DType,
 ) {
     let fast = fast.filter(|_| HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed));
-    let chunks = if w.len() < SPLIT_BYTES {
-        1
-    } else {
-        threads.max(1)
-    };
-    let optr = OutPtr(out.as_mut_ptr());
     let tiles = tiles_available() && HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed);
     let stream_max = if tiles {
         TILE_MIN_ROWS - 1
@@ -366,26 +360,18 @@ fn matmul_as<F: Format>(
         STREAM_MAX_ROWS
     };
     if rows <= stream_max {
-        let run = |c: usize| {
-            let cols = n * c / chunks..n * (c + 1) / chunks;
-            // SAFETY: `out` holds rows × n values; this call writes only columns `cols` of
-            // each row, which no other call writes. The slice starts at column `cols.start`
-            // and ends after the last row's last column of the range.
-            let len = (rows - 1) * n + cols.len();
-            let o = unsafe { std::slice::from_raw_parts_mut(optr.get().add(cols.start), len) };
-            match fast {
-                // SAFETY: `stream_kernel` chose it for this CPU's features and this format.
-                Some(f) => unsafe { f(x, w, o, rows, n, k, cols) },
-                None => stream_cols_mv::<F>(x, w, o, rows, n, k, cols),
-            }
-        };
-        super::pool::run(chunks, &run);
+        stream_split(w.len(), out, rows, n, threads, &|o, cols| match fast {
+            // SAFETY: `stream_kernel` chose it for this CPU's features and this format.
+            Some(f) => unsafe { f(x, w, o, rows, n, k, cols) },
+            None => stream_cols_mv::<F>(x, w, o, rows, n, k, cols),
+        });
         return;
     }
     let panel_fast = super::simd::panel_kernel(dtype, isa())
         .filter(|_| HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed));
     let panels = n.div_ceil(PANEL);
     let chunks = threads.max(1).min(panels);
+    let optr = OutPtr(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
     let xt = if tiles && rows >= packed_min_rows(dtype) {
         super::tile::pack_transposed(x, rows, k)
@@ -446,20 +432,18 @@ fn matmul_as<F: Format>(
     });
 }
 
-/// `out[rows, n] = x[rows, k] · wᵀ` by a streaming kernel `f` (chosen for this CPU and the
-/// weights' format), output columns split across threads where the weights are large enough.
-#[allow(clippy::too_many_arguments)]
+/// Runs `f(o, cols)` over ranges of the `n` output columns, split across threads where the
+/// weights (`bytes`) are large enough; `o` is `out` from column `cols.start` of row 0 to the
+/// last row's column `cols.end`, rows `n` values apart, and `f` writes only columns `cols`.
 fn stream_split(
-    x: &[f32],
-    w: &[u8],
+    bytes: usize,
     out: &mut [f32],
     rows: usize,
     n: usize,
-    k: usize,
     threads: usize,
-    f: super::simd::StreamFn,
+    f: &(dyn Fn(&mut [f32], std::ops::Range<usize>) + Sync),
 ) {
-    let chunks = if w.len() < SPLIT_BYTES {
+    let chunks = if bytes < SPLIT_BYTES {
         1
     } else {
         threads.max(1).min(n)
@@ -467,15 +451,14 @@ fn stream_split(
     let optr = OutPtr(out.as_mut_ptr());
     super::pool::run(chunks, &|c| {
         let cols = n * c / chunks..n * (c + 1) / chunks;
-        // SAFETY: `out` holds rows × n values; this call writes only columns `cols` of each
-        // row, which no other call writes. The slice starts at column `cols.start` and ends
-        // after the last row's last column of the range. `f` was chosen for this CPU's
-        // features and this format.
-        unsafe {
+        // SAFETY: `out` holds rows × n values; each call gets columns `cols` of each row,
+        // which no other call's range holds. The slice starts at column `cols.start` and ends
+        // after the last row's last column of the range.
+        let o = unsafe {
             let len = (rows - 1) * n + cols.len();
-            let o = std::slice::from_raw_parts_mut(optr.get().add(cols.start), len);
-            f(x, w, o, rows, n, k, cols)
-        }
+            std::slice::from_raw_parts_mut(optr.get().add(cols.start), len)
+        };
+        f(o, cols)
     });
 }
 
@@ -620,7 +603,11 @@ pub fn matmul(
             {
                 match super::simd::block_tile_kernel(dtype, isa()) {
                     Some(f) => {
-                        stream_split(x, w, out, rows, n, k, threads, f);
+                        // SAFETY: `block_tile_kernel` chose it for this CPU's features and
+                        // this format.
+                        stream_split(w.len(), out, rows, n, threads, &|o, cols| unsafe {
+                            f(x, w, o, rows, n, k, cols)
+                        });
                         true
                     }
                     None => false,
