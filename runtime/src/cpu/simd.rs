@@ -1,8 +1,14 @@
-//! Hand-vectorized row-streaming matmul kernels (`std::arch`) for the block formats of the
-//! default model (Q8_0, Q4_0, Q4_1; AVX-512 and AVX2 + FMA) and for bf16 (AVX-512). The block's scale is factored out
-//! of the dot product (`Σ x·(d·q + m) = d·Σ x·q + m·Σ x`, with `Σ x` per block computed once per
-//! call), values are widened to f32 and accumulated in f32: the same arithmetic as the generic
-//! kernels in another order. Each weight block is unpacked once for up to four rows.
+//! Hand-vectorized matmul kernels (`std::arch`) for the block formats of the default model
+//! and for bf16:
+//! - AVX-512 register tiles on Q8_0, Q4_0 and Q4_1 blocks (`avx512`): each block dequantized
+//!   once into registers for up to eight rows, and the same dequantizer for prefill's panels;
+//! - row-streaming kernels for Q4_K and bf16 (AVX-512) and Q8_0, Q4_0, Q4_1 (AVX2 + FMA) that
+//!   factor the block's scale out of the dot product (`Σ x·(d·q + m) = d·Σ x·q + m·Σ x`, with
+//!   `Σ x` per block computed once per call), each weight block unpacked once for up to four
+//!   rows.
+//!
+//! Values are widened to f32 and accumulated in f32: the same arithmetic as the generic kernels
+//! in another order.
 //!
 //! Rows are indexed (`acc[r]`, `x[(row0 + r) * k ..]`) in loops of a constant count that the
 //! compiler unrolls into registers.
@@ -67,8 +73,6 @@ unsafe fn half_to_f32(bits: u16) -> f32 {
 
 /// The scalar parts of a 32-value block: scale, offset (Q4_1's `m`; 0 otherwise).
 trait Small: Block {
-    /// Whether blocks have an offset `m` (values `d·q + m`).
-    const OFFSET: bool = false;
     fn scales(&self) -> (u16, u16);
 }
 impl Small for BlockQ8_0 {
@@ -84,200 +88,9 @@ impl Small for BlockQ4_0 {
     }
 }
 impl Small for BlockQ4_1 {
-    const OFFSET: bool = true;
     #[inline(always)]
     fn scales(&self) -> (u16, u16) {
         (u16::from_le_bytes(self.d), u16::from_le_bytes(self.m))
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod avx512 {
-    use super::*;
-
-    /// The block's 32 values as integers widened to f32, elements 0..16 and 16..32.
-    pub(super) trait Unpack: Small {
-        /// # Safety
-        /// AVX-512F/BW must be available.
-        unsafe fn unpack(&self) -> (__m512, __m512);
-    }
-
-    impl Unpack for BlockQ8_0 {
-        #[inline(always)]
-        unsafe fn unpack(&self) -> (__m512, __m512) {
-            let p = self.qs.as_ptr().cast::<__m128i>();
-            // SAFETY: 32 bytes of qs, read unaligned.
-            unsafe {
-                (
-                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))),
-                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(1)))),
-                )
-            }
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn nibbles(qs: &[u8; 16], offset: i8) -> (__m512, __m512) {
-        // SAFETY: 16 bytes, read unaligned; the caller has AVX-512.
-        unsafe {
-            let q = _mm_loadu_si128(qs.as_ptr().cast());
-            let mask = _mm_set1_epi8(0x0F);
-            let off = _mm_set1_epi8(offset);
-            let lo = _mm_sub_epi8(_mm_and_si128(q, mask), off);
-            let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), mask), off);
-            (
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)),
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)),
-            )
-        }
-    }
-
-    impl Unpack for BlockQ4_0 {
-        #[inline(always)]
-        unsafe fn unpack(&self) -> (__m512, __m512) {
-            // SAFETY: as `nibbles`.
-            unsafe { nibbles(&self.qs, 8) }
-        }
-    }
-
-    impl Unpack for BlockQ4_1 {
-        #[inline(always)]
-        unsafe fn unpack(&self) -> (__m512, __m512) {
-            // SAFETY: as `nibbles`.
-            unsafe { nibbles(&self.qs, 0) }
-        }
-    }
-
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn columns<B: Unpack, const R: usize>(
-        x: &[f32],
-        xs: &[f32],
-        w: &[B],
-        out: &mut [f32],
-        row0: usize,
-        n: usize,
-        k: usize,
-        cols: std::ops::Range<usize>,
-    ) {
-        let mut j = cols.start;
-        // SAFETY: as `group`'s contract, for columns inside `cols`.
-        unsafe {
-            while j + 4 <= cols.end {
-                group::<B, R, 4>(x, xs, w, out, row0, n, k, cols.start, j, cols.end);
-                j += 4;
-            }
-            while j < cols.end {
-                group::<B, R, 1>(x, xs, w, out, row0, n, k, cols.start, j, cols.end);
-                j += 1;
-            }
-        }
-    }
-
-    /// Columns `j..j + C`: independent accumulator chains for `C` columns at once, and the
-    /// next `C` columns' blocks prefetched as one sequential run while these are computed.
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn group<B: Unpack, const R: usize, const C: usize>(
-        x: &[f32],
-        xs: &[f32],
-        w: &[B],
-        out: &mut [f32],
-        row0: usize,
-        n: usize,
-        k: usize,
-        col0: usize,
-        j: usize,
-        end: usize,
-    ) {
-        let nb = k / QK;
-        let mut acc = [[_mm512_setzero_ps(); C]; R];
-        let mut offs = [[0.0f32; C]; R];
-        let next = w.as_ptr().wrapping_add((j + C) * nb).cast::<u8>();
-        let next_bytes = C.min(end.saturating_sub(j + C)) * nb * std::mem::size_of::<B>();
-        let lines = next_bytes.div_ceil(64).div_ceil(nb.max(1));
-        let mut line = 0;
-        for b in 0..nb {
-            // SAFETY: the caller has AVX-512F/BW and F16C; every x row holds k values; blocks
-            // of columns j..j + C exist; prefetches never fault.
-            unsafe {
-                for _ in 0..lines {
-                    _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line * 64).cast());
-                    line += 1;
-                }
-                let mut xv = [[_mm512_setzero_ps(); 2]; R];
-                for r in 0..R {
-                    let px = x.as_ptr().add((row0 + r) * k + b * QK);
-                    xv[r] = [_mm512_loadu_ps(px), _mm512_loadu_ps(px.add(16))];
-                }
-                for c in 0..C {
-                    let blk = &w[(j + c) * nb + b];
-                    let (d, m) = blk.scales();
-                    let d = _mm512_set1_ps(half_to_f32(d));
-                    let (lo, hi) = blk.unpack();
-                    for r in 0..R {
-                        let p = _mm512_fmadd_ps(hi, xv[r][1], _mm512_mul_ps(lo, xv[r][0]));
-                        acc[r][c] = _mm512_fmadd_ps(d, p, acc[r][c]);
-                        if B::OFFSET {
-                            offs[r][c] += half_to_f32(m) * xs[(row0 + r) * nb + b];
-                        }
-                    }
-                }
-            }
-        }
-        for r in 0..R {
-            for c in 0..C {
-                // SAFETY: AVX-512F.
-                out[(row0 + r) * n + j + c - col0] =
-                    unsafe { _mm512_reduce_add_ps(acc[r][c]) } + offs[r][c];
-            }
-        }
-    }
-
-    /// Weight rows `j0..j0 + panel.len() / k` as f32 into `panel`: the same values as
-    /// `Block::dequantize` (`q·d`, then `+ m`), sixteen at a time.
-    ///
-    /// # Safety
-    /// The CPU has AVX-512F/BW/VL and F16C.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-    pub(super) unsafe fn dequant<B: Unpack>(w: &[u8], k: usize, j0: usize, panel: &mut [f32]) {
-        let Some(w) = as_blocks::<B>(w) else { return };
-        let nb = k / QK;
-        for (i, prow) in panel.chunks_exact_mut(k).enumerate() {
-            for (b, blk) in w[(j0 + i) * nb..(j0 + i + 1) * nb].iter().enumerate() {
-                // SAFETY: the features above; 32 values of the row at b·32.
-                unsafe {
-                    let (d, m) = blk.scales();
-                    let d = _mm512_set1_ps(half_to_f32(d));
-                    let (lo, hi) = blk.unpack();
-                    let (mut lo, mut hi) = (_mm512_mul_ps(lo, d), _mm512_mul_ps(hi, d));
-                    if B::OFFSET {
-                        let m = _mm512_set1_ps(half_to_f32(m));
-                        (lo, hi) = (_mm512_add_ps(lo, m), _mm512_add_ps(hi, m));
-                    }
-                    let o = prow.as_mut_ptr().add(b * QK);
-                    _mm512_storeu_ps(o, lo);
-                    _mm512_storeu_ps(o.add(16), hi);
-                }
-            }
-        }
-    }
-
-    /// # Safety
-    /// The CPU has AVX-512F/BW/VL and F16C.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-    pub(super) unsafe fn stream<B: Unpack>(
-        x: &[f32],
-        w: &[u8],
-        out: &mut [f32],
-        rows: usize,
-        n: usize,
-        k: usize,
-        cols: std::ops::Range<usize>,
-    ) {
-        let Some(w) = as_blocks::<B>(w) else { return };
-        let xs = block_sums(x, rows, k);
-        row_groups!(rows, n, k, cols, columns [B,] (x, &xs, w, out));
     }
 }
 
@@ -287,7 +100,7 @@ mod avx512 {
 /// rows by two weight rows (or one row by four) of sixteen-lane accumulators, summed once at
 /// the end. Activations stay f32.
 #[cfg(target_arch = "x86_64")]
-mod tiles_avx512 {
+mod avx512 {
     use super::*;
 
     /// A 32-value block's values as f32, elements 0..16 and 16..32.
@@ -473,7 +286,7 @@ mod tiles_avx512 {
     /// # Safety
     /// The CPU has AVX-512F/BW/VL and F16C.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")]
-    pub(super) unsafe fn stream<B: Dequant>(
+    pub(super) unsafe fn tiles<B: Dequant>(
         x: &[f32],
         w: &[u8],
         out: &mut [f32],
@@ -501,6 +314,28 @@ mod tiles_avx512 {
                 }
             }
             r += left.min(8);
+        }
+    }
+
+    /// Weight rows `j0..j0 + panel.len() / k` as f32 into `panel`: the values of
+    /// [`Dequant::values`], a block at a time.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F/BW/VL and F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")]
+    pub(super) unsafe fn dequant<B: Dequant>(w: &[u8], k: usize, j0: usize, panel: &mut [f32]) {
+        let Some(w) = as_blocks::<B>(w) else { return };
+        let nb = k / QK;
+        for (i, prow) in panel.chunks_exact_mut(k).enumerate() {
+            for (b, blk) in w[(j0 + i) * nb..(j0 + i + 1) * nb].iter().enumerate() {
+                // SAFETY: the features above; 32 values of the row at b·32.
+                unsafe {
+                    let (lo, hi) = blk.values();
+                    let o = prow.as_mut_ptr().add(b * QK);
+                    _mm512_storeu_ps(o, lo);
+                    _mm512_storeu_ps(o.add(16), hi);
+                }
+            }
         }
     }
 }
@@ -797,9 +632,9 @@ pub fn block_tile_kernel(dtype: maxc_schema::DType, isa: super::weights::Isa) ->
         use super::weights::Isa;
         use maxc_schema::DType;
         return match (isa, dtype) {
-            (Isa::Avx512, DType::Q8_0) => Some(tiles_avx512::stream::<BlockQ8_0>),
-            (Isa::Avx512, DType::Q4_0) => Some(tiles_avx512::stream::<BlockQ4_0>),
-            (Isa::Avx512, DType::Q4_1) => Some(tiles_avx512::stream::<BlockQ4_1>),
+            (Isa::Avx512, DType::Q8_0) => Some(avx512::tiles::<BlockQ8_0>),
+            (Isa::Avx512, DType::Q4_0) => Some(avx512::tiles::<BlockQ4_0>),
+            (Isa::Avx512, DType::Q4_1) => Some(avx512::tiles::<BlockQ4_1>),
             _ => None,
         };
     }
@@ -847,9 +682,6 @@ pub fn stream_kernel(
         return match (isa, dtype) {
             (Isa::Avx512, DType::BF16) if k.is_multiple_of(16) => Some(bf16_avx512::stream),
             (Isa::Avx512, DType::Q4K) => Some(q4k_avx512::stream),
-            (Isa::Avx512, DType::Q8_0) => Some(avx512::stream::<BlockQ8_0>),
-            (Isa::Avx512, DType::Q4_0) => Some(avx512::stream::<BlockQ4_0>),
-            (Isa::Avx512, DType::Q4_1) => Some(avx512::stream::<BlockQ4_1>),
             (Isa::Avx2, DType::Q8_0) => Some(avx2::stream::<BlockQ8_0>),
             (Isa::Avx2, DType::Q4_0) => Some(avx2::stream::<BlockQ4_0>),
             (Isa::Avx2, DType::Q4_1) => Some(avx2::stream::<BlockQ4_1>),
@@ -872,7 +704,7 @@ mod tests {
     #[test]
     fn hand_kernels_match_the_dequantized_reference_on_every_isa_the_host_has() {
         let (n, k) = (9, 256);
-        let x: Vec<f32> = (0..6 * k)
+        let x: Vec<f32> = (0..10 * k)
             .map(|i| ((i * 31) % 19) as f32 * 0.1 - 0.9)
             .collect();
         let mut isas = Vec::new();
@@ -926,14 +758,16 @@ mod tests {
                 _ => maxc_schema::blocks::dequantize(dtype, &w).unwrap(),
             };
             for &isa in &isas {
-                let Some(f) = stream_kernel(dtype, k, isa) else {
+                let Some(f) =
+                    stream_kernel(dtype, k, isa).or_else(|| block_tile_kernel(dtype, isa))
+                else {
                     assert!(
                         isa == Isa::Avx2 && matches!(dtype, DType::Q4K | DType::BF16),
                         "{dtype} has no {isa:?} kernel"
                     );
                     continue;
                 };
-                for rows in [1, 2, 3, 4, 5, 6] {
+                for rows in 1..=10 {
                     let mut out = vec![f32::NAN; rows * n];
                     // SAFETY: the host has the ISA (checked above).
                     unsafe { f(&x, &w, &mut out, rows, n, k, 0..n) };

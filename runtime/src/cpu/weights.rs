@@ -508,29 +508,6 @@ fn tiled<L: super::tile::Rows>(
     true
 }
 
-/// [`tiled`] on rows of 32-value blocks; false where the bytes are not whole blocks.
-#[cfg(target_arch = "x86_64")]
-fn block_tiles<B: Block + Sync + super::tile::Block32>(
-    x: &[f32],
-    w: &[u8],
-    out: &mut [f32],
-    rows: usize,
-    n: usize,
-    k: usize,
-    threads: usize,
-) -> bool {
-    let Some(blocks) = maxc_schema::blocks::as_blocks::<B>(w) else {
-        return false;
-    };
-    let nb = k / B::ELEMS;
-    tiled(x, out, rows, n, k, threads, w.len(), |j| {
-        super::tile::BlockRows {
-            ptr: blocks.as_ptr().wrapping_add(j * nb),
-            stride: nb,
-        }
-    })
-}
-
 /// `out[rows, n] = x[rows, k] · wᵀ` for f32 weights and many rows: the activations packed
 /// once, output columns split across threads.
 #[cfg(target_arch = "x86_64")]
@@ -613,11 +590,6 @@ pub fn matmul(
                     None => false,
                 }
             }
-            // Steps of a few rows: 32-value blocks dequantized as the tiles load them.
-            // (Measured: a win for Q8_0; Q4_0 and Q4_1 spend more converting each half-block's
-            // scales than panels do, and stay on panels.)
-            DType::Q8_0 if rows < TILE_MIN_ROWS => false,
-            DType::Q8_0 => block_tiles::<BlockQ8_0>(x, w, out, rows, n, k, threads),
             DType::F32 => tiled(x, out, rows, n, k, threads, w.len(), |j| F32Rows {
                 ptr: unsafe { w.as_ptr().cast::<f32>().add(j * k) },
                 stride: k,
