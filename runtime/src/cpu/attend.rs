@@ -257,9 +257,10 @@ unsafe fn softmax_row(row: &mut [f32], valid: usize, scale: f32) -> f32 {
 }
 
 /// `e^x` in sixteen lanes (Cephes' expf: `x = n·ln2 + r`, a degree-6 polynomial in `r`, then
-/// `2^n` by `scalef`), within about one ulp; inputs are at most 0 here.
+/// `2^n` by `scalef`), within about one ulp; below -87.3 the input is clamped (a result of about
+/// 1e-38), above 88.7 the result is infinite.
 #[inline(always)]
-unsafe fn exp(x: __m512) -> __m512 {
+pub(crate) unsafe fn exp(x: __m512) -> __m512 {
     // SAFETY: the caller has AVX-512F.
     unsafe {
         let x = _mm512_max_ps(x, _mm512_set1_ps(-87.336_55));

@@ -192,7 +192,8 @@ impl CpuExecutor {
                 _ => &[],
             };
             let library = fns[l.kernel as usize].is_none()
-                || (matches!(body, KernelBody::Matmul { .. }) && matmul_policy.is_some());
+                || (matches!(body, KernelBody::Matmul { .. }) && matmul_policy.is_some())
+                || (matmul_policy.is_some() && library_elementwise(body));
             if library {
                 library_params.extend(
                     l.buffers
@@ -506,6 +507,8 @@ impl CpuExecutor {
             // Under the auto policy, the library's blocked attention where the register tiles
             // run.
             (KernelBody::Attention { .. }, Some(_)) => !weights::tiles_available(),
+            // And its sixteen-lane elementwise kernel.
+            (KernelBody::Elementwise { .. }, Some(_)) => !library_elementwise(body),
             (KernelBody::Matmul { rows, .. }, Some(max)) => {
                 let r = match rows {
                     Rows::Step(d) => dims[*d as usize],
@@ -681,6 +684,40 @@ impl CpuExecutor {
                     )
                 };
             }
+            #[cfg(target_arch = "x86_64")]
+            KernelBody::Elementwise {
+                rows,
+                cols,
+                inputs,
+                program,
+            } if self.matmul_policy.is_some() && library_elementwise(body) => {
+                let (rows, cols) = (rows_of(rows), *cols as usize);
+                let ins: Vec<super::ew::Input> = inputs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, inp)| {
+                        let n = if inp.broadcast { cols } else { rows * cols };
+                        super::ew::Input {
+                            ptr: self.param_f32(buffers[i], args[i], n).as_ptr(),
+                            broadcast: inp.broadcast,
+                        }
+                    })
+                    .collect();
+                let out = weights::OutPtr(args[inputs.len()].cast::<f32>());
+                let chunks = if body.work(dims) >= 1 << 16 {
+                    self.threads.min(rows).max(1)
+                } else {
+                    1
+                };
+                let ins = &ins;
+                super::pool::run(chunks, &|c| {
+                    let (r0, r1) = (rows * c / chunks, rows * (c + 1) / chunks);
+                    // SAFETY: the tiles (AVX-512) run on this CPU; the program was validated
+                    // and is short enough (`library_elementwise`); inputs and output hold the
+                    // body's sizes at these dims; row ranges are disjoint.
+                    unsafe { super::ew::rows(ins, program, cols, r0, r1, out.get()) };
+                });
+            }
             other => unreachable!("{} is generated on the CPU", other.kind()),
         }
         Ok(())
@@ -701,6 +738,17 @@ fn fill<T: Copy + Default>(buf: &mut [T], values: &[T]) {
     let n = values.len().min(buf.len());
     buf[..n].copy_from_slice(&values[..n]);
     buf[n..].fill(T::default());
+}
+
+/// Whether the library's sixteen-lane kernel runs this elementwise kernel (under the auto
+/// policy): where the register tiles run and the program fits its registers.
+fn library_elementwise(body: &KernelBody) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if let KernelBody::Elementwise { program, .. } = body {
+        return weights::tiles_available() && program.len() <= super::ew::MAX_PROGRAM;
+    }
+    let _ = body;
+    false
 }
 
 fn run_generated(

@@ -4,6 +4,8 @@
 mod attend;
 pub mod code;
 pub mod ep;
+#[cfg(target_arch = "x86_64")]
+mod ew;
 pub mod executor;
 pub mod library;
 pub mod pool;
