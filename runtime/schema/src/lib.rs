@@ -260,8 +260,8 @@ pub struct CpuModule {
     pub kernel_digests: Vec<[u8; 32]>,
     /// Where set, the runtime chooses: generated matmuls run at most for steps of 2 to this
     /// many rows, and only on CPUs where the library kernels have no register tiles (there the
-    /// library wins at every row count); the library runs the others. Where `None`, generated
-    /// matmuls always run.
+    /// library wins at every row count); the library runs the others, and on those CPUs
+    /// attention and fused elementwise kernels too. Where `None`, generated code always runs.
     pub generated_matmul_max_rows: Option<u64>,
 }
 
