@@ -1,6 +1,6 @@
 //! The library's fused elementwise kernel (AVX-512): the expression program of
 //! [`KernelBody::Elementwise`](maxc_schema::KernelBody::Elementwise) evaluated sixteen lanes at a
-//! time, every intermediate value in a register (generated CPU code has four lanes). `silu` is
+//! time (generated CPU code has four), one instruction over a chunk of a row at once. `silu` is
 //! `x / (1 + exp(-x))` with the vector `exp` of the blocked attention, as the reference computes
 //! it.
 #![allow(clippy::needless_range_loop)]
@@ -8,9 +8,11 @@
 use maxc_schema::EwInstr;
 use std::arch::x86_64::*;
 
-/// The longest program this kernel evaluates (its values stay in registers); longer ones run as
-/// generated code.
+/// The longest program this kernel evaluates (a scratch chunk per instruction, 16 KiB in all);
+/// longer ones run as generated code.
 pub(crate) const MAX_PROGRAM: usize = 16;
+/// The most inputs this kernel takes (passed without allocating); more run as generated code.
+pub(crate) const MAX_INPUTS: usize = 8;
 
 /// An input of the expression: `rows × cols` values, or one row of `cols` repeated.
 #[derive(Clone, Copy)]

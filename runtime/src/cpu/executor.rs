@@ -692,24 +692,24 @@ impl CpuExecutor {
                 program,
             } if self.matmul_policy.is_some() && library_elementwise(body) => {
                 let (rows, cols) = (rows_of(rows), *cols as usize);
-                let ins: Vec<super::ew::Input> = inputs
-                    .iter()
-                    .enumerate()
-                    .map(|(i, inp)| {
-                        let n = if inp.broadcast { cols } else { rows * cols };
-                        super::ew::Input {
-                            ptr: self.param_f32(buffers[i], args[i], n).as_ptr(),
-                            broadcast: inp.broadcast,
-                        }
-                    })
-                    .collect();
+                let mut ins = [super::ew::Input {
+                    ptr: std::ptr::null(),
+                    broadcast: false,
+                }; super::ew::MAX_INPUTS];
+                for (i, inp) in inputs.iter().enumerate() {
+                    let n = if inp.broadcast { cols } else { rows * cols };
+                    ins[i] = super::ew::Input {
+                        ptr: self.param_f32(buffers[i], args[i], n).as_ptr(),
+                        broadcast: inp.broadcast,
+                    };
+                }
+                let ins = &ins[..inputs.len()];
                 let out = weights::OutPtr(args[inputs.len()].cast::<f32>());
                 let chunks = if body.work(dims) >= 1 << 16 {
                     self.threads.min(rows).max(1)
                 } else {
                     1
                 };
-                let ins = &ins;
                 super::pool::run(chunks, &|c| {
                     let (r0, r1) = (rows * c / chunks, rows * (c + 1) / chunks);
                     // SAFETY: the tiles (AVX-512) run on this CPU; the program was validated
@@ -741,11 +741,16 @@ fn fill<T: Copy + Default>(buf: &mut [T], values: &[T]) {
 }
 
 /// Whether the library's sixteen-lane kernel runs this elementwise kernel (under the auto
-/// policy): where the register tiles run and the program fits its registers.
+/// policy): where the register tiles run and the program and its inputs are within its bounds.
 fn library_elementwise(body: &KernelBody) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if let KernelBody::Elementwise { program, .. } = body {
-        return weights::tiles_available() && program.len() <= super::ew::MAX_PROGRAM;
+    if let KernelBody::Elementwise {
+        program, inputs, ..
+    } = body
+    {
+        return weights::tiles_available()
+            && program.len() <= super::ew::MAX_PROGRAM
+            && inputs.len() <= super::ew::MAX_INPUTS;
     }
     let _ = body;
     false
