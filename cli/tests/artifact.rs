@@ -133,6 +133,25 @@ fn the_runtime_refuses_altered_and_incomplete_artifacts() {
         e.contains("weights.safetensors") && e.contains("sha256"),
         "{e}"
     );
+    // The same with the weights mapped rather than read into huge pages (the CPU executor's
+    // default where the kernel offers them).
+    let mapped = Command::new(env!("CARGO_BIN_EXE_maxc"))
+        .args(["run", a.to_str().unwrap(), "--tokens", "1,2,3"])
+        .env("MAXC_MAP_WEIGHTS", "1")
+        .output()
+        .expect("maxc runs");
+    assert_eq!(err_of(&mapped), e);
+    // Logits are the same bytes either way.
+    let logits = |map: &str| {
+        let o = Command::new(env!("CARGO_BIN_EXE_maxc"))
+            .args(["run", ok.to_str().unwrap(), "--tokens", "1,2,3"])
+            .env("MAXC_MAP_WEIGHTS", map)
+            .output()
+            .expect("maxc runs");
+        assert!(o.status.success(), "{}", err_of(&o));
+        o.stdout
+    };
+    assert_eq!(logits("1"), logits(""));
 
     // A file missing.
     let a = fresh(tmp.path(), "missing.maxc");

@@ -64,22 +64,20 @@ fn main() {
                 continue;
             }
             let bytes = dtype.bytes_for((n * k) as u64).unwrap() as usize;
-            let ws: Vec<Vec<u8>> = (0..copies)
-                .map(|c| {
-                    let mut w: Vec<u8> = (0..bytes)
-                        .map(|i| ((i * 131 + c * 7) % 251) as u8)
-                        .collect();
-                    if dtype == DType::F32 || dtype == DType::BF16 {
+            // The copies in one buffer on huge pages where the runtime keeps weights there.
+            let mut store = maxc_runtime::hugemem::HugeBuf::zeroed(copies * bytes).unwrap();
+            for (c, w) in store.as_mut_slice().chunks_exact_mut(bytes).enumerate() {
+                for (i, b) in w.iter_mut().enumerate() {
+                    *b = ((i * 131 + c * 7) % 251) as u8;
+                    if (dtype == DType::F32 || dtype == DType::BF16)
+                        && i % dtype.size() == dtype.size() - 1
+                    {
                         // Small finite values.
-                        for (i, b) in w.iter_mut().enumerate() {
-                            if i % dtype.size() == dtype.size() - 1 {
-                                *b = 0x3c;
-                            }
-                        }
+                        *b = 0x3c;
                     }
-                    w
-                })
-                .collect();
+                }
+            }
+            let ws: Vec<&[u8]> = store.chunks_exact(bytes).collect();
             let x: Vec<f32> = (0..rows * k).map(|i| (i % 17) as f32 * 0.01).collect();
             let mut out = vec![0.0f32; rows * n];
             let calls = if rows >= 128 { 24 } else { 240 };
@@ -89,7 +87,7 @@ fn main() {
                     .map(|_| {
                         let t = Instant::now();
                         for c in 0..calls {
-                            matmul(&x, &ws[c % copies], dtype, &mut out, rows, n, k, threads);
+                            matmul(&x, ws[c % copies], dtype, &mut out, rows, n, k, threads);
                         }
                         t.elapsed().as_secs_f64() / calls as f64
                     })

@@ -40,9 +40,27 @@ fn lane_sum(a: &[f32]) -> f32 {
 }
 
 /// Bytes per second that a streaming read of 256 MiB achieves, split over the executor's
-/// threads (median of 5).
+/// threads (median of 5), from memory of the page size the CPU executor keeps weights on
+/// (huge pages where the kernel offers them: [`crate::artifact::WeightMemory::for_cpu`]).
 pub fn bandwidth() -> f64 {
-    let data = vec![1.0f32; 64 << 20];
+    let len = 64 << 20;
+    let mut huge = match crate::artifact::WeightMemory::for_cpu() {
+        crate::artifact::WeightMemory::HugePages => crate::hugemem::HugeBuf::zeroed(len * 4).ok(),
+        crate::artifact::WeightMemory::Mapped => None,
+    };
+    let mut plain = Vec::new();
+    let data: &mut [f32] = match &mut huge {
+        // SAFETY: 2 MiB-aligned bytes, len · 4 of them, any bit pattern is an f32.
+        Some(b) => unsafe {
+            std::slice::from_raw_parts_mut(b.as_mut_slice().as_mut_ptr().cast::<f32>(), len)
+        },
+        None => {
+            plain.resize(len, 0.0f32);
+            &mut plain
+        }
+    };
+    data.fill(1.0);
+    let data: &[f32] = data;
     let threads = crate::cpu::pool::threads();
     let part = data.len().div_ceil(threads);
     let sums: Vec<std::sync::atomic::AtomicU32> =

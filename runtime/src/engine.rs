@@ -20,6 +20,17 @@ pub enum Device {
     Cuda,
 }
 
+impl Device {
+    /// Where this device's executor wants the artifact's weights kept.
+    pub fn weight_memory(self) -> crate::artifact::WeightMemory {
+        match self {
+            Device::Cpu => crate::artifact::WeightMemory::for_cpu(),
+            // Uploaded once: a host copy would only hold memory.
+            Device::Cuda => crate::artifact::WeightMemory::Mapped,
+        }
+    }
+}
+
 impl std::str::FromStr for Device {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
@@ -91,7 +102,7 @@ impl Engine {
 
     /// Opens the artifact at `dir` and prepares `role` on `device`.
     pub fn open_on(dir: &Path, role: &str, device: Device) -> Result<Self> {
-        Engine::new(Arc::new(Artifact::open(dir)?), role, device)
+        Engine::open_verified(dir, role, device, None)
     }
 
     /// [`Engine::open_on`], refusing an artifact whose manifest is not signed by `key` where
@@ -102,7 +113,11 @@ impl Engine {
         device: Device,
         key: Option<&ed25519_dalek::VerifyingKey>,
     ) -> Result<Self> {
-        Engine::new(Arc::new(Artifact::open_verified(dir, key)?), role, device)
+        Engine::new(
+            Arc::new(Artifact::open_verified(dir, key, device.weight_memory())?),
+            role,
+            device,
+        )
     }
 
     /// Prepares `role` of an opened artifact on `device`.

@@ -13,6 +13,7 @@ pub mod diff;
 pub mod dump;
 pub mod engine;
 pub mod error;
+pub mod hugemem;
 pub mod logits;
 pub mod metrics;
 pub mod profile;

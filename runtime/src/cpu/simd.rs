@@ -207,7 +207,7 @@ mod avx512 {
             let mut line = 0;
             for b in 0..nb {
                 for _ in 0..lines {
-                    _mm_prefetch::<_MM_HINT_T0>(next.0.wrapping_add(line * 64).cast());
+                    crate::cpu::tile::prefetch_ahead(next, line);
                     line += 1;
                 }
                 let mut wv = [[_mm512_setzero_ps(); 2]; C];

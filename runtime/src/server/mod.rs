@@ -208,8 +208,12 @@ impl IntoResponse for ApiError {
 fn load(opts: &ServeOptions, metrics: &Arc<Metrics>, tracer: Tracer) -> Result<Loaded, String> {
     let t = Instant::now();
     let artifact = Arc::new(
-        Artifact::open_verified(&opts.artifact, opts.require_signature.as_ref())
-            .map_err(|e| e.to_string())?,
+        Artifact::open_verified(
+            &opts.artifact,
+            opts.require_signature.as_ref(),
+            opts.device.weight_memory(),
+        )
+        .map_err(|e| e.to_string())?,
     );
     let record = |component: &str, d: Duration| {
         metrics
