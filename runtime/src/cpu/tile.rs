@@ -501,14 +501,25 @@ pub(crate) unsafe fn matmul_packed(
     // Blocks of weight rows that stay in L2 while every activation panel passes over them,
     // each panel staying in L1/L2 while the block's tiles pass over it: weights are read from
     // memory once per call, activations from L2.
+    // The next block's weights are prefetched into L2 while this block computes, a share
+    // before each tile, so that the first panel's pass over a block does not wait on memory.
+    let panels = rows.div_ceil(MP);
     let mut j0 = 0;
     while j0 < cols {
         let j1 = cols.min(j0 + PACKED_COL_BLOCK);
-        for p in 0..rows.div_ceil(MP) {
+        let next_lines = (cols.min(j1 + PACKED_COL_BLOCK) - j1) * k * 4 / 64;
+        let per_tile = next_lines.div_ceil(panels * (j1 - j0).div_ceil(NP));
+        let next = w.wrapping_add(j1 * k).cast::<u8>();
+        let mut line = 0;
+        for p in 0..panels {
             let mrows = MP.min(rows - p * MP);
             let mut j = j0;
             while j < j1 {
                 let c = NP.min(j1 - j);
+                for _ in 0..per_tile.min(next_lines - line.min(next_lines)) {
+                    _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(line * 64).cast());
+                    line += 1;
+                }
                 // SAFETY: panel p, weight rows j..j + c and the outputs they write are in
                 // bounds.
                 unsafe {
