@@ -39,11 +39,40 @@ fn lane_sum(a: &[f32]) -> f32 {
     lanes(a)
 }
 
-/// Bytes per second that a streaming read of 256 MiB achieves, split over the executor's
-/// threads (median of 5), from memory of the page size the CPU executor keeps weights on
-/// (huge pages where the kernel offers them: [`crate::artifact::WeightMemory::for_cpu`]).
+/// The last-level cache's size (Linux: the largest level under `cpu0/cache`), where known.
+pub fn llc_bytes() -> Option<u64> {
+    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    dir.filter_map(|e| {
+        let p = e.ok()?.path();
+        let level: u32 = std::fs::read_to_string(p.join("level"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?;
+        let size = std::fs::read_to_string(p.join("size")).ok()?;
+        let size = size.trim();
+        let (digits, unit) = size.split_at(size.find(|c: char| !c.is_ascii_digit())?);
+        let scale = match unit {
+            "K" => 1 << 10,
+            "M" => 1 << 20,
+            "G" => 1 << 30,
+            _ => return None,
+        };
+        Some((level, digits.parse::<u64>().ok()? * scale))
+    })
+    .max()
+    .map(|(_, bytes)| bytes)
+}
+
+/// Bytes per second that a streaming read achieves, split over the executor's threads
+/// (median of 5), from memory of the page size the CPU executor keeps weights on (huge pages
+/// where the kernel offers them: [`crate::artifact::WeightMemory::for_cpu`]). The buffer is
+/// 256 MiB or twice the last-level cache, whichever is larger (at most 4 GiB), so that the
+/// read measures memory rather than cache: some server parts have L3 caches of hundreds of MiB
+/// (480 MiB on one of the guests we measure on).
 pub fn bandwidth() -> f64 {
-    let len = 64 << 20;
+    let bytes = llc_bytes().map_or(256 << 20, |c| (2 * c).clamp(256 << 20, 4 << 30));
+    let len = bytes as usize / 4;
     let mut huge = match crate::artifact::WeightMemory::for_cpu() {
         crate::artifact::WeightMemory::HugePages => crate::hugemem::HugeBuf::zeroed(len * 4).ok(),
         crate::artifact::WeightMemory::Mapped => None,
@@ -182,4 +211,10 @@ pub fn peak_rss() -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
+}
+
+/// Resets the peak resident memory [`peak_rss`] reads to what is resident now (Linux:
+/// `/proc/self/clear_refs`), so that a probe's buffer, freed, does not count as the model's.
+pub fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
 }

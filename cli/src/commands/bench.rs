@@ -66,6 +66,8 @@ pub fn run(args: Args) -> Result<()> {
     let bw = bandwidth();
     let gemm = gemm_flops();
     let peak = fma_peak();
+    // The probes' buffers are freed: peak memory from here on is the model's.
+    maxc_runtime::bench::reset_peak_rss();
     let mut rows: Vec<Value> = Vec::new();
     let mut seq = 0u64;
 
