@@ -1,6 +1,6 @@
 //! Reading an artifact: the manifest, checksums of every file, the programs, the native code and
-//! the weights (memory-mapped, or read into huge pages for the CPU executor: [`WeightMemory`]). Anything that differs from what the manifest says is an error
-//! naming the file.
+//! the weights (memory-mapped, or read into huge pages for the CPU executor: [`WeightMemory`]).
+//! Anything that differs from what the manifest says is an error naming the file.
 
 use crate::error::{Result, RuntimeError};
 use crate::schema::{
