@@ -609,7 +609,15 @@ fn profile_times_every_launch_and_writes_a_valid_trace() {
 fn bench_measures_each_shape_against_its_probe() {
     let tmp = tempfile::tempdir().unwrap();
     let a = fresh(tmp.path(), "bench.maxc");
-    let o = maxc(&["bench", a.to_str().unwrap(), "--steps", "3", "--json"]);
+    let o = maxc(&[
+        "bench",
+        a.to_str().unwrap(),
+        "--steps",
+        "3",
+        "--rounds",
+        "2",
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(v["probes"]["bandwidth_gbs"].as_f64().unwrap() > 0.0, "{v}");
@@ -640,7 +648,11 @@ fn bench_measures_each_shape_against_its_probe() {
         assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0, "{r}");
         let ratio = r["roofline_ratio"].as_f64().unwrap();
         assert!(ratio > 0.0 && ratio.is_finite(), "{r}");
+        // Each measurement names the median of the probes its rounds ran against.
+        let probe = r["probe_gbs"].as_f64().or(r["probe_gflops"].as_f64());
+        assert!(probe.is_some_and(|p| p > 0.0), "{r}");
     }
+    assert_eq!(v["rounds"].as_u64(), Some(2), "{v}");
     // The fresh artifact's bounds allow at least a 128-token prefill and batch-1 decode.
     assert!(measured >= 2, "{v}");
 }

@@ -1,9 +1,15 @@
 //! `maxc bench ARTIFACT`: prefill (128 and 512 tokens) and decode (batch 1, 8, 32) tokens/s,
 //! load time and peak memory, each next to its roofline measured in the same run: decode bytes
 //! per step over a memory-bandwidth probe, prefill FLOP/s over a GEMM probe.
+//!
+//! A shared machine's bandwidth moves with its neighbours' load (one guest we measure on read
+//! 29 to 35 GB/s within minutes), so one probe at the start and a measurement a minute later
+//! can disagree by more than the kernels' own variation. Each measurement therefore runs in
+//! rounds, each round right after its own probe, and its ratio is the median of the rounds'
+//! ratios.
 
 use anyhow::Result;
-use maxc_runtime::bench::{bandwidth, fma_peak, gemm_flops, peak_rss};
+use maxc_runtime::bench::{bandwidth, fma_peak, gemm_flops, peak_rss, reset_peak_rss};
 use maxc_runtime::profile::kernel_cost;
 use maxc_runtime::Engine;
 use serde_json::{json, Value};
@@ -15,9 +21,12 @@ use std::time::Instant;
 pub struct Args {
     /// The artifact directory.
     pub artifact: PathBuf,
-    /// Decode steps timed per batch size.
+    /// Decode steps timed per batch size and round.
     #[arg(long, default_value = "32")]
     pub steps: usize,
+    /// Rounds per measurement, each after its own probe (the ratio is their median).
+    #[arg(long, default_value = "3", value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub rounds: u32,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -50,6 +59,38 @@ fn step_cost(engine: &Engine) -> (u64, u64) {
     })
 }
 
+/// The probes of one run: every value each probe read, and the model's own peak resident
+/// memory (the bandwidth probe's buffer, freed, is taken out of the peak after each probe).
+#[derive(Default)]
+struct Probes {
+    bandwidth: Vec<f64>,
+    gemm: Vec<f64>,
+    model_peak_rss: Option<u64>,
+}
+
+impl Probes {
+    /// Memory bandwidth now, in bytes per second.
+    fn bandwidth(&mut self) -> f64 {
+        self.model_peak_rss = self.model_peak_rss.max(peak_rss());
+        let bw = bandwidth();
+        reset_peak_rss();
+        self.bandwidth.push(bw);
+        bw
+    }
+
+    /// f32 GEMM throughput now, in FLOP per second.
+    fn gemm(&mut self) -> f64 {
+        let g = gemm_flops();
+        self.gemm.push(g);
+        g
+    }
+
+    /// The model's peak resident memory so far.
+    fn peak_rss(&self) -> Option<u64> {
+        self.model_peak_rss.max(peak_rss())
+    }
+}
+
 /// Runs the benchmark and prints it.
 pub fn run(args: Args) -> Result<()> {
     // Load time with the files in the page cache (the first open warms it).
@@ -63,11 +104,9 @@ pub fn run(args: Args) -> Result<()> {
     let mut engine = Engine::open(&args.artifact, &args.role)?;
     engine.set_profiling(true)?;
     let vocab = engine.vocab_size() as i64;
-    let bw = bandwidth();
-    let gemm = gemm_flops();
+    let rounds = args.rounds as usize;
+    let mut probes = Probes::default();
     let peak = fma_peak();
-    // The probes' buffers are freed: peak memory from here on is the model's.
-    maxc_runtime::bench::reset_peak_rss();
     let mut rows: Vec<Value> = Vec::new();
     let mut seq = 0u64;
 
@@ -77,27 +116,35 @@ pub fn run(args: Args) -> Result<()> {
             continue;
         }
         let p = prompt(n, vocab, 0);
-        let mut times = Vec::new();
+        let (mut times, mut ratios, mut peaks, mut gemms) = (vec![], vec![], vec![], vec![]);
         let mut cost = (0, 0);
-        for _ in 0..3 {
+        for _ in 0..rounds {
+            let gemm = probes.gemm();
             seq += 1;
             let t = Instant::now();
             engine.step(&[(seq, &p)])?;
-            times.push(t.elapsed().as_secs_f64());
+            let s = t.elapsed().as_secs_f64();
             cost = step_cost(&engine);
             engine.release(seq);
+            let flops = cost.1 as f64 / s;
+            times.push(s);
+            ratios.push(flops / gemm);
+            gemms.push(gemm);
+            if let Some(p) = peak {
+                peaks.push(flops / p);
+            }
         }
         let s = median(times);
-        let flops = cost.1 as f64 / s;
         rows.push(json!({
             "name": format!("prefill_{n}"),
             "tokens_per_s": n as f64 / s,
             "step_ms": s * 1e3,
             "flop_per_step": cost.1,
-            "achieved_gflops": flops / 1e9,
+            "achieved_gflops": cost.1 as f64 / s / 1e9,
             "roofline": "gemm_probe",
-            "roofline_ratio": flops / gemm,
-            "fma_peak_ratio": peak.map(|p| flops / p),
+            "probe_gflops": median(gemms) / 1e9,
+            "roofline_ratio": median(ratios),
+            "fma_peak_ratio": (!peaks.is_empty()).then(|| median(peaks)),
         }));
     }
 
@@ -107,54 +154,75 @@ pub fn run(args: Args) -> Result<()> {
             rows.push(json!({"name": format!("decode_b{batch}"), "skipped": format!("the artifact's max batch size is {max_batch}")}));
             continue;
         }
+        if 16 + args.steps * rounds > engine.max_seq_len() {
+            anyhow::bail!(
+                "--steps {} × --rounds {}: 16 prompt tokens + the steps exceed max_seq_len {}",
+                args.steps,
+                rounds,
+                engine.max_seq_len()
+            );
+        }
         let seqs: Vec<u64> = (0..batch as u64).map(|i| 1000 + i).collect();
         let prompts: Vec<Vec<i64>> = (0..batch).map(|b| prompt(16, vocab, b as i64)).collect();
         for (s, p) in seqs.iter().zip(&prompts) {
             engine.step(&[(*s, p)])?;
         }
-        if 16 + args.steps > engine.max_seq_len() {
-            anyhow::bail!(
-                "--steps {}: 16 prompt tokens + the steps exceed max_seq_len {}",
-                args.steps,
-                engine.max_seq_len()
-            );
-        }
         let mut next: Vec<[i64; 1]> = (0..batch).map(|b| [(b as i64 * 17 + 5) % vocab]).collect();
-        let mut times = Vec::new();
+        let (mut times, mut ratios, mut bws) = (vec![], vec![], vec![]);
         let mut bytes = 0u64;
-        for step in 0..args.steps {
-            let chunks: Vec<(u64, &[i64])> =
-                seqs.iter().zip(&next).map(|(&s, t)| (s, &t[..])).collect();
-            let t = Instant::now();
-            let l = engine.step(&chunks)?;
-            times.push(t.elapsed().as_secs_f64());
-            bytes = step_cost(&engine).0;
-            for (b, n) in next.iter_mut().enumerate() {
-                n[0] = maxc_runtime::sampling::argmax(l.row(b)) as i64 ^ (step as i64 & 1);
+        for round in 0..rounds {
+            let bw = probes.bandwidth();
+            let mut round_times = Vec::new();
+            for step in 0..args.steps {
+                let chunks: Vec<(u64, &[i64])> =
+                    seqs.iter().zip(&next).map(|(&s, t)| (s, &t[..])).collect();
+                let t = Instant::now();
+                let l = engine.step(&chunks)?;
+                round_times.push(t.elapsed().as_secs_f64());
+                bytes = step_cost(&engine).0;
+                for (b, n) in next.iter_mut().enumerate() {
+                    n[0] = maxc_runtime::sampling::argmax(l.row(b)) as i64
+                        ^ ((round * args.steps + step) as i64 & 1);
+                }
             }
+            ratios.push(bytes as f64 / median(round_times.clone()) / bw);
+            bws.push(bw);
+            times.extend(round_times);
         }
         for s in &seqs {
             engine.release(*s);
         }
         let s = median(times);
-        let gbs = bytes as f64 / s;
         rows.push(json!({
             "name": format!("decode_b{batch}"),
             "tokens_per_s": batch as f64 / s,
             "step_ms": s * 1e3,
             "bytes_per_step": bytes,
-            "achieved_gbs": gbs / 1e9,
+            "achieved_gbs": bytes as f64 / s / 1e9,
             "roofline": "bandwidth_probe",
-            "roofline_ratio": gbs / bw,
+            "probe_gbs": median(bws) / 1e9,
+            "roofline_ratio": median(ratios),
         }));
     }
+    // Every measurement ran; the probes' medians are the machine's.
+    let bw = if probes.bandwidth.is_empty() {
+        probes.bandwidth()
+    } else {
+        median(probes.bandwidth.clone())
+    };
+    let gemm = if probes.gemm.is_empty() {
+        probes.gemm()
+    } else {
+        median(probes.gemm.clone())
+    };
     let report = json!({
         "artifact": args.artifact.display().to_string(),
         "role": args.role,
         "threads": maxc_runtime::cpu::pool::threads(),
         "weight_kernels": maxc_runtime::cpu::weights::isa_name(),
         "load_s": median(loads.clone()),
-        "peak_rss_bytes": peak_rss(),
+        "rounds": rounds,
+        "peak_rss_bytes": probes.peak_rss(),
         "probes": {"bandwidth_gbs": bw / 1e9, "gemm_gflops": gemm / 1e9, "fma_peak_gflops": peak.map(|p| p / 1e9)},
         "measurements": rows,
     });
@@ -169,7 +237,8 @@ pub fn run(args: Args) -> Result<()> {
         report["weight_kernels"].as_str().unwrap_or("")
     );
     println!(
-        "probes: memory bandwidth {:.1} GB/s, f32 GEMM {:.1} GFLOP/s, f32 FMA peak {}",
+        "probes (medians; each ratio is the median of {rounds} rounds, each over the probe just \
+         before it): memory bandwidth {:.1} GB/s, f32 GEMM {:.1} GFLOP/s, f32 FMA peak {}",
         bw / 1e9,
         gemm / 1e9,
         peak.map_or("unknown".into(), |p| format!("{:.1} GFLOP/s", p / 1e9))
@@ -177,7 +246,7 @@ pub fn run(args: Args) -> Result<()> {
     println!(
         "load {:.3} s (files cached), peak resident memory {}",
         median(loads),
-        peak_rss().map_or("unknown".into(), |b| format!(
+        probes.peak_rss().map_or("unknown".into(), |b| format!(
             "{:.0} MiB",
             b as f64 / 1048576.0
         ))
