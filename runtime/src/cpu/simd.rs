@@ -1,8 +1,10 @@
 //! Hand-vectorized matmul kernels (`std::arch`) for the block formats of the default model
 //! and for bf16:
-//! - AVX-512 register tiles on Q8_0, Q4_0 and Q4_1 blocks (`avx512`): each block dequantized
-//!   once into registers for up to eight rows, and the same dequantizer for prefill's panels;
-//! - row-streaming kernels for Q4_K and bf16 (AVX-512) and Q8_0, Q4_0, Q4_1 (AVX2 + FMA) that
+//! - AVX-512 register tiles on Q8_0, Q4_0, Q4_1 blocks and Q4_K super-blocks (`avx512`): each
+//!   32 values dequantized once into registers for up to eight rows (a super-block's packed
+//!   scales unpacked once for its eight groups), and the same dequantizer for prefill's panels;
+//! - row-streaming kernels for Q4_K and bf16 (AVX-512; Q4_K's is the baseline the weights bench
+//!   compares the tiles with) and Q8_0, Q4_0, Q4_1 (AVX2 + FMA) that
 //!   factor the block's scale out of the dot product (`Σ x·(d·q + m) = d·Σ x·q + m·Σ x`, with
 //!   `Σ x` per block computed once per call), each weight block unpacked once for up to four
 //!   rows.
@@ -17,7 +19,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use maxc_schema::blocks::{as_blocks, Block, BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
+use maxc_schema::blocks::{as_blocks, Block, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
 
 /// A streaming kernel: columns `cols` of `out[rows, n] = x[rows, k] · wᵀ`, `out` starting at
 /// column `cols.start` of row 0 (row stride `n`).
@@ -94,7 +96,7 @@ impl Small for BlockQ4_1 {
     }
 }
 
-/// Register tiles on 32-value blocks for steps of 1 to 21 rows (AVX-512): each block is
+/// Register tiles on blocks for steps of 1 to 21 rows (AVX-512): each 32 values of a block are
 /// dequantized once (`d·q + m`, the values of `Block::dequantize`) into two f32 vectors held
 /// in registers for every row of the tile, its scales converted once per block; up to eight
 /// rows by two weight rows (or one row by four) of sixteen-lane accumulators, summed once at
@@ -103,11 +105,22 @@ impl Small for BlockQ4_1 {
 mod avx512 {
     use super::*;
 
-    /// A 32-value block's values as f32, elements 0..16 and 16..32.
+    /// A block's values as f32, 32 at a time: one group for the 32-value blocks, eight for
+    /// the 256-value super-blocks of the K formats (whose scales are unpacked once per block
+    /// and shared by its groups).
     pub(super) trait Dequant: Block {
+        /// The block's scales as its groups use them.
+        type Scales: Copy;
+        /// 32-value groups per block.
+        const GROUPS: usize;
         /// # Safety
         /// AVX-512F/BW and F16C must be available.
-        unsafe fn values(&self) -> (__m512, __m512);
+        unsafe fn scales(&self) -> Self::Scales;
+        /// Values `32·g..32·g + 16` and `32·g + 16..32·g + 32`.
+        ///
+        /// # Safety
+        /// AVX-512F/BW and F16C must be available; `g < GROUPS`.
+        unsafe fn values(&self, scales: &Self::Scales, g: usize) -> (__m512, __m512);
     }
 
     /// The f16 pair `a`, `b` as two broadcast f32 vectors, converted together.
@@ -139,8 +152,12 @@ mod avx512 {
     }
 
     impl Dequant for BlockQ4_1 {
+        type Scales = ();
+        const GROUPS: usize = 1;
         #[inline(always)]
-        unsafe fn values(&self) -> (__m512, __m512) {
+        unsafe fn scales(&self) {}
+        #[inline(always)]
+        unsafe fn values(&self, _: &(), _: usize) -> (__m512, __m512) {
             // SAFETY: the caller's features.
             unsafe {
                 let (d, m) = pair(self.d, self.m);
@@ -151,8 +168,12 @@ mod avx512 {
     }
 
     impl Dequant for BlockQ4_0 {
+        type Scales = ();
+        const GROUPS: usize = 1;
         #[inline(always)]
-        unsafe fn values(&self) -> (__m512, __m512) {
+        unsafe fn scales(&self) {}
+        #[inline(always)]
+        unsafe fn values(&self, _: &(), _: usize) -> (__m512, __m512) {
             // SAFETY: the caller's features.
             unsafe {
                 let (d, _) = pair(self.d, [0, 0]);
@@ -164,8 +185,12 @@ mod avx512 {
     }
 
     impl Dequant for BlockQ8_0 {
+        type Scales = ();
+        const GROUPS: usize = 1;
         #[inline(always)]
-        unsafe fn values(&self) -> (__m512, __m512) {
+        unsafe fn scales(&self) {}
+        #[inline(always)]
+        unsafe fn values(&self, _: &(), _: usize) -> (__m512, __m512) {
             let p = self.qs.as_ptr().cast::<__m128i>();
             // SAFETY: 32 bytes of qs, read unaligned; the caller's features.
             unsafe {
@@ -179,6 +204,62 @@ mod avx512 {
                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(1)))),
                         d,
                     ),
+                )
+            }
+        }
+    }
+
+    /// Eight 32-value groups, `d·sc_g·q − dmin·m_g`; group `2c` is the low nibbles of
+    /// `qs[32c..32c + 32]`, group `2c + 1` their high nibbles (as `Block::dequantize`).
+    impl Dequant for BlockQ4K {
+        /// `d·sc_g` for the eight groups, then `−dmin·m_g`.
+        type Scales = [f32; 16];
+        const GROUPS: usize = 8;
+        #[inline(always)]
+        unsafe fn scales(&self) -> [f32; 16] {
+            // The twelve bytes of 6-bit scales and mins rearranged into sixteen bytes, eight
+            // scales then eight mins (the bit layout of `scale_min_k4`, four at a time).
+            const LOW6: u32 = 0x3F3F_3F3F;
+            const LOW4: u32 = 0x0F0F_0F0F;
+            const LOW2: u32 = 0x0303_0303;
+            let q = &self.scales;
+            let word = |i: usize| u32::from_le_bytes([q[i], q[i + 1], q[i + 2], q[i + 3]]);
+            let (u0, u1, u2) = (word(0), word(4), word(8));
+            let bytes = [
+                u0 & LOW6,
+                (u2 & LOW4) | (((u0 >> 6) & LOW2) << 4),
+                u1 & LOW6,
+                ((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4),
+            ];
+            let mut out = [0.0f32; 16];
+            // SAFETY: sixteen bytes read, sixteen floats written; the caller's features.
+            unsafe {
+                let v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                    bytes.as_ptr().cast(),
+                )));
+                let (d, dmin) = pair(self.d, self.dmin);
+                let by = _mm512_mask_blend_ps(0xFF00, d, _mm512_sub_ps(_mm512_setzero_ps(), dmin));
+                _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(v, by));
+            }
+            out
+        }
+        #[inline(always)]
+        unsafe fn values(&self, s: &[f32; 16], g: usize) -> (__m512, __m512) {
+            // SAFETY: 32 bytes of qs at 32·(g / 2), read unaligned; the caller's features.
+            unsafe {
+                let p = self.qs.as_ptr().add(32 * (g / 2));
+                let a = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast()));
+                let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(16).cast()));
+                let (a, b) = if g.is_multiple_of(2) {
+                    let low = _mm512_set1_epi32(0x0F);
+                    (_mm512_and_si512(a, low), _mm512_and_si512(b, low))
+                } else {
+                    (_mm512_srli_epi32(a, 4), _mm512_srli_epi32(b, 4))
+                };
+                let (sc, m) = (_mm512_set1_ps(s[g]), _mm512_set1_ps(s[8 + g]));
+                (
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sc, m),
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), sc, m),
                 )
             }
         }
@@ -210,17 +291,20 @@ mod avx512 {
                     crate::cpu::tile::prefetch_ahead(next, line);
                     line += 1;
                 }
-                let mut wv = [[_mm512_setzero_ps(); 2]; C];
-                for c in 0..C {
-                    let (lo, hi) = (*w.add(c * nb + b)).values();
-                    wv[c] = [lo, hi];
-                }
-                for r in 0..R {
-                    let px = x.add(r * k + b * QK);
-                    let (x0, x1) = (_mm512_loadu_ps(px), _mm512_loadu_ps(px.add(16)));
+                let scales: [B::Scales; C] = std::array::from_fn(|c| (*w.add(c * nb + b)).scales());
+                for g in 0..B::GROUPS {
+                    let mut wv = [[_mm512_setzero_ps(); 2]; C];
                     for c in 0..C {
-                        acc[r][c] = _mm512_fmadd_ps(x0, wv[c][0], acc[r][c]);
-                        acc[r][c] = _mm512_fmadd_ps(x1, wv[c][1], acc[r][c]);
+                        let (lo, hi) = (*w.add(c * nb + b)).values(&scales[c], g);
+                        wv[c] = [lo, hi];
+                    }
+                    for r in 0..R {
+                        let px = x.add(r * k + b * B::ELEMS + g * QK);
+                        let (x0, x1) = (_mm512_loadu_ps(px), _mm512_loadu_ps(px.add(16)));
+                        for c in 0..C {
+                            acc[r][c] = _mm512_fmadd_ps(x0, wv[c][0], acc[r][c]);
+                            acc[r][c] = _mm512_fmadd_ps(x1, wv[c][1], acc[r][c]);
+                        }
                     }
                 }
             }
@@ -245,7 +329,7 @@ mod avx512 {
         k: usize,
         cols: std::ops::Range<usize>,
     ) {
-        let nb = k / QK;
+        let nb = k / B::ELEMS;
         let bytes = nb * std::mem::size_of::<B>();
         let xr = x[row0 * k..].as_ptr();
         let o = out[row0 * n..].as_mut_ptr();
@@ -325,15 +409,18 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")]
     pub(super) unsafe fn dequant<B: Dequant>(w: &[u8], k: usize, j0: usize, panel: &mut [f32]) {
         let Some(w) = as_blocks::<B>(w) else { return };
-        let nb = k / QK;
+        let nb = k / B::ELEMS;
         for (i, prow) in panel.chunks_exact_mut(k).enumerate() {
             for (b, blk) in w[(j0 + i) * nb..(j0 + i + 1) * nb].iter().enumerate() {
-                // SAFETY: the features above; 32 values of the row at b·32.
+                // SAFETY: the features above; the block's values lie in the row at b·ELEMS.
                 unsafe {
-                    let (lo, hi) = blk.values();
-                    let o = prow.as_mut_ptr().add(b * QK);
-                    _mm512_storeu_ps(o, lo);
-                    _mm512_storeu_ps(o.add(16), hi);
+                    let scales = blk.scales();
+                    for g in 0..B::GROUPS {
+                        let (lo, hi) = blk.values(&scales, g);
+                        let o = prow.as_mut_ptr().add(b * B::ELEMS + g * QK);
+                        _mm512_storeu_ps(o, lo);
+                        _mm512_storeu_ps(o.add(16), hi);
+                    }
                 }
             }
         }
@@ -395,7 +482,7 @@ mod bf16_avx512 {
 #[cfg(target_arch = "x86_64")]
 mod q4k_avx512 {
     use super::*;
-    use maxc_schema::blocks::{BlockQ4K, QK_K};
+    use maxc_schema::blocks::QK_K;
 
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
@@ -635,6 +722,7 @@ pub fn block_tile_kernel(dtype: maxc_schema::DType, isa: super::weights::Isa) ->
             (Isa::Avx512, DType::Q8_0) => Some(avx512::tiles::<BlockQ8_0>),
             (Isa::Avx512, DType::Q4_0) => Some(avx512::tiles::<BlockQ4_0>),
             (Isa::Avx512, DType::Q4_1) => Some(avx512::tiles::<BlockQ4_1>),
+            (Isa::Avx512, DType::Q4K) => Some(avx512::tiles::<BlockQ4K>),
             _ => None,
         };
     }
@@ -658,6 +746,7 @@ pub fn panel_kernel(dtype: maxc_schema::DType, isa: super::weights::Isa) -> Opti
             (Isa::Avx512, DType::Q8_0) => Some(avx512::dequant::<BlockQ8_0>),
             (Isa::Avx512, DType::Q4_0) => Some(avx512::dequant::<BlockQ4_0>),
             (Isa::Avx512, DType::Q4_1) => Some(avx512::dequant::<BlockQ4_1>),
+            (Isa::Avx512, DType::Q4K) => Some(avx512::dequant::<BlockQ4K>),
             _ => None,
         };
     }
@@ -703,7 +792,8 @@ mod tests {
 
     #[test]
     fn hand_kernels_match_the_dequantized_reference_on_every_isa_the_host_has() {
-        let (n, k) = (9, 256);
+        // Two 256-value super-blocks per row, so that a K format's second block is read too.
+        let (n, k) = (9, 512);
         let x: Vec<f32> = (0..10 * k)
             .map(|i| ((i * 31) % 19) as f32 * 0.1 - 0.9)
             .collect();
@@ -758,16 +848,28 @@ mod tests {
                 _ => maxc_schema::blocks::dequantize(dtype, &w).unwrap(),
             };
             for &isa in &isas {
-                let Some(f) =
-                    stream_kernel(dtype, k, isa).or_else(|| block_tile_kernel(dtype, isa))
-                else {
-                    assert!(
-                        isa == Isa::Avx2 && matches!(dtype, DType::Q4K | DType::BF16),
-                        "{dtype} has no {isa:?} kernel"
-                    );
-                    continue;
-                };
-                for rows in 1..=10 {
+                if let Some(f) = panel_kernel(dtype, isa) {
+                    let mut panel = vec![f32::NAN; 3 * k];
+                    // SAFETY: the host has the ISA (checked above); rows 4..7 exist.
+                    unsafe { f(&w, k, 4, &mut panel) };
+                    for (i, (got, want)) in panel.iter().zip(&wf[4 * k..7 * k]).enumerate() {
+                        assert!(
+                            (got - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                            "{dtype} {isa:?} panel value {i}: {got} vs {want}"
+                        );
+                    }
+                }
+                let kernels: Vec<StreamFn> =
+                    [stream_kernel(dtype, k, isa), block_tile_kernel(dtype, isa)]
+                        .into_iter()
+                        .flatten()
+                        .collect();
+                assert!(
+                    !kernels.is_empty()
+                        || (isa == Isa::Avx2 && matches!(dtype, DType::Q4K | DType::BF16)),
+                    "{dtype} has no {isa:?} kernel"
+                );
+                for (f, rows) in kernels.iter().flat_map(|f| (1..=10).map(move |r| (f, r))) {
                     let mut out = vec![f32::NAN; rows * n];
                     // SAFETY: the host has the ISA (checked above).
                     unsafe { f(&x, &w, &mut out, rows, n, k, 0..n) };

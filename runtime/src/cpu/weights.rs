@@ -573,9 +573,9 @@ pub fn matmul(
             }
             // Other formats go through f32 panels (below).
             _ if rows >= packed_min_rows(dtype) => false,
-            // Steps of a few rows on 32-value blocks: each block dequantized once into
-            // registers for up to eight rows.
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1
+            // Steps of a few rows on blocks: each 32 values dequantized once into registers
+            // for up to eight rows.
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4K
                 if BLOCK_TILES.load(std::sync::atomic::Ordering::Relaxed) =>
             {
                 match super::simd::block_tile_kernel(dtype, isa()) {
