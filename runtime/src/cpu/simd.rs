@@ -19,7 +19,10 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use maxc_schema::blocks::{as_blocks, Block, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
+use maxc_schema::blocks::{
+    as_blocks, Block, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K,
+    BlockQ8_0, QK,
+};
 
 /// A streaming kernel: columns `cols` of `out[rows, n] = x[rows, k] · wᵀ`, `out` starting at
 /// column `cols.start` of row 0 (row stride `n`).
@@ -209,6 +212,203 @@ mod avx512 {
         }
     }
 
+    /// Nibbles of 16 bytes with a fifth bit from `qh` (bit `j` for element `j`), as integers:
+    /// elements 0..16 (low nibbles) and 16..32 (high nibbles).
+    #[inline(always)]
+    unsafe fn nibbles5(qs: &[u8; 16], qh: [u8; 4]) -> (__m512i, __m512i) {
+        // SAFETY: 16 bytes, read unaligned; the caller has AVX-512F.
+        unsafe {
+            let qh = u32::from_le_bytes(qh);
+            let w = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.as_ptr().cast()));
+            let lo = _mm512_and_si512(w, _mm512_set1_epi32(0x0F));
+            let hi = _mm512_srli_epi32(w, 4);
+            let five = _mm512_set1_epi32(0x10);
+            (
+                _mm512_mask_or_epi32(lo, qh as __mmask16, lo, five),
+                _mm512_mask_or_epi32(hi, (qh >> 16) as __mmask16, hi, five),
+            )
+        }
+    }
+
+    impl Dequant for BlockQ5_0 {
+        type Scales = ();
+        const GROUPS: usize = 1;
+        #[inline(always)]
+        unsafe fn scales(&self) {}
+        #[inline(always)]
+        unsafe fn values(&self, _: &(), _: usize) -> (__m512, __m512) {
+            // SAFETY: the caller's features.
+            unsafe {
+                let (d, _) = pair(self.d, [0, 0]);
+                // d·q − 16·d: the reference's d·(q − 16), rounded once either way.
+                let m = _mm512_mul_ps(d, _mm512_set1_ps(-16.0));
+                let (lo, hi) = nibbles5(&self.qs, self.qh);
+                (
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m),
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, m),
+                )
+            }
+        }
+    }
+
+    impl Dequant for BlockQ5_1 {
+        type Scales = ();
+        const GROUPS: usize = 1;
+        #[inline(always)]
+        unsafe fn scales(&self) {}
+        #[inline(always)]
+        unsafe fn values(&self, _: &(), _: usize) -> (__m512, __m512) {
+            // SAFETY: the caller's features.
+            unsafe {
+                let (d, m) = pair(self.d, self.m);
+                let (lo, hi) = nibbles5(&self.qs, self.qh);
+                (
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m),
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, m),
+                )
+            }
+        }
+    }
+
+    /// `d·sc_g` for the eight groups of a K super-block, then `−dmin·m_g`, from its twelve
+    /// bytes of packed 6-bit scales and mins (the bit layout of `scale_min_k4`, four at a time).
+    #[inline(always)]
+    unsafe fn k_scales(d: [u8; 2], dmin: [u8; 2], q: &[u8; 12]) -> [f32; 16] {
+        const LOW6: u32 = 0x3F3F_3F3F;
+        const LOW4: u32 = 0x0F0F_0F0F;
+        const LOW2: u32 = 0x0303_0303;
+        let word = |i: usize| u32::from_le_bytes([q[i], q[i + 1], q[i + 2], q[i + 3]]);
+        let (u0, u1, u2) = (word(0), word(4), word(8));
+        let bytes = [
+            u0 & LOW6,
+            (u2 & LOW4) | (((u0 >> 6) & LOW2) << 4),
+            u1 & LOW6,
+            ((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4),
+        ];
+        let mut out = [0.0f32; 16];
+        // SAFETY: sixteen bytes read, sixteen floats written; the caller has AVX-512F and F16C.
+        unsafe {
+            let v =
+                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(bytes.as_ptr().cast())));
+            let (d, dmin) = pair(d, dmin);
+            let by = _mm512_mask_blend_ps(0xFF00, d, _mm512_sub_ps(_mm512_setzero_ps(), dmin));
+            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(v, by));
+        }
+        out
+    }
+
+    /// Group `g` of a K super-block's nibbles (`2c`: the low nibbles of `qs[32c..32c + 32]`,
+    /// `2c + 1`: their high nibbles) as integers, values 0..16 and 16..32.
+    #[inline(always)]
+    unsafe fn k_nibbles(qs: &[u8; 128], g: usize) -> (__m512i, __m512i) {
+        // SAFETY: 32 bytes of qs at 32·(g / 2), read unaligned; the caller has AVX-512F.
+        unsafe {
+            let p = qs.as_ptr().add(32 * (g / 2));
+            let a = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast()));
+            let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(16).cast()));
+            if g.is_multiple_of(2) {
+                let low = _mm512_set1_epi32(0x0F);
+                (_mm512_and_si512(a, low), _mm512_and_si512(b, low))
+            } else {
+                (_mm512_srli_epi32(a, 4), _mm512_srli_epi32(b, 4))
+            }
+        }
+    }
+
+    /// As [`BlockQ4K`] with a fifth bit per value: bit `g` of `qh[l]` for element `l` of group
+    /// `g`.
+    impl Dequant for BlockQ5K {
+        type Scales = [f32; 16];
+        const GROUPS: usize = 8;
+        #[inline(always)]
+        unsafe fn scales(&self) -> [f32; 16] {
+            // SAFETY: the caller's features.
+            unsafe { k_scales(self.d, self.dmin, &self.scales) }
+        }
+        #[inline(always)]
+        unsafe fn values(&self, s: &[f32; 16], g: usize) -> (__m512, __m512) {
+            // SAFETY: 32 bytes of qh, read unaligned; the caller's features.
+            unsafe {
+                let (a, b) = k_nibbles(&self.qs, g);
+                let p = self.qh.as_ptr();
+                let bit = _mm512_set1_epi32(1 << g);
+                let ha =
+                    _mm512_test_epi32_mask(_mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast())), bit);
+                let hb = _mm512_test_epi32_mask(
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(16).cast())),
+                    bit,
+                );
+                let five = _mm512_set1_epi32(0x10);
+                let a = _mm512_mask_or_epi32(a, ha, a, five);
+                let b = _mm512_mask_or_epi32(b, hb, b, five);
+                let (sc, m) = (_mm512_set1_ps(s[g]), _mm512_set1_ps(s[8 + g]));
+                (
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sc, m),
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), sc, m),
+                )
+            }
+        }
+    }
+
+    /// Sixteen groups of 16, `d·scales[i]·(q − 32)`, as eight groups of 32: group `g` of half
+    /// `h = g / 4` (`t = g % 4`) takes its low four bits from `ql[64h + 32·(t % 2)..]` (low
+    /// nibbles for `t < 2`, high ones after) and its top two from bits `2t..2t + 2` of
+    /// `qh[32h..]`, scales `2g` and `2g + 1` (as `Block::dequantize`).
+    impl Dequant for BlockQ6K {
+        /// `d·scales[i]`.
+        type Scales = [f32; 16];
+        const GROUPS: usize = 8;
+        #[inline(always)]
+        unsafe fn scales(&self) -> [f32; 16] {
+            let mut out = [0.0f32; 16];
+            // SAFETY: sixteen scale bytes read, sixteen floats written; the caller's features.
+            unsafe {
+                let v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                    self.scales.as_ptr().cast(),
+                )));
+                let (d, _) = pair(self.d, [0, 0]);
+                _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(v, d));
+            }
+            out
+        }
+        #[inline(always)]
+        unsafe fn values(&self, s: &[f32; 16], g: usize) -> (__m512, __m512) {
+            let (h, t) = (g / 4, g % 4);
+            // SAFETY: 32 bytes of ql and of qh at the offsets above, read unaligned; the
+            // caller's features.
+            unsafe {
+                let pl = self.ql.as_ptr().add(64 * h + 32 * (t % 2));
+                let ph = self.qh.as_ptr().add(32 * h);
+                let part = |i: usize| {
+                    let l = _mm512_cvtepu8_epi32(_mm_loadu_si128(pl.add(16 * i).cast()));
+                    let l = if t < 2 {
+                        _mm512_and_si512(l, _mm512_set1_epi32(0x0F))
+                    } else {
+                        _mm512_srli_epi32(l, 4)
+                    };
+                    let hv = _mm512_cvtepu8_epi32(_mm_loadu_si128(ph.add(16 * i).cast()));
+                    // Bits 2t..2t + 2 of qh moved to bits 4..6.
+                    let hv = match t {
+                        0 => _mm512_slli_epi32(hv, 4),
+                        1 => _mm512_slli_epi32(hv, 2),
+                        2 => hv,
+                        _ => _mm512_srli_epi32(hv, 2),
+                    };
+                    // l | (hv & 0x30)
+                    let q = _mm512_ternarylogic_epi32(l, hv, _mm512_set1_epi32(0x30), 0xF8);
+                    let sc = _mm512_set1_ps(s[2 * g + i]);
+                    // s·q − 32·s: the reference's s·(q − 32), rounded once either way.
+                    _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(q),
+                        sc,
+                        _mm512_mul_ps(sc, _mm512_set1_ps(-32.0)),
+                    )
+                };
+                (part(0), part(1))
+            }
+        }
+    }
+
     /// Eight 32-value groups, `d·sc_g·q − dmin·m_g`; group `2c` is the low nibbles of
     /// `qs[32c..32c + 32]`, group `2c + 1` their high nibbles (as `Block::dequantize`).
     impl Dequant for BlockQ4K {
@@ -217,45 +417,14 @@ mod avx512 {
         const GROUPS: usize = 8;
         #[inline(always)]
         unsafe fn scales(&self) -> [f32; 16] {
-            // The twelve bytes of 6-bit scales and mins rearranged into sixteen bytes, eight
-            // scales then eight mins (the bit layout of `scale_min_k4`, four at a time).
-            const LOW6: u32 = 0x3F3F_3F3F;
-            const LOW4: u32 = 0x0F0F_0F0F;
-            const LOW2: u32 = 0x0303_0303;
-            let q = &self.scales;
-            let word = |i: usize| u32::from_le_bytes([q[i], q[i + 1], q[i + 2], q[i + 3]]);
-            let (u0, u1, u2) = (word(0), word(4), word(8));
-            let bytes = [
-                u0 & LOW6,
-                (u2 & LOW4) | (((u0 >> 6) & LOW2) << 4),
-                u1 & LOW6,
-                ((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4),
-            ];
-            let mut out = [0.0f32; 16];
-            // SAFETY: sixteen bytes read, sixteen floats written; the caller's features.
-            unsafe {
-                let v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                    bytes.as_ptr().cast(),
-                )));
-                let (d, dmin) = pair(self.d, self.dmin);
-                let by = _mm512_mask_blend_ps(0xFF00, d, _mm512_sub_ps(_mm512_setzero_ps(), dmin));
-                _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(v, by));
-            }
-            out
+            // SAFETY: the caller's features.
+            unsafe { k_scales(self.d, self.dmin, &self.scales) }
         }
         #[inline(always)]
         unsafe fn values(&self, s: &[f32; 16], g: usize) -> (__m512, __m512) {
-            // SAFETY: 32 bytes of qs at 32·(g / 2), read unaligned; the caller's features.
+            // SAFETY: the caller's features.
             unsafe {
-                let p = self.qs.as_ptr().add(32 * (g / 2));
-                let a = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast()));
-                let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(16).cast()));
-                let (a, b) = if g.is_multiple_of(2) {
-                    let low = _mm512_set1_epi32(0x0F);
-                    (_mm512_and_si512(a, low), _mm512_and_si512(b, low))
-                } else {
-                    (_mm512_srli_epi32(a, 4), _mm512_srli_epi32(b, 4))
-                };
+                let (a, b) = k_nibbles(&self.qs, g);
                 let (sc, m) = (_mm512_set1_ps(s[g]), _mm512_set1_ps(s[8 + g]));
                 (
                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sc, m),
@@ -723,6 +892,10 @@ pub fn block_tile_kernel(dtype: maxc_schema::DType, isa: super::weights::Isa) ->
             (Isa::Avx512, DType::Q4_0) => Some(avx512::tiles::<BlockQ4_0>),
             (Isa::Avx512, DType::Q4_1) => Some(avx512::tiles::<BlockQ4_1>),
             (Isa::Avx512, DType::Q4K) => Some(avx512::tiles::<BlockQ4K>),
+            (Isa::Avx512, DType::Q5_0) => Some(avx512::tiles::<BlockQ5_0>),
+            (Isa::Avx512, DType::Q5_1) => Some(avx512::tiles::<BlockQ5_1>),
+            (Isa::Avx512, DType::Q5K) => Some(avx512::tiles::<BlockQ5K>),
+            (Isa::Avx512, DType::Q6K) => Some(avx512::tiles::<BlockQ6K>),
             _ => None,
         };
     }
@@ -747,6 +920,10 @@ pub fn panel_kernel(dtype: maxc_schema::DType, isa: super::weights::Isa) -> Opti
             (Isa::Avx512, DType::Q4_0) => Some(avx512::dequant::<BlockQ4_0>),
             (Isa::Avx512, DType::Q4_1) => Some(avx512::dequant::<BlockQ4_1>),
             (Isa::Avx512, DType::Q4K) => Some(avx512::dequant::<BlockQ4K>),
+            (Isa::Avx512, DType::Q5_0) => Some(avx512::dequant::<BlockQ5_0>),
+            (Isa::Avx512, DType::Q5_1) => Some(avx512::dequant::<BlockQ5_1>),
+            (Isa::Avx512, DType::Q5K) => Some(avx512::dequant::<BlockQ5K>),
+            (Isa::Avx512, DType::Q6K) => Some(avx512::dequant::<BlockQ6K>),
             _ => None,
         };
     }
@@ -811,7 +988,11 @@ mod tests {
             DType::Q8_0,
             DType::Q4_0,
             DType::Q4_1,
+            DType::Q5_0,
+            DType::Q5_1,
             DType::Q4K,
+            DType::Q5K,
+            DType::Q6K,
             DType::BF16,
         ] {
             let (elems, size) = dtype.block();
@@ -822,13 +1003,15 @@ mod tests {
                 if dtype == DType::BF16 {
                     break;
                 }
-                b[..2]
+                // The scale: Q6_K keeps it last, the others first.
+                let d = if dtype == DType::Q6K { size - 2 } else { 0 };
+                b[d..d + 2]
                     .copy_from_slice(&half::f16::from_f32(0.01 * (1 + i % 5) as f32).to_le_bytes());
-                if dtype == DType::Q4_1 {
+                if matches!(dtype, DType::Q4_1 | DType::Q5_1) {
                     b[2..4].copy_from_slice(&half::f16::from_f32(-0.05).to_le_bytes());
                 }
             }
-            if matches!(dtype, DType::Q4K) {
+            if matches!(dtype, DType::Q4K | DType::Q5K) {
                 for b in w.chunks_exact_mut(size) {
                     b[2..4].copy_from_slice(&half::f16::from_f32(0.02).to_le_bytes());
                 }
@@ -866,7 +1049,8 @@ mod tests {
                         .collect();
                 assert!(
                     !kernels.is_empty()
-                        || (isa == Isa::Avx2 && matches!(dtype, DType::Q4K | DType::BF16)),
+                        || (isa == Isa::Avx2
+                            && !matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)),
                     "{dtype} has no {isa:?} kernel"
                 );
                 for (f, rows) in kernels.iter().flat_map(|f| (1..=10).map(move |r| (f, r))) {

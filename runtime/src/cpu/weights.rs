@@ -575,7 +575,14 @@ pub fn matmul(
             _ if rows >= packed_min_rows(dtype) => false,
             // Steps of a few rows on blocks: each 32 values dequantized once into registers
             // for up to eight rows.
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4K
+            DType::Q8_0
+            | DType::Q4_0
+            | DType::Q4_1
+            | DType::Q5_0
+            | DType::Q5_1
+            | DType::Q4K
+            | DType::Q5K
+            | DType::Q6K
                 if BLOCK_TILES.load(std::sync::atomic::Ordering::Relaxed) =>
             {
                 match super::simd::block_tile_kernel(dtype, isa()) {
