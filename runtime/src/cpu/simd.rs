@@ -374,38 +374,47 @@ mod avx512 {
         #[inline(always)]
         unsafe fn values(&self, s: &[f32; 16], g: usize) -> (__m512, __m512) {
             let (h, t) = (g / 4, g % 4);
-            // SAFETY: 32 bytes of ql and of qh at the offsets above, read unaligned; the
-            // caller's features.
+            // SAFETY: 32 bytes of ql and of qh at these offsets; the caller's features.
             unsafe {
                 let pl = self.ql.as_ptr().add(64 * h + 32 * (t % 2));
                 let ph = self.qh.as_ptr().add(32 * h);
-                let part = |i: usize| {
-                    let l = _mm512_cvtepu8_epi32(_mm_loadu_si128(pl.add(16 * i).cast()));
-                    let l = if t < 2 {
-                        _mm512_and_si512(l, _mm512_set1_epi32(0x0F))
-                    } else {
-                        _mm512_srli_epi32(l, 4)
-                    };
-                    let hv = _mm512_cvtepu8_epi32(_mm_loadu_si128(ph.add(16 * i).cast()));
-                    // Bits 2t..2t + 2 of qh moved to bits 4..6.
-                    let hv = match t {
-                        0 => _mm512_slli_epi32(hv, 4),
-                        1 => _mm512_slli_epi32(hv, 2),
-                        2 => hv,
-                        _ => _mm512_srli_epi32(hv, 2),
-                    };
-                    // l | (hv & 0x30)
-                    let q = _mm512_ternarylogic_epi32(l, hv, _mm512_set1_epi32(0x30), 0xF8);
-                    let sc = _mm512_set1_ps(s[2 * g + i]);
-                    // s·q − 32·s: the reference's s·(q − 32), rounded once either way.
-                    _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(q),
-                        sc,
-                        _mm512_mul_ps(sc, _mm512_set1_ps(-32.0)),
-                    )
-                };
-                (part(0), part(1))
+                (
+                    q6_sixteen(pl, ph, t, s[2 * g]),
+                    q6_sixteen(pl.add(16), ph.add(16), t, s[2 * g + 1]),
+                )
             }
+        }
+    }
+
+    /// Sixteen Q6_K values `scale·(q − 32)`: the low four bits from `ql` (low nibbles for
+    /// `t < 2`, high ones after), the top two from bits `2t..2t + 2` of `qh`.
+    #[inline(always)]
+    unsafe fn q6_sixteen(ql: *const u8, qh: *const u8, t: usize, scale: f32) -> __m512 {
+        // SAFETY: 16 bytes at each pointer, read unaligned; the caller has AVX-512F.
+        unsafe {
+            let l = _mm512_cvtepu8_epi32(_mm_loadu_si128(ql.cast()));
+            let l = if t < 2 {
+                _mm512_and_si512(l, _mm512_set1_epi32(0x0F))
+            } else {
+                _mm512_srli_epi32(l, 4)
+            };
+            let hv = _mm512_cvtepu8_epi32(_mm_loadu_si128(qh.cast()));
+            // Bits 2t..2t + 2 of qh moved to bits 4..6.
+            let hv = match t {
+                0 => _mm512_slli_epi32(hv, 4),
+                1 => _mm512_slli_epi32(hv, 2),
+                2 => hv,
+                _ => _mm512_srli_epi32(hv, 2),
+            };
+            // l | (hv & 0x30)
+            let q = _mm512_ternarylogic_epi32(l, hv, _mm512_set1_epi32(0x30), 0xF8);
+            let sc = _mm512_set1_ps(scale);
+            // s·q − 32·s: the reference's s·(q − 32), rounded once either way.
+            _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(q),
+                sc,
+                _mm512_mul_ps(sc, _mm512_set1_ps(-32.0)),
+            )
         }
     }
 
@@ -460,7 +469,12 @@ mod avx512 {
                     crate::cpu::tile::prefetch_ahead(next, line);
                     line += 1;
                 }
-                let scales: [B::Scales; C] = std::array::from_fn(|c| (*w.add(c * nb + b)).scales());
+                // (A loop, not `array::from_fn`: a closure does not inherit this function's
+                // target features, and its intrinsics would not be inlined.)
+                let mut scales = [(*w.add(b)).scales(); C];
+                for c in 1..C {
+                    scales[c] = (*w.add(c * nb + b)).scales();
+                }
                 for g in 0..B::GROUPS {
                     let mut wv = [[_mm512_setzero_ps(); 2]; C];
                     for c in 0..C {
