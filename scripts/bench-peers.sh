@@ -6,10 +6,11 @@
 #
 # llama.cpp comes from PyPI's llama-cpp-python source distribution (its vendored llama.cpp),
 # built once with CMake (from PyPI too) into .tools/peers (git-ignored, cached). The variants
-# (Q8_0, BF16, F32) are made from GGUF with llama.cpp's own llama-quantize, so both engines read
-# the very same files. llama-bench reports prefill (pp128) and decode (tg64) means over 3
-# repetitions; maxc bench the median of its prefill_128 and decode_b1 steps (decode after a
-# 16-token prompt). Not part of CI: it builds llama.cpp (minutes) and needs quiet cores.
+# (Q8_0, BF16, F32, and Q4_K_M: the mix most downloads are) are made from GGUF with llama.cpp's
+# own llama-quantize, so both engines read the very same files. llama-bench reports prefill
+# (pp128) and decode (tg64) means over 3 repetitions; maxc bench the median of its prefill_128
+# and decode_b1 steps (decode after a 16-token prompt). Not part of CI: it builds llama.cpp
+# (minutes) and needs quiet cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -77,7 +78,7 @@ fi
 # The variants, made by llama-quantize from the given file.
 base=$(basename "$gguf" .gguf)
 files=("$gguf")
-for t in Q8_0 BF16 F32; do
+for t in Q8_0 BF16 F32 Q4_K_M; do
   out="$peers/$base.$t.gguf"
   if [ ! -f "$out" ]; then
     "$bin/llama-quantize" --allow-requantize "$gguf" "$out" "$t" >/dev/null 2>&1
@@ -102,7 +103,7 @@ for round in $(seq "$rounds"); do
   for f in "${files[@]}"; do
     art="$peers/$(basename "$f" .gguf).maxc"
     llama=$("$bin/llama-bench" -m "$f" -t "$threads" -p 128 -n 64 -r 3 -o json 2>/dev/null)
-    ours=$("$maxc" bench "$art" --json --steps 64)
+    ours=$("$maxc" bench "$art" --json --steps 64 --rounds 1)
     python3 - "$f" "$llama" "$ours" >> "$results" <<'EOF2'
 import json, os, sys
 name, llama, ours = os.path.basename(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
