@@ -31,6 +31,7 @@ fn main() {
         DType::Q4_1,
         DType::Q5_0,
         DType::Q4K,
+        DType::Q5K,
         DType::Q6K,
     ];
     // A stack of weights larger than the caches, cycled through, so each call streams from

@@ -327,25 +327,23 @@ mod avx512 {
         }
         #[inline(always)]
         unsafe fn values(&self, s: &[f32; 16], g: usize) -> (__m512, __m512) {
-            // SAFETY: 32 bytes of qh, read unaligned; the caller's features.
+            // SAFETY: 32 bytes of qs at 32·(g / 2) and of qh, read unaligned; the caller's
+            // features. The five-bit values are assembled as bytes, 32 at a time, then widened.
             unsafe {
-                let (a, b) = k_nibbles(&self.qs, g);
-                let p = self.qh.as_ptr();
-                let bit = _mm512_set1_epi32(1 << g);
-                let ha =
-                    _mm512_test_epi32_mask(_mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast())), bit);
-                let hb = _mm512_test_epi32_mask(
-                    _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(16).cast())),
-                    bit,
-                );
-                let five = _mm512_set1_epi32(0x10);
-                let a = _mm512_mask_or_epi32(a, ha, a, five);
-                let b = _mm512_mask_or_epi32(b, hb, b, five);
+                let raw = _mm256_loadu_si256(self.qs.as_ptr().add(32 * (g / 2)).cast());
+                let raw = if g.is_multiple_of(2) {
+                    raw
+                } else {
+                    _mm256_srli_epi16(raw, 4)
+                };
+                let nib = _mm256_and_si256(raw, _mm256_set1_epi8(0x0F));
+                let hv = _mm256_loadu_si256(self.qh.as_ptr().cast());
+                let five = _mm256_test_epi8_mask(hv, _mm256_set1_epi8((1u8 << g) as i8));
+                let q = _mm256_mask_add_epi8(nib, five, nib, _mm256_set1_epi8(0x10));
+                let lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
+                let hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
                 let (sc, m) = (_mm512_set1_ps(s[g]), _mm512_set1_ps(s[8 + g]));
-                (
-                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sc, m),
-                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), sc, m),
-                )
+                (_mm512_fmadd_ps(lo, sc, m), _mm512_fmadd_ps(hi, sc, m))
             }
         }
     }
@@ -374,47 +372,36 @@ mod avx512 {
         #[inline(always)]
         unsafe fn values(&self, s: &[f32; 16], g: usize) -> (__m512, __m512) {
             let (h, t) = (g / 4, g % 4);
-            // SAFETY: 32 bytes of ql and of qh at these offsets; the caller's features.
+            // SAFETY: 32 bytes of ql and of qh at these offsets, read unaligned; the caller's
+            // features. The six-bit values are assembled as bytes, 32 at a time (16-bit shifts:
+            // the masks drop what crosses from the neighbouring byte), then widened.
             unsafe {
-                let pl = self.ql.as_ptr().add(64 * h + 32 * (t % 2));
-                let ph = self.qh.as_ptr().add(32 * h);
+                let l = _mm256_loadu_si256(self.ql.as_ptr().add(64 * h + 32 * (t % 2)).cast());
+                let l = if t < 2 { l } else { _mm256_srli_epi16(l, 4) };
+                let hv = _mm256_loadu_si256(self.qh.as_ptr().add(32 * h).cast());
+                // Bits 2t..2t + 2 of qh moved to bits 4..6.
+                let hv = match t {
+                    0 => _mm256_slli_epi16(hv, 4),
+                    1 => _mm256_slli_epi16(hv, 2),
+                    2 => hv,
+                    _ => _mm256_srli_epi16(hv, 2),
+                };
+                // (l & 0x0F) | (hv & 0x30), less 32: q − 32 as a signed byte.
+                let q = _mm256_ternarylogic_epi32(
+                    _mm256_and_si256(l, _mm256_set1_epi8(0x0F)),
+                    hv,
+                    _mm256_set1_epi8(0x30),
+                    0xF8,
+                );
+                let q = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+                let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+                let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+                // s·(q − 32), rounded once as the reference's.
                 (
-                    q6_sixteen(pl, ph, t, s[2 * g]),
-                    q6_sixteen(pl.add(16), ph.add(16), t, s[2 * g + 1]),
+                    _mm512_mul_ps(lo, _mm512_set1_ps(s[2 * g])),
+                    _mm512_mul_ps(hi, _mm512_set1_ps(s[2 * g + 1])),
                 )
             }
-        }
-    }
-
-    /// Sixteen Q6_K values `scale·(q − 32)`: the low four bits from `ql` (low nibbles for
-    /// `t < 2`, high ones after), the top two from bits `2t..2t + 2` of `qh`.
-    #[inline(always)]
-    unsafe fn q6_sixteen(ql: *const u8, qh: *const u8, t: usize, scale: f32) -> __m512 {
-        // SAFETY: 16 bytes at each pointer, read unaligned; the caller has AVX-512F.
-        unsafe {
-            let l = _mm512_cvtepu8_epi32(_mm_loadu_si128(ql.cast()));
-            let l = if t < 2 {
-                _mm512_and_si512(l, _mm512_set1_epi32(0x0F))
-            } else {
-                _mm512_srli_epi32(l, 4)
-            };
-            let hv = _mm512_cvtepu8_epi32(_mm_loadu_si128(qh.cast()));
-            // Bits 2t..2t + 2 of qh moved to bits 4..6.
-            let hv = match t {
-                0 => _mm512_slli_epi32(hv, 4),
-                1 => _mm512_slli_epi32(hv, 2),
-                2 => hv,
-                _ => _mm512_srli_epi32(hv, 2),
-            };
-            // l | (hv & 0x30)
-            let q = _mm512_ternarylogic_epi32(l, hv, _mm512_set1_epi32(0x30), 0xF8);
-            let sc = _mm512_set1_ps(scale);
-            // s·q − 32·s: the reference's s·(q − 32), rounded once either way.
-            _mm512_fmadd_ps(
-                _mm512_cvtepi32_ps(q),
-                sc,
-                _mm512_mul_ps(sc, _mm512_set1_ps(-32.0)),
-            )
         }
     }
 
