@@ -17,9 +17,17 @@ use std::sync::Arc;
 
 /// f32 storage aligned to 64 bytes.
 struct Aligned {
-    buf: Vec<f32>,
+    mem: Memory,
     start: usize,
     len: usize,
+}
+
+/// Where [`Aligned`] keeps its values.
+enum Memory {
+    Heap(Vec<f32>),
+    /// Transparent huge pages ([`crate::hugemem`]): what decode streams every step (the KV
+    /// cache) reads about 1.4x as fast from them.
+    Huge(crate::hugemem::HugeBuf),
 }
 
 impl Aligned {
@@ -42,13 +50,45 @@ impl Aligned {
             Vec::from_raw_parts(ptr, total, total)
         };
         let start = buf.as_ptr().align_offset(64);
-        Ok(Aligned { buf, start, len })
+        Ok(Aligned {
+            mem: Memory::Heap(buf),
+            start,
+            len,
+        })
     }
+
+    /// As [`Aligned::zeroed`], on transparent huge pages where the kernel offers them (pages
+    /// still come on first touch, 2 MiB at a time).
+    fn zeroed_huge(bytes: u64, what: &str) -> Result<Self> {
+        if !crate::hugemem::available() || bytes < (2 << 20) {
+            return Self::zeroed(bytes, what);
+        }
+        let len = usize::try_from(bytes.div_ceil(4)).unwrap_or(usize::MAX);
+        match len.checked_mul(4).map(crate::hugemem::HugeBuf::zeroed) {
+            Some(Ok(buf)) => Ok(Aligned {
+                mem: Memory::Huge(buf),
+                start: 0,
+                len,
+            }),
+            _ => Self::zeroed(bytes, what),
+        }
+    }
+
     fn ptr(&mut self) -> *mut u8 {
-        self.buf[self.start..].as_mut_ptr().cast()
+        self.slice_mut().as_mut_ptr().cast()
     }
+
     fn slice_mut(&mut self) -> &mut [f32] {
-        &mut self.buf[self.start..self.start + self.len]
+        match &mut self.mem {
+            Memory::Heap(buf) => &mut buf[self.start..self.start + self.len],
+            // SAFETY: 2 MiB-aligned bytes, len · 4 of them; any bit pattern is an f32.
+            Memory::Huge(buf) => unsafe {
+                std::slice::from_raw_parts_mut(
+                    buf.as_mut_slice().as_mut_ptr().cast::<f32>(),
+                    self.len,
+                )
+            },
+        }
     }
 }
 
@@ -234,7 +274,7 @@ impl CpuExecutor {
             }
         }
         let (bounds, limits) = artifact.step_limits(role)?;
-        let kv = Aligned::zeroed(program.kv_cache_bytes(limits.bounds), "KV cache")?;
+        let kv = Aligned::zeroed_huge(program.kv_cache_bytes(limits.bounds), "KV cache")?;
         let max_seq_len = limits.max_seq_len as usize;
         let mut rope = Vec::new();
         for t in &program.rope_tables {

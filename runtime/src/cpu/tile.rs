@@ -161,6 +161,26 @@ pub(crate) unsafe fn prefetch_ahead(next: (*const u8, usize), line: usize) {
     unsafe { _mm_prefetch::<_MM_HINT_T1>(next.0.wrapping_add(next.1 + line * 64).cast()) }
 }
 
+/// Rows ahead of the tile in hand that [`prefetch_strided`] fetches: a tile of short strided
+/// rows (attention's keys, 64 to 128 values of one KV head among several) computes in far less
+/// time than memory takes to answer, so the distance is several tiles.
+pub(crate) const STRIDED_AHEAD: usize = 24;
+
+/// Prefetches rows `j..j + count` of `w` (`k` values each, whatever the stride) into L1: rows
+/// that are not contiguous get no help from the tiles' own prefetch or, as the hardware
+/// streamer follows consecutive lines, from the hardware.
+#[inline(always)]
+pub(crate) unsafe fn prefetch_strided<L: Rows>(w: L, k: usize, j: usize, count: usize) {
+    let bytes = k * w.row_bytes() / w.stride().max(1);
+    for r in j..j + count {
+        let p = w.row(r);
+        for line in 0..bytes.div_ceil(64) {
+            // SAFETY: the caller has SSE; prefetches never fault.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line * 64).cast()) }
+        }
+    }
+}
+
 /// The sums of four vectors' lanes, as one 128-bit vector.
 #[inline(always)]
 unsafe fn hsum4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
@@ -384,6 +404,10 @@ pub(crate) unsafe fn matmul<L: Rows>(
         let mut j = 0;
         while j < cols {
             let c = NR.min(cols - j);
+            if w.stride() != k && r0 == tall {
+                // SAFETY: prefetches never fault.
+                unsafe { prefetch_strided(w, k, j + STRIDED_AHEAD, c) };
+            }
             let mut r = r0;
             while r < r1 {
                 let m = MR.min(r1 - r);
