@@ -1,13 +1,12 @@
-//! Hand-vectorized matmul kernels (`std::arch`) for the block formats of the default model
-//! and for bf16:
-//! - AVX-512 register tiles on Q8_0, Q4_0, Q4_1 blocks and Q4_K super-blocks (`avx512`): each
-//!   32 values dequantized once into registers for up to eight rows (a super-block's packed
-//!   scales unpacked once for its eight groups), and the same dequantizer for prefill's panels;
+//! Hand-vectorized matmul kernels (`std::arch`) for the block formats and for bf16:
+//! - AVX-512 register tiles on every block format (`avx512`: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and
+//!   the K super-blocks Q4_K, Q5_K, Q6_K): each 32 values dequantized once into registers for up
+//!   to eight rows (a super-block's packed scales unpacked once for its eight groups), and the
+//!   same dequantizers for prefill's panels;
 //! - row-streaming kernels for Q4_K and bf16 (AVX-512; Q4_K's is the baseline the weights bench
-//!   compares the tiles with) and Q8_0, Q4_0, Q4_1 (AVX2 + FMA) that
-//!   factor the block's scale out of the dot product (`Σ x·(d·q + m) = d·Σ x·q + m·Σ x`, with
-//!   `Σ x` per block computed once per call), each weight block unpacked once for up to four
-//!   rows.
+//!   compares the tiles with) and for every block format (AVX2 + FMA) that factor each 32-value
+//!   group's scale out of the dot product (`Σ x·(d·q + m) = d·Σ x·q + m·Σ x`, with `Σ x` per
+//!   group computed once per call), each weight block unpacked once for up to four rows.
 //!
 //! Values are widened to f32 and accumulated in f32: the same arithmetic as the generic kernels
 //! in another order.
@@ -74,29 +73,6 @@ fn block_sums(x: &[f32], rows: usize, k: usize) -> Vec<f32> {
 unsafe fn half_to_f32(bits: u16) -> f32 {
     // SAFETY: the caller has F16C (SSE2 is baseline).
     unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))) }
-}
-
-/// The scalar parts of a 32-value block: scale, offset (Q4_1's `m`; 0 otherwise).
-trait Small: Block {
-    fn scales(&self) -> (u16, u16);
-}
-impl Small for BlockQ8_0 {
-    #[inline(always)]
-    fn scales(&self) -> (u16, u16) {
-        (u16::from_le_bytes(self.d), 0)
-    }
-}
-impl Small for BlockQ4_0 {
-    #[inline(always)]
-    fn scales(&self) -> (u16, u16) {
-        (u16::from_le_bytes(self.d), 0)
-    }
-}
-impl Small for BlockQ4_1 {
-    #[inline(always)]
-    fn scales(&self) -> (u16, u16) {
-        (u16::from_le_bytes(self.d), u16::from_le_bytes(self.m))
-    }
 }
 
 /// Register tiles on blocks for steps of 1 to 21 rows (AVX-512): each 32 values of a block are
@@ -747,12 +723,46 @@ mod q4k_avx512 {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
+    use maxc_schema::blocks::scale_min_k4;
 
-    /// The block's 32 values as integers widened to f32, in four groups of eight.
-    pub(super) trait Unpack: Small {
+    /// A block's values in 32-value groups, `scale_g · q + offset_g` with `q` integers the
+    /// block stores (Q6_K, whose groups of 16 have their own scales, gives its values scaled,
+    /// with scale 1).
+    pub(super) trait Unpack: Block {
+        /// 32-value groups per block.
+        const GROUPS: usize;
+        /// Each group's scale and offset (the first `GROUPS`).
+        fn group_scales(&self) -> ([f32; 8], [f32; 8]);
+        /// Group `g`'s `q` widened to f32, in four vectors of eight.
+        ///
         /// # Safety
-        /// AVX2 must be available.
-        unsafe fn unpack(&self) -> [__m256; 4];
+        /// AVX2 must be available; `g < GROUPS`.
+        unsafe fn unpack(&self, g: usize) -> [__m256; 4];
+    }
+
+    /// Scale `d` alone (offset 0) or with offset `m`, of a 32-value block.
+    #[inline(always)]
+    fn one(d: [u8; 2], m: Option<[u8; 2]>) -> ([f32; 8], [f32; 8]) {
+        let mut s = ([0.0; 8], [0.0; 8]);
+        s.0[0] = maxc_schema::blocks::f16_to_f32(u16::from_le_bytes(d));
+        s.1[0] = m.map_or(0.0, |m| {
+            maxc_schema::blocks::f16_to_f32(u16::from_le_bytes(m))
+        });
+        s
+    }
+
+    /// A K super-block's eight groups: `d·sc_g` and `−dmin·m_g`.
+    #[inline(always)]
+    fn k_groups(d: [u8; 2], dmin: [u8; 2], q: &[u8; 12]) -> ([f32; 8], [f32; 8]) {
+        let d = maxc_schema::blocks::f16_to_f32(u16::from_le_bytes(d));
+        let dmin = maxc_schema::blocks::f16_to_f32(u16::from_le_bytes(dmin));
+        let mut s = ([0.0; 8], [0.0; 8]);
+        for g in 0..8 {
+            let (sc, m) = scale_min_k4(g, q);
+            s.0[g] = d * sc as f32;
+            s.1[g] = -(dmin * m as f32);
+        }
+        s
     }
 
     #[inline(always)]
@@ -766,47 +776,221 @@ mod avx2 {
         }
     }
 
-    impl Unpack for BlockQ8_0 {
-        #[inline(always)]
-        unsafe fn unpack(&self) -> [__m256; 4] {
-            let p = self.qs.as_ptr().cast::<__m128i>();
-            // SAFETY: 32 bytes of qs, read unaligned.
-            unsafe {
-                let [a, b] = widen(_mm_loadu_si128(p));
-                let [c, d] = widen(_mm_loadu_si128(p.add(1)));
-                [a, b, c, d]
-            }
+    /// 32 signed bytes (two 16-byte halves) widened to f32.
+    #[inline(always)]
+    unsafe fn widen32(a: __m128i, b: __m128i) -> [__m256; 4] {
+        // SAFETY: the caller has AVX2.
+        unsafe {
+            let [p, q] = widen(a);
+            let [r, t] = widen(b);
+            [p, q, r, t]
         }
     }
 
+    impl Unpack for BlockQ8_0 {
+        const GROUPS: usize = 1;
+        #[inline(always)]
+        fn group_scales(&self) -> ([f32; 8], [f32; 8]) {
+            one(self.d, None)
+        }
+        #[inline(always)]
+        unsafe fn unpack(&self, _: usize) -> [__m256; 4] {
+            let p = self.qs.as_ptr().cast::<__m128i>();
+            // SAFETY: 32 bytes of qs, read unaligned.
+            unsafe { widen32(_mm_loadu_si128(p), _mm_loadu_si128(p.add(1))) }
+        }
+    }
+
+    /// Low and high nibbles of 16 bytes, each with a fifth bit from `qh` where given (bit `j`
+    /// for element `j`), less `offset`, as signed bytes.
     #[inline(always)]
-    unsafe fn nibbles(qs: &[u8; 16], offset: i8) -> [__m256; 4] {
+    unsafe fn nibbles(qs: &[u8; 16], qh: Option<[u8; 4]>, offset: i8) -> (__m128i, __m128i) {
         // SAFETY: 16 bytes, read unaligned; the caller has AVX2.
         unsafe {
             let q = _mm_loadu_si128(qs.as_ptr().cast());
             let mask = _mm_set1_epi8(0x0F);
+            let mut lo = _mm_and_si128(q, mask);
+            let mut hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+            if let Some(qh) = qh {
+                // Bit j of qh to byte j: each byte selects its bit, compared with it.
+                let bits = _mm256_set1_epi32(u32::from_le_bytes(qh) as i32);
+                let pick = _mm256_set_epi64x(
+                    0x8040_2010_0804_0201u64 as i64,
+                    0x8040_2010_0804_0201u64 as i64,
+                    0x8040_2010_0804_0201u64 as i64,
+                    0x8040_2010_0804_0201u64 as i64,
+                );
+                let spread = _mm256_shuffle_epi8(
+                    bits,
+                    _mm256_set_epi64x(
+                        0x0303_0303_0303_0303,
+                        0x0202_0202_0202_0202,
+                        0x0101_0101_0101_0101,
+                        0,
+                    ),
+                );
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, pick), pick);
+                let five = _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+                lo = _mm_or_si128(lo, _mm256_castsi256_si128(five));
+                hi = _mm_or_si128(hi, _mm256_extracti128_si256(five, 1));
+            }
             let off = _mm_set1_epi8(offset);
-            let lo = _mm_sub_epi8(_mm_and_si128(q, mask), off);
-            let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), mask), off);
-            let [a, b] = widen(lo);
-            let [c, d] = widen(hi);
-            [a, b, c, d]
+            (_mm_sub_epi8(lo, off), _mm_sub_epi8(hi, off))
         }
     }
 
     impl Unpack for BlockQ4_0 {
+        const GROUPS: usize = 1;
         #[inline(always)]
-        unsafe fn unpack(&self) -> [__m256; 4] {
+        fn group_scales(&self) -> ([f32; 8], [f32; 8]) {
+            one(self.d, None)
+        }
+        #[inline(always)]
+        unsafe fn unpack(&self, _: usize) -> [__m256; 4] {
             // SAFETY: as `nibbles`.
-            unsafe { nibbles(&self.qs, 8) }
+            unsafe {
+                let (lo, hi) = nibbles(&self.qs, None, 8);
+                widen32(lo, hi)
+            }
         }
     }
 
     impl Unpack for BlockQ4_1 {
+        const GROUPS: usize = 1;
         #[inline(always)]
-        unsafe fn unpack(&self) -> [__m256; 4] {
+        fn group_scales(&self) -> ([f32; 8], [f32; 8]) {
+            one(self.d, Some(self.m))
+        }
+        #[inline(always)]
+        unsafe fn unpack(&self, _: usize) -> [__m256; 4] {
             // SAFETY: as `nibbles`.
-            unsafe { nibbles(&self.qs, 0) }
+            unsafe {
+                let (lo, hi) = nibbles(&self.qs, None, 0);
+                widen32(lo, hi)
+            }
+        }
+    }
+
+    impl Unpack for BlockQ5_0 {
+        const GROUPS: usize = 1;
+        #[inline(always)]
+        fn group_scales(&self) -> ([f32; 8], [f32; 8]) {
+            one(self.d, None)
+        }
+        #[inline(always)]
+        unsafe fn unpack(&self, _: usize) -> [__m256; 4] {
+            // SAFETY: as `nibbles`.
+            unsafe {
+                let (lo, hi) = nibbles(&self.qs, Some(self.qh), 16);
+                widen32(lo, hi)
+            }
+        }
+    }
+
+    impl Unpack for BlockQ5_1 {
+        const GROUPS: usize = 1;
+        #[inline(always)]
+        fn group_scales(&self) -> ([f32; 8], [f32; 8]) {
+            one(self.d, Some(self.m))
+        }
+        #[inline(always)]
+        unsafe fn unpack(&self, _: usize) -> [__m256; 4] {
+            // SAFETY: as `nibbles`.
+            unsafe {
+                let (lo, hi) = nibbles(&self.qs, Some(self.qh), 0);
+                widen32(lo, hi)
+            }
+        }
+    }
+
+    /// Group `g` of a K super-block's nibbles (`2c`: low nibbles of `qs[32c..32c + 32]`,
+    /// `2c + 1`: their high nibbles), with the fifth bit `g` of each `qh` byte where given.
+    #[inline(always)]
+    unsafe fn k_nibbles(qs: &[u8; 128], qh: Option<&[u8; 32]>, g: usize) -> [__m256; 4] {
+        // SAFETY: 32 bytes of qs at 32·(g / 2) and of qh, read unaligned; the caller has AVX2.
+        unsafe {
+            let raw = _mm256_loadu_si256(qs.as_ptr().add(32 * (g / 2)).cast());
+            let raw = if g.is_multiple_of(2) {
+                raw
+            } else {
+                _mm256_srli_epi16(raw, 4)
+            };
+            let mut q = _mm256_and_si256(raw, _mm256_set1_epi8(0x0F));
+            if let Some(qh) = qh {
+                let bit = _mm256_set1_epi8((1u8 << g) as i8);
+                let h = _mm256_loadu_si256(qh.as_ptr().cast());
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
+                q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+            }
+            widen32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1))
+        }
+    }
+
+    impl Unpack for BlockQ4K {
+        const GROUPS: usize = 8;
+        #[inline(always)]
+        fn group_scales(&self) -> ([f32; 8], [f32; 8]) {
+            k_groups(self.d, self.dmin, &self.scales)
+        }
+        #[inline(always)]
+        unsafe fn unpack(&self, g: usize) -> [__m256; 4] {
+            // SAFETY: as `k_nibbles`.
+            unsafe { k_nibbles(&self.qs, None, g) }
+        }
+    }
+
+    impl Unpack for BlockQ5K {
+        const GROUPS: usize = 8;
+        #[inline(always)]
+        fn group_scales(&self) -> ([f32; 8], [f32; 8]) {
+            k_groups(self.d, self.dmin, &self.scales)
+        }
+        #[inline(always)]
+        unsafe fn unpack(&self, g: usize) -> [__m256; 4] {
+            // SAFETY: as `k_nibbles`.
+            unsafe { k_nibbles(&self.qs, Some(&self.qh), g) }
+        }
+    }
+
+    /// Values scaled here (each 16 has its own scale): group scale 1, offset 0.
+    impl Unpack for BlockQ6K {
+        const GROUPS: usize = 8;
+        #[inline(always)]
+        fn group_scales(&self) -> ([f32; 8], [f32; 8]) {
+            ([1.0; 8], [0.0; 8])
+        }
+        #[inline(always)]
+        unsafe fn unpack(&self, g: usize) -> [__m256; 4] {
+            let (h, t) = (g / 4, g % 4);
+            // SAFETY: 32 bytes of ql and of qh at these offsets, read unaligned; AVX2. As the
+            // AVX-512 version: six-bit values assembled as bytes (16-bit shifts, masked).
+            unsafe {
+                let l = _mm256_loadu_si256(self.ql.as_ptr().add(64 * h + 32 * (t % 2)).cast());
+                let l = if t < 2 { l } else { _mm256_srli_epi16(l, 4) };
+                let hv = _mm256_loadu_si256(self.qh.as_ptr().add(32 * h).cast());
+                let hv = match t {
+                    0 => _mm256_slli_epi16(hv, 4),
+                    1 => _mm256_slli_epi16(hv, 2),
+                    2 => hv,
+                    _ => _mm256_srli_epi16(hv, 2),
+                };
+                let q = _mm256_or_si256(
+                    _mm256_and_si256(l, _mm256_set1_epi8(0x0F)),
+                    _mm256_and_si256(hv, _mm256_set1_epi8(0x30)),
+                );
+                let q = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+                let d = maxc_schema::blocks::f16_to_f32(u16::from_le_bytes(self.d));
+                let s0 = _mm256_set1_ps(d * self.scales[2 * g] as f32);
+                let s1 = _mm256_set1_ps(d * self.scales[2 * g + 1] as f32);
+                let [a, b, c, e] =
+                    widen32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+                [
+                    _mm256_mul_ps(a, s0),
+                    _mm256_mul_ps(b, s0),
+                    _mm256_mul_ps(c, s1),
+                    _mm256_mul_ps(e, s1),
+                ]
+            }
         }
     }
 
@@ -833,26 +1017,28 @@ mod avx2 {
         k: usize,
         cols: std::ops::Range<usize>,
     ) {
-        let nb = k / QK;
+        let (nb, ng) = (k / B::ELEMS, k / QK);
         for j in cols.clone() {
             let blocks = &w[j * nb..(j + 1) * nb];
             let mut acc = [_mm256_setzero_ps(); R];
             let mut offs = [0.0f32; R];
             for (b, blk) in blocks.iter().enumerate() {
-                let (d, m) = blk.scales();
-                // SAFETY: the caller has AVX2, FMA and F16C; every x row holds k values.
-                unsafe {
-                    let d = _mm256_set1_ps(half_to_f32(d));
-                    let m = half_to_f32(m);
-                    let q = blk.unpack();
-                    for r in 0..R {
-                        let px = x.as_ptr().add((row0 + r) * k + b * QK);
-                        let mut p = _mm256_mul_ps(q[0], _mm256_loadu_ps(px));
-                        p = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(px.add(8)), p);
-                        p = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(px.add(16)), p);
-                        p = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(px.add(24)), p);
-                        acc[r] = _mm256_fmadd_ps(d, p, acc[r]);
-                        offs[r] += m * xs[(row0 + r) * nb + b];
+                let (scale, offset) = blk.group_scales();
+                for g in 0..B::GROUPS {
+                    // SAFETY: the caller has AVX2, FMA and F16C; every x row holds k values.
+                    unsafe {
+                        let d = _mm256_set1_ps(scale[g]);
+                        let q = blk.unpack(g);
+                        let at = b * B::ELEMS + g * QK;
+                        for r in 0..R {
+                            let px = x.as_ptr().add((row0 + r) * k + at);
+                            let mut p = _mm256_mul_ps(q[0], _mm256_loadu_ps(px));
+                            p = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(px.add(8)), p);
+                            p = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(px.add(16)), p);
+                            p = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(px.add(24)), p);
+                            acc[r] = _mm256_fmadd_ps(d, p, acc[r]);
+                            offs[r] += offset[g] * xs[(row0 + r) * ng + at / QK];
+                        }
                     }
                 }
             }
@@ -952,6 +1138,11 @@ pub fn stream_kernel(
             (Isa::Avx2, DType::Q8_0) => Some(avx2::stream::<BlockQ8_0>),
             (Isa::Avx2, DType::Q4_0) => Some(avx2::stream::<BlockQ4_0>),
             (Isa::Avx2, DType::Q4_1) => Some(avx2::stream::<BlockQ4_1>),
+            (Isa::Avx2, DType::Q5_0) => Some(avx2::stream::<BlockQ5_0>),
+            (Isa::Avx2, DType::Q5_1) => Some(avx2::stream::<BlockQ5_1>),
+            (Isa::Avx2, DType::Q4K) => Some(avx2::stream::<BlockQ4K>),
+            (Isa::Avx2, DType::Q5K) => Some(avx2::stream::<BlockQ5K>),
+            (Isa::Avx2, DType::Q6K) => Some(avx2::stream::<BlockQ6K>),
             _ => None,
         };
     }
@@ -1049,9 +1240,7 @@ mod tests {
                         .flatten()
                         .collect();
                 assert!(
-                    !kernels.is_empty()
-                        || (isa == Isa::Avx2
-                            && !matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)),
+                    !kernels.is_empty() || (isa == Isa::Avx2 && dtype == DType::BF16),
                     "{dtype} has no {isa:?} kernel"
                 );
                 for (f, rows) in kernels.iter().flat_map(|f| (1..=10).map(move |r| (f, r))) {

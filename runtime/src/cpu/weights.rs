@@ -236,12 +236,15 @@ pub(crate) enum Isa {
     Baseline,
 }
 
+/// The best instruction set this CPU has for the library kernels, or a lower one that
+/// `MAXC_CPU_ISA` (`avx2` or `baseline`) asks for: the kernels a CPU without AVX-512 runs,
+/// measured on one with it. A value that names no lower set is ignored, with a warning.
 pub(crate) fn isa() -> Isa {
     #[cfg(target_arch = "x86_64")]
     {
         static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
         *ISA.get_or_init(|| {
-            if std::is_x86_feature_detected!("avx512f")
+            let best = if std::is_x86_feature_detected!("avx512f")
                 && std::is_x86_feature_detected!("avx512bw")
                 && std::is_x86_feature_detected!("avx512vl")
                 && std::is_x86_feature_detected!("f16c")
@@ -254,6 +257,32 @@ pub(crate) fn isa() -> Isa {
                 Isa::Avx2
             } else {
                 Isa::Baseline
+            };
+            let rank = |i: Isa| match i {
+                Isa::Avx512 => 2,
+                Isa::Avx2 => 1,
+                Isa::Baseline => 0,
+            };
+            match std::env::var("MAXC_CPU_ISA").ok().as_deref() {
+                None => best,
+                Some(v) => {
+                    let asked = match v {
+                        "avx512" => Some(Isa::Avx512),
+                        "avx2" => Some(Isa::Avx2),
+                        "baseline" => Some(Isa::Baseline),
+                        _ => None,
+                    };
+                    match asked {
+                        Some(a) if rank(a) <= rank(best) => a,
+                        _ => {
+                            tracing::warn!(
+                                "MAXC_CPU_ISA={v} ignored: expected avx512, avx2 or baseline, \
+                                 at most what this CPU has ({best:?})"
+                            );
+                            best
+                        }
+                    }
+                }
             }
         })
     }
