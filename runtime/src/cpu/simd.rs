@@ -75,6 +75,68 @@ unsafe fn half_to_f32(bits: u16) -> f32 {
     unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))) }
 }
 
+/// Group `g` (0..8) of a Q6_K super-block, `q − 32` as 32 signed bytes: the low four bits
+/// from `ql[64h + 32·(t % 2)..]` (low nibbles for `t < 2`, high ones after) and the top two
+/// from bits `2t..2t + 2` of `qh[32h..]`, where `h = g / 4`, `t = g % 4` (as
+/// `Block::dequantize`). Assembled as bytes with 16-bit shifts; the masks drop what crosses
+/// from the neighbouring byte.
+///
+/// # Safety
+/// AVX2 must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn q6_bytes(blk: &BlockQ6K, g: usize) -> __m256i {
+    let (h, t) = (g / 4, g % 4);
+    // SAFETY: 32 bytes of ql and of qh at these offsets, read unaligned; the caller's AVX2.
+    unsafe {
+        let l = _mm256_loadu_si256(blk.ql.as_ptr().add(64 * h + 32 * (t % 2)).cast());
+        let l = if t < 2 { l } else { _mm256_srli_epi16(l, 4) };
+        let hv = _mm256_loadu_si256(blk.qh.as_ptr().add(32 * h).cast());
+        // Bits 2t..2t + 2 of qh moved to bits 4..6.
+        let hv = match t {
+            0 => _mm256_slli_epi16(hv, 4),
+            1 => _mm256_slli_epi16(hv, 2),
+            2 => hv,
+            _ => _mm256_srli_epi16(hv, 2),
+        };
+        let q = _mm256_or_si256(
+            _mm256_and_si256(l, _mm256_set1_epi8(0x0F)),
+            _mm256_and_si256(hv, _mm256_set1_epi8(0x30)),
+        );
+        _mm256_sub_epi8(q, _mm256_set1_epi8(32))
+    }
+}
+
+/// Group `g` (0..8) of a K super-block's nibbles as 32 bytes (`2c`: the low nibbles of
+/// `qs[32c..32c + 32]`, `2c + 1`: their high nibbles), with the fifth bit `g` of each `qh`
+/// byte (Q5_K) where given.
+///
+/// # Safety
+/// AVX2 must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn k_bytes(qs: &[u8; 128], qh: Option<&[u8; 32]>, g: usize) -> __m256i {
+    // SAFETY: 32 bytes of qs at 32·(g / 2) and of qh, read unaligned; the caller's AVX2.
+    unsafe {
+        let raw = _mm256_loadu_si256(qs.as_ptr().add(32 * (g / 2)).cast());
+        let raw = if g.is_multiple_of(2) {
+            raw
+        } else {
+            _mm256_srli_epi16(raw, 4)
+        };
+        let q = _mm256_and_si256(raw, _mm256_set1_epi8(0x0F));
+        match qh {
+            None => q,
+            Some(qh) => {
+                let bit = _mm256_set1_epi8((1u8 << g) as i8);
+                let h = _mm256_loadu_si256(qh.as_ptr().cast());
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
+                _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
+            }
+        }
+    }
+}
+
 /// Register tiles on blocks for steps of 1 to 21 rows (AVX-512): each 32 values of a block are
 /// dequantized once (`d·q + m`, the values of `Block::dequantize`) into two f32 vectors held
 /// in registers for every row of the tile, its scales converted once per block; up to eight
@@ -303,19 +365,9 @@ mod avx512 {
         }
         #[inline(always)]
         unsafe fn values(&self, s: &[f32; 16], g: usize) -> (__m512, __m512) {
-            // SAFETY: 32 bytes of qs at 32·(g / 2) and of qh, read unaligned; the caller's
-            // features. The five-bit values are assembled as bytes, 32 at a time, then widened.
+            // SAFETY: the caller's features.
             unsafe {
-                let raw = _mm256_loadu_si256(self.qs.as_ptr().add(32 * (g / 2)).cast());
-                let raw = if g.is_multiple_of(2) {
-                    raw
-                } else {
-                    _mm256_srli_epi16(raw, 4)
-                };
-                let nib = _mm256_and_si256(raw, _mm256_set1_epi8(0x0F));
-                let hv = _mm256_loadu_si256(self.qh.as_ptr().cast());
-                let five = _mm256_test_epi8_mask(hv, _mm256_set1_epi8((1u8 << g) as i8));
-                let q = _mm256_mask_add_epi8(nib, five, nib, _mm256_set1_epi8(0x10));
+                let q = k_bytes(&self.qs, Some(&self.qh), g);
                 let lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
                 let hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
                 let (sc, m) = (_mm512_set1_ps(s[g]), _mm512_set1_ps(s[8 + g]));
@@ -347,29 +399,9 @@ mod avx512 {
         }
         #[inline(always)]
         unsafe fn values(&self, s: &[f32; 16], g: usize) -> (__m512, __m512) {
-            let (h, t) = (g / 4, g % 4);
-            // SAFETY: 32 bytes of ql and of qh at these offsets, read unaligned; the caller's
-            // features. The six-bit values are assembled as bytes, 32 at a time (16-bit shifts:
-            // the masks drop what crosses from the neighbouring byte), then widened.
+            // SAFETY: the caller's features.
             unsafe {
-                let l = _mm256_loadu_si256(self.ql.as_ptr().add(64 * h + 32 * (t % 2)).cast());
-                let l = if t < 2 { l } else { _mm256_srli_epi16(l, 4) };
-                let hv = _mm256_loadu_si256(self.qh.as_ptr().add(32 * h).cast());
-                // Bits 2t..2t + 2 of qh moved to bits 4..6.
-                let hv = match t {
-                    0 => _mm256_slli_epi16(hv, 4),
-                    1 => _mm256_slli_epi16(hv, 2),
-                    2 => hv,
-                    _ => _mm256_srli_epi16(hv, 2),
-                };
-                // (l & 0x0F) | (hv & 0x30), less 32: q − 32 as a signed byte.
-                let q = _mm256_ternarylogic_epi32(
-                    _mm256_and_si256(l, _mm256_set1_epi8(0x0F)),
-                    hv,
-                    _mm256_set1_epi8(0x30),
-                    0xF8,
-                );
-                let q = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+                let q = q6_bytes(self, g);
                 let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
                 let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
                 // s·(q − 32), rounded once as the reference's.
@@ -903,25 +935,12 @@ mod avx2 {
         }
     }
 
-    /// Group `g` of a K super-block's nibbles (`2c`: low nibbles of `qs[32c..32c + 32]`,
-    /// `2c + 1`: their high nibbles), with the fifth bit `g` of each `qh` byte where given.
+    /// [`k_bytes`] widened to f32.
     #[inline(always)]
     unsafe fn k_nibbles(qs: &[u8; 128], qh: Option<&[u8; 32]>, g: usize) -> [__m256; 4] {
-        // SAFETY: 32 bytes of qs at 32·(g / 2) and of qh, read unaligned; the caller has AVX2.
+        // SAFETY: the caller has AVX2.
         unsafe {
-            let raw = _mm256_loadu_si256(qs.as_ptr().add(32 * (g / 2)).cast());
-            let raw = if g.is_multiple_of(2) {
-                raw
-            } else {
-                _mm256_srli_epi16(raw, 4)
-            };
-            let mut q = _mm256_and_si256(raw, _mm256_set1_epi8(0x0F));
-            if let Some(qh) = qh {
-                let bit = _mm256_set1_epi8((1u8 << g) as i8);
-                let h = _mm256_loadu_si256(qh.as_ptr().cast());
-                let set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
-                q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
-            }
+            let q = k_bytes(qs, qh, g);
             widen32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1))
         }
     }
@@ -961,24 +980,9 @@ mod avx2 {
         }
         #[inline(always)]
         unsafe fn unpack(&self, g: usize) -> [__m256; 4] {
-            let (h, t) = (g / 4, g % 4);
-            // SAFETY: 32 bytes of ql and of qh at these offsets, read unaligned; AVX2. As the
-            // AVX-512 version: six-bit values assembled as bytes (16-bit shifts, masked).
+            // SAFETY: the caller has AVX2.
             unsafe {
-                let l = _mm256_loadu_si256(self.ql.as_ptr().add(64 * h + 32 * (t % 2)).cast());
-                let l = if t < 2 { l } else { _mm256_srli_epi16(l, 4) };
-                let hv = _mm256_loadu_si256(self.qh.as_ptr().add(32 * h).cast());
-                let hv = match t {
-                    0 => _mm256_slli_epi16(hv, 4),
-                    1 => _mm256_slli_epi16(hv, 2),
-                    2 => hv,
-                    _ => _mm256_srli_epi16(hv, 2),
-                };
-                let q = _mm256_or_si256(
-                    _mm256_and_si256(l, _mm256_set1_epi8(0x0F)),
-                    _mm256_and_si256(hv, _mm256_set1_epi8(0x30)),
-                );
-                let q = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+                let q = q6_bytes(self, g);
                 let d = maxc_schema::blocks::f16_to_f32(u16::from_le_bytes(self.d));
                 let s0 = _mm256_set1_ps(d * self.scales[2 * g] as f32);
                 let s1 = _mm256_set1_ps(d * self.scales[2 * g + 1] as f32);
