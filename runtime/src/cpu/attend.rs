@@ -140,13 +140,14 @@ pub(crate) unsafe fn attention(
     super::pool::run(chunks, &|c| {
         SCRATCH.with(|s| {
             let mut s = s.borrow_mut();
-            let mine: Box<dyn Iterator<Item = &Item>> = if single_rows {
+            // (first item, stride, count) of this thread's share.
+            let (first, stride, count) = if single_rows {
                 let (a, b) = (items.len() * c / chunks, items.len() * (c + 1) / chunks);
-                Box::new(items[a..b].iter())
+                (a, 1, b - a)
             } else {
-                Box::new(items.iter().skip(c).step_by(chunks))
+                (c, chunks, items.len())
             };
-            for it in mine {
+            for it in items.iter().skip(first).step_by(stride).take(count) {
                 // SAFETY: as this function's contract; items are in bounds by construction.
                 unsafe { attend(*p, seqs, shape, *it, &mut s) };
             }
