@@ -6,7 +6,9 @@
 //! - row-streaming kernels for Q4_K and bf16 (AVX-512; Q4_K's is the baseline the weights bench
 //!   compares the tiles with) and for every block format (AVX2 + FMA) that factor each 32-value
 //!   group's scale out of the dot product (`Σ x·(d·q + m) = d·Σ x·q + m·Σ x`, with `Σ x` per
-//!   group computed once per call), each weight block unpacked once for up to four rows.
+//!   group computed once per call), each weight block unpacked once for up to four rows; five
+//!   to eight rows share each group dequantized once instead, and prefill's panels are
+//!   dequantized by the same unpacking (scales converted with F16C, a block's pair at once).
 //!
 //! Values are widened to f32 and accumulated in f32: the same arithmetic as the generic kernels
 //! in another order.
@@ -763,8 +765,13 @@ mod avx2 {
     pub(super) trait Unpack: Block {
         /// 32-value groups per block.
         const GROUPS: usize;
-        /// Each group's scale and offset (the first `GROUPS`).
-        fn group_scales(&self) -> ([f32; 8], [f32; 8]);
+        /// The block's scales, unpacked once for its groups.
+        type Scales: Copy;
+        /// # Safety
+        /// F16C must be available.
+        unsafe fn scales(&self) -> Self::Scales;
+        /// Group `g`'s scale and offset.
+        fn group(s: &Self::Scales, g: usize) -> (f32, f32);
         /// Group `g`'s `q` widened to f32, in four vectors of eight.
         ///
         /// # Safety
@@ -772,22 +779,30 @@ mod avx2 {
         unsafe fn unpack(&self, g: usize) -> [__m256; 4];
     }
 
-    /// Scale `d` alone (offset 0) or with offset `m`, of a 32-value block.
+    /// The two f16 values at the start of a block (a scale, and an offset or the first bytes
+    /// of the values), read as one 32-bit word and converted together.
+    ///
+    /// # Safety
+    /// F16C must be available; `B` is at least four bytes.
     #[inline(always)]
-    fn one(d: [u8; 2], m: Option<[u8; 2]>) -> ([f32; 8], [f32; 8]) {
-        let mut s = ([0.0; 8], [0.0; 8]);
-        s.0[0] = maxc_schema::blocks::f16_to_f32(u16::from_le_bytes(d));
-        s.1[0] = m.map_or(0.0, |m| {
-            maxc_schema::blocks::f16_to_f32(u16::from_le_bytes(m))
-        });
-        s
+    unsafe fn head<B: Block>(blk: &B) -> (f32, f32) {
+        // SAFETY: as the function's contract; read unaligned.
+        unsafe {
+            let w = std::ptr::read_unaligned((blk as *const B).cast::<i32>());
+            let v = _mm_cvtph_ps(_mm_cvtsi32_si128(w));
+            (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+        }
     }
 
-    /// A K super-block's eight groups: `d·sc_g` and `−dmin·m_g`.
+    /// A K super-block's eight groups: `d·sc_g` and `−dmin·m_g` (`blk` starts with `d` and
+    /// `dmin`, `q` is its packed scales and mins).
+    ///
+    /// # Safety
+    /// F16C must be available.
     #[inline(always)]
-    fn k_groups(d: [u8; 2], dmin: [u8; 2], q: &[u8; 12]) -> ([f32; 8], [f32; 8]) {
-        let d = maxc_schema::blocks::f16_to_f32(u16::from_le_bytes(d));
-        let dmin = maxc_schema::blocks::f16_to_f32(u16::from_le_bytes(dmin));
+    unsafe fn k_groups<B: Block>(blk: &B, q: &[u8; 12]) -> ([f32; 8], [f32; 8]) {
+        // SAFETY: the caller has F16C; K blocks start with `d` and `dmin`.
+        let (d, dmin) = unsafe { head(blk) };
         let mut s = ([0.0; 8], [0.0; 8]);
         for g in 0..8 {
             let (sc, m) = scale_min_k4(g, q);
@@ -795,6 +810,41 @@ mod avx2 {
             s.1[g] = -(dmin * m as f32);
         }
         s
+    }
+
+    /// The scales of the 32-value formats.
+    macro_rules! block32_scales {
+        ($this:ident => $scales:expr) => {
+            const GROUPS: usize = 1;
+            type Scales = (f32, f32);
+            #[inline(always)]
+            unsafe fn scales(&self) -> (f32, f32) {
+                let $this = self;
+                // SAFETY: the caller has F16C.
+                unsafe { $scales }
+            }
+            #[inline(always)]
+            fn group(s: &(f32, f32), _: usize) -> (f32, f32) {
+                *s
+            }
+        };
+    }
+
+    /// The scales of the K super-blocks with a 6-bit scale and min per group.
+    macro_rules! k_scales {
+        () => {
+            const GROUPS: usize = 8;
+            type Scales = ([f32; 8], [f32; 8]);
+            #[inline(always)]
+            unsafe fn scales(&self) -> ([f32; 8], [f32; 8]) {
+                // SAFETY: the caller has F16C.
+                unsafe { k_groups(self, &self.scales) }
+            }
+            #[inline(always)]
+            fn group(s: &([f32; 8], [f32; 8]), g: usize) -> (f32, f32) {
+                (s.0[g], s.1[g])
+            }
+        };
     }
 
     #[inline(always)]
@@ -819,17 +869,31 @@ mod avx2 {
         }
     }
 
+    /// Eight signed bytes at `p` as f32 (sign-extended as they are read).
+    ///
+    /// # Safety
+    /// AVX2; eight bytes readable at `p`.
+    #[inline(always)]
+    unsafe fn bytes8(p: *const u8) -> __m256 {
+        // SAFETY: as the function's contract.
+        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()))) }
+    }
+
     impl Unpack for BlockQ8_0 {
-        const GROUPS: usize = 1;
-        #[inline(always)]
-        fn group_scales(&self) -> ([f32; 8], [f32; 8]) {
-            one(self.d, None)
-        }
+        block32_scales!(b => (head(b).0, 0.0));
         #[inline(always)]
         unsafe fn unpack(&self, _: usize) -> [__m256; 4] {
-            let p = self.qs.as_ptr().cast::<__m128i>();
-            // SAFETY: 32 bytes of qs, read unaligned.
-            unsafe { widen32(_mm_loadu_si128(p), _mm_loadu_si128(p.add(1))) }
+            let p = self.qs.as_ptr().cast::<u8>();
+            // SAFETY: 32 bytes of qs, read unaligned eight at a time (each load sign-extended
+            // as it is read).
+            unsafe {
+                [
+                    bytes8(p),
+                    bytes8(p.add(8)),
+                    bytes8(p.add(16)),
+                    bytes8(p.add(24)),
+                ]
+            }
         }
     }
 
@@ -871,44 +935,48 @@ mod avx2 {
         }
     }
 
-    impl Unpack for BlockQ4_0 {
-        const GROUPS: usize = 1;
-        #[inline(always)]
-        fn group_scales(&self) -> ([f32; 8], [f32; 8]) {
-            one(self.d, None)
+    /// The 32 nibbles of 16 bytes as f32 (low nibbles are elements 0..16, high 16..32): each
+    /// eight bytes zero-extended to 32 bits as they are read, masked or shifted, converted.
+    #[inline(always)]
+    unsafe fn nibbles4(qs: &[u8; 16]) -> [__m256; 4] {
+        // SAFETY: 16 bytes, read unaligned eight at a time; the caller has AVX2.
+        unsafe {
+            let a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.as_ptr().cast()));
+            let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.as_ptr().add(8).cast()));
+            let m = _mm256_set1_epi32(0x0F);
+            [
+                _mm256_cvtepi32_ps(_mm256_and_si256(a, m)),
+                _mm256_cvtepi32_ps(_mm256_and_si256(b, m)),
+                _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)),
+                _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)),
+            ]
         }
+    }
+
+    /// `d·(q − 8)` as scale `d`, offset `−8·d`.
+    impl Unpack for BlockQ4_0 {
+        block32_scales!(b => {
+            let d = head(b).0;
+            (d, -8.0 * d)
+        });
         #[inline(always)]
         unsafe fn unpack(&self, _: usize) -> [__m256; 4] {
-            // SAFETY: as `nibbles`.
-            unsafe {
-                let (lo, hi) = nibbles(&self.qs, None, 8);
-                widen32(lo, hi)
-            }
+            // SAFETY: as `nibbles4`.
+            unsafe { nibbles4(&self.qs) }
         }
     }
 
     impl Unpack for BlockQ4_1 {
-        const GROUPS: usize = 1;
-        #[inline(always)]
-        fn group_scales(&self) -> ([f32; 8], [f32; 8]) {
-            one(self.d, Some(self.m))
-        }
+        block32_scales!(b => head(b));
         #[inline(always)]
         unsafe fn unpack(&self, _: usize) -> [__m256; 4] {
-            // SAFETY: as `nibbles`.
-            unsafe {
-                let (lo, hi) = nibbles(&self.qs, None, 0);
-                widen32(lo, hi)
-            }
+            // SAFETY: as `nibbles4`.
+            unsafe { nibbles4(&self.qs) }
         }
     }
 
     impl Unpack for BlockQ5_0 {
-        const GROUPS: usize = 1;
-        #[inline(always)]
-        fn group_scales(&self) -> ([f32; 8], [f32; 8]) {
-            one(self.d, None)
-        }
+        block32_scales!(b => (head(b).0, 0.0));
         #[inline(always)]
         unsafe fn unpack(&self, _: usize) -> [__m256; 4] {
             // SAFETY: as `nibbles`.
@@ -920,11 +988,7 @@ mod avx2 {
     }
 
     impl Unpack for BlockQ5_1 {
-        const GROUPS: usize = 1;
-        #[inline(always)]
-        fn group_scales(&self) -> ([f32; 8], [f32; 8]) {
-            one(self.d, Some(self.m))
-        }
+        block32_scales!(b => head(b));
         #[inline(always)]
         unsafe fn unpack(&self, _: usize) -> [__m256; 4] {
             // SAFETY: as `nibbles`.
@@ -946,11 +1010,7 @@ mod avx2 {
     }
 
     impl Unpack for BlockQ4K {
-        const GROUPS: usize = 8;
-        #[inline(always)]
-        fn group_scales(&self) -> ([f32; 8], [f32; 8]) {
-            k_groups(self.d, self.dmin, &self.scales)
-        }
+        k_scales!();
         #[inline(always)]
         unsafe fn unpack(&self, g: usize) -> [__m256; 4] {
             // SAFETY: as `k_nibbles`.
@@ -959,11 +1019,7 @@ mod avx2 {
     }
 
     impl Unpack for BlockQ5K {
-        const GROUPS: usize = 8;
-        #[inline(always)]
-        fn group_scales(&self) -> ([f32; 8], [f32; 8]) {
-            k_groups(self.d, self.dmin, &self.scales)
-        }
+        k_scales!();
         #[inline(always)]
         unsafe fn unpack(&self, g: usize) -> [__m256; 4] {
             // SAFETY: as `k_nibbles`.
@@ -974,16 +1030,19 @@ mod avx2 {
     /// Values scaled here (each 16 has its own scale): group scale 1, offset 0.
     impl Unpack for BlockQ6K {
         const GROUPS: usize = 8;
+        type Scales = ();
         #[inline(always)]
-        fn group_scales(&self) -> ([f32; 8], [f32; 8]) {
-            ([1.0; 8], [0.0; 8])
+        unsafe fn scales(&self) {}
+        #[inline(always)]
+        fn group(_: &(), _: usize) -> (f32, f32) {
+            (1.0, 0.0)
         }
         #[inline(always)]
         unsafe fn unpack(&self, g: usize) -> [__m256; 4] {
             // SAFETY: the caller has AVX2.
             unsafe {
                 let q = q6_bytes(self, g);
-                let d = maxc_schema::blocks::f16_to_f32(u16::from_le_bytes(self.d));
+                let d = half_to_f32(u16::from_le_bytes(self.d));
                 let s0 = _mm256_set1_ps(d * self.scales[2 * g] as f32);
                 let s1 = _mm256_set1_ps(d * self.scales[2 * g + 1] as f32);
                 let [a, b, c, e] =
@@ -1021,34 +1080,172 @@ mod avx2 {
         k: usize,
         cols: std::ops::Range<usize>,
     ) {
-        let (nb, ng) = (k / B::ELEMS, k / QK);
+        let nb = k / B::ELEMS;
+        let xr = x[row0 * k..].as_ptr();
+        let xs = &xs[row0 * (k / QK)..];
         for j in cols.clone() {
             let blocks = &w[j * nb..(j + 1) * nb];
-            let mut acc = [_mm256_setzero_ps(); R];
-            let mut offs = [0.0f32; R];
-            for (b, blk) in blocks.iter().enumerate() {
-                let (scale, offset) = blk.group_scales();
-                for g in 0..B::GROUPS {
-                    // SAFETY: the caller has AVX2, FMA and F16C; every x row holds k values.
+            // Two sets of accumulators, for even and odd groups: each FMA chain waits on
+            // every other group only.
+            let mut acc = [[_mm256_setzero_ps(); R]; 2];
+            let mut offs = [[0.0f32; R]; 2];
+            // SAFETY (the `group` calls): the caller has AVX2, FMA and F16C; every x row
+            // holds k values, every xs row k / 32.
+            if B::GROUPS == 1 {
+                let mut b = 0;
+                while b + 2 <= nb {
+                    for u in 0..2 {
+                        let blk = &blocks[b + u];
+                        unsafe {
+                            group::<B, R>(
+                                blk,
+                                &blk.scales(),
+                                0,
+                                b + u,
+                                xr,
+                                xs,
+                                k,
+                                &mut acc[u],
+                                &mut offs[u],
+                            )
+                        };
+                    }
+                    b += 2;
+                }
+                if b < nb {
+                    let blk = &blocks[b];
                     unsafe {
-                        let d = _mm256_set1_ps(scale[g]);
-                        let q = blk.unpack(g);
-                        let at = b * B::ELEMS + g * QK;
-                        for r in 0..R {
-                            let px = x.as_ptr().add((row0 + r) * k + at);
-                            let mut p = _mm256_mul_ps(q[0], _mm256_loadu_ps(px));
-                            p = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(px.add(8)), p);
-                            p = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(px.add(16)), p);
-                            p = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(px.add(24)), p);
-                            acc[r] = _mm256_fmadd_ps(d, p, acc[r]);
-                            offs[r] += offset[g] * xs[(row0 + r) * ng + at / QK];
+                        group::<B, R>(
+                            blk,
+                            &blk.scales(),
+                            0,
+                            b,
+                            xr,
+                            xs,
+                            k,
+                            &mut acc[0],
+                            &mut offs[0],
+                        )
+                    };
+                }
+            } else {
+                for (b, blk) in blocks.iter().enumerate() {
+                    // SAFETY: the caller has F16C.
+                    let scales = unsafe { blk.scales() };
+                    for g in (0..B::GROUPS).step_by(2) {
+                        for u in 0..2 {
+                            let at = b * B::GROUPS + g + u;
+                            unsafe {
+                                group::<B, R>(
+                                    blk,
+                                    &scales,
+                                    g + u,
+                                    at,
+                                    xr,
+                                    xs,
+                                    k,
+                                    &mut acc[u],
+                                    &mut offs[u],
+                                )
+                            };
                         }
                     }
                 }
             }
             for r in 0..R {
                 // SAFETY: AVX2.
-                out[(row0 + r) * n + j - cols.start] = unsafe { hsum(acc[r]) } + offs[r];
+                let sum = unsafe { hsum(_mm256_add_ps(acc[0][r], acc[1][r])) };
+                out[(row0 + r) * n + j - cols.start] = sum + (offs[0][r] + offs[1][r]);
+            }
+        }
+    }
+
+    /// Group `g` of `blk` (the `at`-th 32 values of its row) into rows `0..R` of `acc` and
+    /// `offs`: `acc += scale · Σ x·q`, `offs += offset · Σ x` (`xs`: the rows' group sums,
+    /// `k / 32` per row).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C; rows `0..R` of `x` (k values each) and `xs` exist.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn group<B: Unpack, const R: usize>(
+        blk: &B,
+        scales: &B::Scales,
+        g: usize,
+        at: usize,
+        x: *const f32,
+        xs: &[f32],
+        k: usize,
+        acc: &mut [__m256; R],
+        offs: &mut [f32; R],
+    ) {
+        let (scale, offset) = B::group(scales, g);
+        // SAFETY: as the function's contract.
+        unsafe {
+            let d = _mm256_set1_ps(scale);
+            let q = blk.unpack(g);
+            for r in 0..R {
+                let px = x.add(r * k + at * QK);
+                let mut p = _mm256_mul_ps(q[0], _mm256_loadu_ps(px));
+                p = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(px.add(8)), p);
+                p = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(px.add(16)), p);
+                p = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(px.add(24)), p);
+                acc[r] = _mm256_fmadd_ps(d, p, acc[r]);
+                offs[r] = offset.mul_add(xs[r * (k / QK) + at], offs[r]);
+            }
+        }
+    }
+
+    /// Rows `row0..row0 + R` (five to eight) of columns `cols`, each weight group
+    /// dequantized once (`scale·q + offset`, four FMAs) and multiplied with every row: for
+    /// five or more rows, cheaper than factoring the scale out of each row's dot product.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn columns_wide<B: Unpack, const R: usize>(
+        x: &[f32],
+        w: &[B],
+        out: &mut [f32],
+        row0: usize,
+        n: usize,
+        k: usize,
+        cols: std::ops::Range<usize>,
+    ) {
+        let nb = k / B::ELEMS;
+        let xr = x[row0 * k..].as_ptr();
+        for j in cols.clone() {
+            let blocks = &w[j * nb..(j + 1) * nb];
+            let mut acc = [_mm256_setzero_ps(); R];
+            for (b, blk) in blocks.iter().enumerate() {
+                // SAFETY: the caller has F16C.
+                let scales = unsafe { blk.scales() };
+                for g in 0..B::GROUPS {
+                    let (scale, offset) = B::group(&scales, g);
+                    // SAFETY: the caller has AVX2, FMA and F16C; rows row0..row0 + R of x
+                    // hold k values each.
+                    unsafe {
+                        let d = _mm256_set1_ps(scale);
+                        let o = _mm256_set1_ps(offset);
+                        let q = blk.unpack(g);
+                        let v = [
+                            _mm256_fmadd_ps(q[0], d, o),
+                            _mm256_fmadd_ps(q[1], d, o),
+                            _mm256_fmadd_ps(q[2], d, o),
+                            _mm256_fmadd_ps(q[3], d, o),
+                        ];
+                        let at = b * B::ELEMS + g * QK;
+                        for r in 0..R {
+                            let px = xr.add(r * k + at);
+                            for (i, v) in v.iter().enumerate() {
+                                acc[r] =
+                                    _mm256_fmadd_ps(*v, _mm256_loadu_ps(px.add(8 * i)), acc[r]);
+                            }
+                        }
+                    }
+                }
+            }
+            for r in 0..R {
+                // SAFETY: AVX2.
+                out[(row0 + r) * n + j - cols.start] = unsafe { hsum(acc[r]) };
             }
         }
     }
@@ -1066,8 +1263,59 @@ mod avx2 {
         cols: std::ops::Range<usize>,
     ) {
         let Some(w) = as_blocks::<B>(w) else { return };
-        let xs = block_sums(x, rows, k);
-        row_groups!(rows, n, k, cols, columns [B,] (x, &xs, w, out));
+        // Groups of five to eight rows share each dequantized group ...
+        let mut r = 0;
+        while rows - r >= 5 {
+            let left = rows - r;
+            let c = cols.clone();
+            // SAFETY: this function's features; rows r..r + R exist.
+            unsafe {
+                match left {
+                    5 => columns_wide::<B, 5>(x, w, out, r, n, k, c),
+                    6 => columns_wide::<B, 6>(x, w, out, r, n, k, c),
+                    7 => columns_wide::<B, 7>(x, w, out, r, n, k, c),
+                    _ => columns_wide::<B, 8>(x, w, out, r, n, k, c),
+                }
+            }
+            r += left.min(8);
+        }
+        if r == rows {
+            return;
+        }
+        // ... and the last (or only) one to four rows factor each group's scale out.
+        let rest = rows - r;
+        let xs = block_sums(&x[r * k..], rest, k);
+        let o = &mut out[r * n..];
+        row_groups!(rest, n, k, cols, columns [B,] (&x[r * k..], &xs, w, o));
+    }
+
+    /// Weight rows `j0..j0 + panel.len() / k` as f32 into `panel` (`scale·q + offset`).
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dequant<B: Unpack>(w: &[u8], k: usize, j0: usize, panel: &mut [f32]) {
+        let Some(w) = as_blocks::<B>(w) else { return };
+        let nb = k / B::ELEMS;
+        for (i, prow) in panel.chunks_exact_mut(k).enumerate() {
+            for (b, blk) in w[(j0 + i) * nb..(j0 + i + 1) * nb].iter().enumerate() {
+                // SAFETY: the caller has F16C.
+                let scales = unsafe { blk.scales() };
+                for g in 0..B::GROUPS {
+                    let (scale, offset) = B::group(&scales, g);
+                    // SAFETY: the features above; group g's 32 values lie in the row.
+                    unsafe {
+                        let d = _mm256_set1_ps(scale);
+                        let o = _mm256_set1_ps(offset);
+                        let q = blk.unpack(g);
+                        let p = prow.as_mut_ptr().add(b * B::ELEMS + g * QK);
+                        for (i, q) in q.iter().enumerate() {
+                            _mm256_storeu_ps(p.add(8 * i), _mm256_fmadd_ps(*q, d, o));
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -1115,6 +1363,14 @@ pub fn panel_kernel(dtype: maxc_schema::DType, isa: super::weights::Isa) -> Opti
             (Isa::Avx512, DType::Q5_1) => Some(avx512::dequant::<BlockQ5_1>),
             (Isa::Avx512, DType::Q5K) => Some(avx512::dequant::<BlockQ5K>),
             (Isa::Avx512, DType::Q6K) => Some(avx512::dequant::<BlockQ6K>),
+            (Isa::Avx2, DType::Q8_0) => Some(avx2::dequant::<BlockQ8_0>),
+            (Isa::Avx2, DType::Q4_0) => Some(avx2::dequant::<BlockQ4_0>),
+            (Isa::Avx2, DType::Q4_1) => Some(avx2::dequant::<BlockQ4_1>),
+            (Isa::Avx2, DType::Q4K) => Some(avx2::dequant::<BlockQ4K>),
+            (Isa::Avx2, DType::Q5_0) => Some(avx2::dequant::<BlockQ5_0>),
+            (Isa::Avx2, DType::Q5_1) => Some(avx2::dequant::<BlockQ5_1>),
+            (Isa::Avx2, DType::Q5K) => Some(avx2::dequant::<BlockQ5K>),
+            (Isa::Avx2, DType::Q6K) => Some(avx2::dequant::<BlockQ6K>),
             _ => None,
         };
     }
