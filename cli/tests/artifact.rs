@@ -622,9 +622,11 @@ fn bench_measures_each_shape_against_its_probe() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(v["probes"]["bandwidth_gbs"].as_f64().unwrap() > 0.0, "{v}");
     assert!(v["probes"]["gemm_gflops"].as_f64().unwrap() > 0.0, "{v}");
-    // The FMA peak is the ceiling: no GEMM passes it (null only on CPUs without AVX2/AVX-512).
+    // The FMA peak (null only on CPUs without AVX2/AVX-512) is measured, not compared with
+    // the GEMM probe: the two run at different moments, and tests run beside each other (seen:
+    // a peak of 101 GFLOP/s under a GEMM probe of 177 while other tests ran).
     if let Some(peak) = v["probes"]["fma_peak_gflops"].as_f64() {
-        assert!(peak >= v["probes"]["gemm_gflops"].as_f64().unwrap(), "{v}");
+        assert!(peak > 0.0, "{v}");
     }
     assert!(v["load_s"].as_f64().unwrap() > 0.0, "{v}");
     let rows = v["measurements"].as_array().unwrap();

@@ -1,6 +1,6 @@
-//! Causal attention over the paged KV cache on AVX-512, blocked for prefill: the library
-//! version of [`maxc_schema::KernelBody::Attention`], which the executor prefers where the
-//! register tiles run.
+//! Causal attention over the paged KV cache on AVX-512 or AVX2 + FMA, blocked for prefill: the
+//! library version of [`maxc_schema::KernelBody::Attention`], which the executor prefers where
+//! either runs ([`available`]).
 //!
 //! Work items are (sequence, KV head, block of up to [`ROW_BLOCK`] query rows): the block's
 //! query heads of the KV head's group are gathered into one matrix, their scores against every
@@ -147,16 +147,131 @@ pub(crate) unsafe fn attention(
             } else {
                 (c, chunks, items.len())
             };
+            let avx512 = tile::available();
             for it in items.iter().skip(first).step_by(stride).take(count) {
-                // SAFETY: as this function's contract; items are in bounds by construction.
-                unsafe { attend(*p, seqs, shape, *it, &mut s) };
+                // SAFETY: as this function's contract (the CPU has AVX-512 where `avx512`,
+                // else AVX2 + FMA); items are in bounds by construction.
+                unsafe {
+                    if avx512 {
+                        attend_avx512(*p, seqs, shape, *it, &mut s)
+                    } else {
+                        attend_avx2(*p, seqs, shape, *it, &mut s)
+                    }
+                };
             }
         });
     });
 }
 
+/// Whether [`attention`] runs on this CPU (AVX-512, or AVX2 + FMA).
+pub(crate) fn available() -> bool {
+    matches!(
+        super::weights::isa(),
+        super::weights::Isa::Avx512 | super::weights::Isa::Avx2
+    )
+}
+
+/// What an instruction set gives [`attend`]: the scores matmul, the softmax of a row and the
+/// weighted sum of the values.
+pub(crate) trait Kernels {
+    /// `out[i·ld + j] = Σ_d q[i·hd + d] · k[j·stride + d]` for `i < nq`, `j < n`; `next` is
+    /// the next page's first key rows, to prefetch.
+    ///
+    /// # Safety
+    /// The instruction set is available; the operands hold what the indices reach.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn scores(
+        q: *const f32,
+        nq: usize,
+        hd: usize,
+        k: F32Rows,
+        n: usize,
+        out: *mut f32,
+        ld: usize,
+        next: (F32Rows, usize),
+    );
+    /// As [`softmax_row`].
+    ///
+    /// # Safety
+    /// The instruction set is available; `row.len()` is a multiple of 16.
+    unsafe fn softmax(row: &mut [f32], valid: usize, scale: f32) -> f32;
+    /// As [`weighted_values`].
+    ///
+    /// # Safety
+    /// The instruction set is available; as [`weighted_values`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn values(
+        scores: &[f32],
+        ld: usize,
+        nq: usize,
+        hd: usize,
+        keys: usize,
+        page_size: usize,
+        slot: usize,
+        values: &dyn Fn(usize) -> *const f32,
+        acc: &mut Vec<f32>,
+    );
+}
+
+struct Avx512;
+
+impl Kernels for Avx512 {
+    #[inline(always)]
+    unsafe fn scores(
+        q: *const f32,
+        nq: usize,
+        hd: usize,
+        k: F32Rows,
+        n: usize,
+        out: *mut f32,
+        ld: usize,
+        next: (F32Rows, usize),
+    ) {
+        // SAFETY: as the trait's contract. The matmul prefetches its own rows ahead; the next
+        // page's first ones here.
+        unsafe {
+            if next.1 > 0 {
+                tile::prefetch_strided(next.0, hd, 0, next.1);
+            }
+            tile::matmul(q, nq, hd, k, n, out, ld)
+        }
+    }
+    #[inline(always)]
+    unsafe fn softmax(row: &mut [f32], valid: usize, scale: f32) -> f32 {
+        // SAFETY: as the trait's contract.
+        unsafe { softmax_row(row, valid, scale) }
+    }
+    #[inline(always)]
+    unsafe fn values(
+        scores: &[f32],
+        ld: usize,
+        nq: usize,
+        hd: usize,
+        keys: usize,
+        page_size: usize,
+        slot: usize,
+        values: &dyn Fn(usize) -> *const f32,
+        acc: &mut Vec<f32>,
+    ) {
+        // SAFETY: as the trait's contract.
+        unsafe { weighted_values(scores, ld, nq, hd, keys, page_size, slot, values, acc) }
+    }
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn attend(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scratch: &mut Scratch) {
+unsafe fn attend_avx512(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scratch: &mut Scratch) {
+    // SAFETY: this function's features; the caller's contract.
+    unsafe { attend::<Avx512>(p, seqs, shape, it, scratch) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_avx2(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scratch: &mut Scratch) {
+    // SAFETY: this function's features; the caller's contract.
+    unsafe { attend::<super::attend_avx2::Avx2>(p, seqs, shape, it, scratch) }
+}
+
+#[inline(always)]
+unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scratch: &mut Scratch) {
     let hd = shape.head_dim;
     let hstride = shape.heads * hd;
     let slot = shape.kv_heads * hd;
@@ -200,12 +315,13 @@ unsafe fn attend(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scratch: &mut Scr
         for pg in 0..pages {
             let t0 = pg * shape.page_size;
             let n = shape.page_size.min(keys - t0);
-            // The matmul prefetches its own rows ahead; the next page's first ones here.
-            if pg + 1 < pages {
+            let next = if pg + 1 < pages {
                 let first = tile::STRIDED_AHEAD.min(keys - t0 - n);
-                tile::prefetch_strided(rows_of(pg + 1, 0), hd, 0, first);
-            }
-            tile::matmul(
+                (rows_of(pg + 1, 0), first)
+            } else {
+                (rows_of(pg, 0), 0)
+            };
+            K::scores(
                 qs.as_ptr(),
                 nq,
                 hd,
@@ -213,6 +329,7 @@ unsafe fn attend(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scratch: &mut Scr
                 n,
                 scores.as_mut_ptr().add(t0),
                 ld,
+                next,
             );
         }
         // Softmax: each query sees keys 0..=its position.
@@ -221,12 +338,12 @@ unsafe fn attend(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scratch: &mut Scr
             for g in 0..it.group {
                 let qi = r * it.group + g;
                 let row = &mut scores[qi * ld..][..ld];
-                sums[qi] = softmax_row(row, valid, shape.scale);
+                sums[qi] = K::softmax(row, valid, shape.scale);
             }
         }
         // Values: out = (scores · V) / sum.
         let values = |pg: usize| page_ptr(pg, 1);
-        weighted_values(
+        K::values(
             scores,
             ld,
             nq,
@@ -315,7 +432,7 @@ pub(crate) unsafe fn exp(x: __m512) -> __m512 {
 }
 
 /// `acc[q, :] = Σ_t scores[q, t] · V[t, :]` for `q < nq`, `t < keys`, value rows of page `pg`
-/// at `values(pg)`, `slot` apart.
+/// at `values(pg)`, `slot` apart (AVX-512).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn weighted_values(
@@ -498,8 +615,8 @@ mod tests {
 
     #[test]
     fn blocked_attention_matches_plain_attention_over_pages_and_sequences() {
-        if !tile::available() {
-            eprintln!("skipped: no AVX-512 on this CPU");
+        if !available() {
+            eprintln!("skipped: neither AVX-512 nor AVX2 on this CPU");
             return;
         }
         // (head_dim, heads, kv_heads): the register paths (64, 128) and the generic one.
@@ -536,7 +653,7 @@ mod tests {
             let want = reference(&q, &cache, &seqs, shape, rows);
             for threads in [1, 2, 5] {
                 let mut out = vec![f32::NAN; rows * heads * hd];
-                // SAFETY: AVX-512 checked; buffers sized as the contract says.
+                // SAFETY: available() checked; buffers sized as the contract says.
                 unsafe {
                     attention(
                         q.as_ptr(),

@@ -546,7 +546,7 @@ impl CpuExecutor {
         match (body, self.matmul_policy) {
             // Under the auto policy, the library's blocked attention where the register tiles
             // run.
-            (KernelBody::Attention { .. }, Some(_)) => !weights::tiles_available(),
+            (KernelBody::Attention { .. }, Some(_)) => !attention_library(),
             // And its sixteen-lane elementwise kernel.
             (KernelBody::Elementwise { .. }, Some(_)) => !library_elementwise(body),
             (KernelBody::Matmul { rows, .. }, Some(max)) => {
@@ -689,7 +689,7 @@ impl CpuExecutor {
                 head_dim,
                 page_size,
                 scale,
-            } if weights::tiles_available() && self.matmul_policy.is_some() => {
+            } if attention_library() && self.matmul_policy.is_some() => {
                 let batch = dims[StepDim::BatchSize as usize] as usize;
                 let pages_per_seq = dims[StepDim::MaxNumPages as usize] as usize;
                 let ints = |i: usize, n: usize| unsafe {
@@ -710,7 +710,7 @@ impl CpuExecutor {
                     page_size: page_size as usize,
                     scale,
                 };
-                // SAFETY: the tiles run on this CPU; the step inputs were checked
+                // SAFETY: attention runs on this CPU; the step inputs were checked
                 // (`checked_dims`): offsets, cache lengths and the pages they use lie inside
                 // the buffers and the cache.
                 unsafe {
@@ -778,6 +778,14 @@ fn fill<T: Copy + Default>(buf: &mut [T], values: &[T]) {
     let n = values.len().min(buf.len());
     buf[..n].copy_from_slice(&values[..n]);
     buf[n..].fill(T::default());
+}
+
+/// Whether the library's blocked attention runs on this CPU (under the auto policy).
+fn attention_library() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return super::attend::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// Whether the library's sixteen-lane kernel runs this elementwise kernel (under the auto

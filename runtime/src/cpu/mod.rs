@@ -2,6 +2,8 @@
 
 #[cfg(target_arch = "x86_64")]
 mod attend;
+#[cfg(target_arch = "x86_64")]
+mod attend_avx2;
 pub mod code;
 pub mod ep;
 #[cfg(target_arch = "x86_64")]
