@@ -398,6 +398,20 @@ unsafe fn softmax_row(row: &mut [f32], valid: usize, scale: f32) -> f32 {
     }
 }
 
+/// The smallest input of the vector `exp`s (smaller ones are clamped to it).
+pub(crate) const EXP_MIN: f32 = -87.336_55;
+/// `ln 2` in two parts, for `r = x − n·ln2` without cancellation.
+pub(crate) const EXP_LN2: (f32, f32) = (0.693_359_4, -2.121_944_4e-4);
+/// Cephes' expf polynomial in `r`, highest degree first (then `r²·p + r + 1`).
+pub(crate) const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    0.166_666_65,
+    0.5,
+];
+
 /// `e^x` in sixteen lanes (Cephes' expf: `x = n·ln2 + r`, a degree-6 polynomial in `r`, then
 /// `2^n` by `scalef`), within about one ulp; below -87.3 the input is clamped (a result of about
 /// 1e-38), above 88.7 the result is infinite.
@@ -405,22 +419,16 @@ unsafe fn softmax_row(row: &mut [f32], valid: usize, scale: f32) -> f32 {
 pub(crate) unsafe fn exp(x: __m512) -> __m512 {
     // SAFETY: the caller has AVX-512F.
     unsafe {
-        let x = _mm512_max_ps(x, _mm512_set1_ps(-87.336_55));
+        let x = _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN));
         let n = _mm512_roundscale_ps(
             _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
         );
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm512_set1_ps(1.987_569_1e-4);
-        for c in [
-            1.398_199_9e-3,
-            8.333_452e-3,
-            4.166_579_6e-2,
-            0.166_666_65,
-            0.5,
-        ] {
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2.0), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2.1), r);
+        let mut p = _mm512_set1_ps(EXP_POLY[0]);
+        for c in &EXP_POLY[1..] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
         }
         let y = _mm512_fmadd_ps(
             p,
@@ -453,17 +461,38 @@ unsafe fn weighted_values(
         match hd {
             64 => values_in_registers::<4, 6>(scores, ld, nq, keys, page_size, slot, values, acc),
             128 => values_in_registers::<8, 3>(scores, ld, nq, keys, page_size, slot, values, acc),
-            _ => {
-                for t in 0..keys {
-                    let v = values(t / page_size).add((t % page_size) * slot);
-                    for q in 0..nq {
-                        let w = scores[q * ld + t];
-                        if w != 0.0 {
-                            for d in 0..hd {
-                                acc[q * hd + d] += w * *v.add(d);
-                            }
-                        }
-                    }
+            _ => values_scalar(scores, ld, nq, hd, keys, page_size, slot, values, acc),
+        }
+    }
+}
+
+/// [`weighted_values`] one value at a time (head sizes the vector kernels do not cover), into
+/// `acc` zeroed.
+///
+/// # Safety
+/// As [`weighted_values`].
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(crate) unsafe fn values_scalar(
+    scores: &[f32],
+    ld: usize,
+    nq: usize,
+    hd: usize,
+    keys: usize,
+    page_size: usize,
+    slot: usize,
+    values: &dyn Fn(usize) -> *const f32,
+    acc: &mut [f32],
+) {
+    for t in 0..keys {
+        // SAFETY: as the function's contract: value rows hold `hd` values.
+        let v = unsafe { values(t / page_size).add((t % page_size) * slot) };
+        for q in 0..nq {
+            let w = scores[q * ld + t];
+            if w != 0.0 {
+                for d in 0..hd {
+                    // SAFETY: as above.
+                    acc[q * hd + d] = w.mul_add(unsafe { *v.add(d) }, acc[q * hd + d]);
                 }
             }
         }

@@ -7,22 +7,11 @@
 
 use std::arch::x86_64::*;
 
-use super::attend::Kernels;
+use super::attend::{values_scalar, Kernels, EXP_LN2, EXP_MIN, EXP_POLY};
+use super::simd::hsum;
 use super::tile::F32Rows;
 
 pub(crate) struct Avx2;
-
-/// The sum of the lanes.
-#[inline(always)]
-unsafe fn hsum(v: __m256) -> f32 {
-    // SAFETY: the caller has AVX2.
-    unsafe {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
-    }
-}
 
 /// `e^x` in eight lanes, as [`super::attend::exp`] (Cephes' expf: `x = n·ln2 + r`, a degree-6
 /// polynomial in `r`, then `2^n` built in the exponent bits), within about one ulp; inputs are
@@ -32,23 +21,17 @@ pub(crate) unsafe fn exp(x: __m256) -> __m256 {
     // SAFETY: the caller has AVX2 and FMA.
     unsafe {
         let x = _mm256_min_ps(
-            _mm256_max_ps(x, _mm256_set1_ps(-87.336_55)),
+            _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN)),
             _mm256_set1_ps(88.3),
         );
         let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
             _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
         );
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm256_set1_ps(1.987_569_1e-4);
-        for c in [
-            1.398_199_9e-3,
-            8.333_452e-3,
-            4.166_579_6e-2,
-            0.166_666_65,
-            0.5,
-        ] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2.0), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2.1), r);
+        let mut p = _mm256_set1_ps(EXP_POLY[0]);
+        for c in &EXP_POLY[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
         }
         let y = _mm256_fmadd_ps(
             p,
@@ -277,18 +260,7 @@ impl Kernels for Avx2 {
         // SAFETY: as the trait's contract.
         unsafe {
             if !hd.is_multiple_of(8) {
-                for t in 0..keys {
-                    let v = values(t / page_size).add((t % page_size) * slot);
-                    for q in 0..nq {
-                        let w = scores[q * ld + t];
-                        if w != 0.0 {
-                            for d in 0..hd {
-                                acc[q * hd + d] = w.mul_add(*v.add(d), acc[q * hd + d]);
-                            }
-                        }
-                    }
-                }
-                return;
+                return values_scalar(scores, ld, nq, hd, keys, page_size, slot, values, acc);
             }
             let mut q0 = 0;
             while q0 < nq {

@@ -755,6 +755,9 @@ mod q4k_avx512 {
 }
 
 #[cfg(target_arch = "x86_64")]
+pub(crate) use avx2::hsum;
+
+#[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
     use maxc_schema::blocks::scale_min_k4;
@@ -1057,8 +1060,12 @@ mod avx2 {
         }
     }
 
+    /// The sum of the lanes.
+    ///
+    /// # Safety
+    /// AVX must be available.
     #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
+    pub(crate) unsafe fn hsum(v: __m256) -> f32 {
         // SAFETY: the caller has AVX2.
         unsafe {
             let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
