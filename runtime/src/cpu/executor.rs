@@ -219,11 +219,15 @@ impl CpuExecutor {
         // Matmul weights and gathered tables are read as stored; the other operands of
         // library kernels (biases, MoE experts) are widened to f32 once.
         let mut library_params = std::collections::BTreeSet::new();
-        // Auto: generated matmuls only where the library has no register tiles for this CPU.
-        let matmul_policy =
-            module
-                .generated_matmul_max_rows
-                .map(|max| if weights::tiles_available() { 0 } else { max });
+        // Auto: generated matmuls only where the library has no hand-vectorized kernels for
+        // steps of a few rows on this CPU (AVX-512 register tiles, AVX2 row groups).
+        let matmul_policy = module.generated_matmul_max_rows.map(|max| {
+            if weights::few_rows_kernels_available() {
+                0
+            } else {
+                max
+            }
+        });
         for l in &program.launches {
             let body = &program.kernels[l.kernel as usize].body;
             let read_as_stored: &[usize] = match body {

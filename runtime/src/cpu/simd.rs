@@ -1296,6 +1296,150 @@ mod avx2 {
         row_groups!(rest, n, k, cols, columns [B,] (&x[r * k..], &xs, w, o));
     }
 
+    /// A float format of weight rows, eight values at a time as f32.
+    pub(super) trait Floats {
+        /// Bytes per value.
+        const BYTES: usize;
+        /// Values `i..i + 8` of the row at `p`.
+        ///
+        /// # Safety
+        /// AVX2; the values lie in the row.
+        unsafe fn load8(p: *const u8, i: usize) -> __m256;
+        /// Value `i` of the row at `p`.
+        ///
+        /// # Safety
+        /// The value lies in the row.
+        unsafe fn one(p: *const u8, i: usize) -> f32;
+    }
+
+    pub(super) struct F32s;
+    pub(super) struct Bf16s;
+
+    impl Floats for F32s {
+        const BYTES: usize = 4;
+        #[inline(always)]
+        unsafe fn load8(p: *const u8, i: usize) -> __m256 {
+            // SAFETY: as the trait's contract; read unaligned.
+            unsafe { _mm256_loadu_ps(p.cast::<f32>().add(i)) }
+        }
+        #[inline(always)]
+        unsafe fn one(p: *const u8, i: usize) -> f32 {
+            // SAFETY: as the trait's contract.
+            unsafe { std::ptr::read_unaligned(p.cast::<f32>().add(i)) }
+        }
+    }
+
+    impl Floats for Bf16s {
+        const BYTES: usize = 2;
+        #[inline(always)]
+        unsafe fn load8(p: *const u8, i: usize) -> __m256 {
+            // SAFETY: as the trait's contract; bf16 widens to f32 by a 16-bit shift.
+            unsafe {
+                let raw = _mm_loadu_si128(p.cast::<u16>().add(i).cast());
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(raw)))
+            }
+        }
+        #[inline(always)]
+        unsafe fn one(p: *const u8, i: usize) -> f32 {
+            // SAFETY: as the trait's contract.
+            let b = unsafe { std::ptr::read_unaligned(p.cast::<u16>().add(i)) };
+            f32::from_bits((b as u32) << 16)
+        }
+    }
+
+    /// Rows `row0..row0 + R` of columns `cols` on float weights: each eight weights loaded
+    /// once for the R rows, `S` sets of accumulators taking turns (so that at least eight
+    /// FMA chains run at once where R is small).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn float_columns<E: Floats, const R: usize, const S: usize>(
+        x: &[f32],
+        w: &[u8],
+        out: &mut [f32],
+        row0: usize,
+        n: usize,
+        k: usize,
+        cols: std::ops::Range<usize>,
+    ) {
+        let xr = x[row0 * k..].as_ptr();
+        let chunks = k / 8;
+        for j in cols.clone() {
+            let row = w[j * k * E::BYTES..].as_ptr();
+            // SAFETY: the caller has AVX2 + FMA; rows row0..row0 + R of x hold k values, the
+            // weight row k values.
+            unsafe {
+                let mut acc = [[_mm256_setzero_ps(); R]; S];
+                let mut c = 0;
+                while c + S <= chunks {
+                    for s in 0..S {
+                        let i = 8 * (c + s);
+                        let v = E::load8(row, i);
+                        for r in 0..R {
+                            acc[s][r] =
+                                _mm256_fmadd_ps(v, _mm256_loadu_ps(xr.add(r * k + i)), acc[s][r]);
+                        }
+                    }
+                    c += S;
+                }
+                while c < chunks {
+                    let v = E::load8(row, 8 * c);
+                    for r in 0..R {
+                        acc[0][r] =
+                            _mm256_fmadd_ps(v, _mm256_loadu_ps(xr.add(r * k + 8 * c)), acc[0][r]);
+                    }
+                    c += 1;
+                }
+                for r in 0..R {
+                    let mut t = acc[0][r];
+                    for s in 1..S {
+                        t = _mm256_add_ps(t, acc[s][r]);
+                    }
+                    let mut sum = hsum(t);
+                    for i in 8 * chunks..k {
+                        sum = E::one(row, i).mul_add(*xr.add(r * k + i), sum);
+                    }
+                    out[(row0 + r) * n + j - cols.start] = sum;
+                }
+            }
+        }
+    }
+
+    /// Float weights for steps of a few rows, in groups of up to eight rows that read each
+    /// weight once.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn floats<E: Floats>(
+        x: &[f32],
+        w: &[u8],
+        out: &mut [f32],
+        rows: usize,
+        n: usize,
+        k: usize,
+        cols: std::ops::Range<usize>,
+    ) {
+        let mut r = 0;
+        while r < rows {
+            let left = rows - r;
+            let c = cols.clone();
+            // SAFETY: this function's features; rows r..r + R exist.
+            unsafe {
+                match left {
+                    1 => float_columns::<E, 1, 4>(x, w, out, r, n, k, c),
+                    2 => float_columns::<E, 2, 4>(x, w, out, r, n, k, c),
+                    3 => float_columns::<E, 3, 2>(x, w, out, r, n, k, c),
+                    4 => float_columns::<E, 4, 2>(x, w, out, r, n, k, c),
+                    5 => float_columns::<E, 5, 1>(x, w, out, r, n, k, c),
+                    6 => float_columns::<E, 6, 1>(x, w, out, r, n, k, c),
+                    7 => float_columns::<E, 7, 1>(x, w, out, r, n, k, c),
+                    _ => float_columns::<E, 8, 1>(x, w, out, r, n, k, c),
+                }
+            }
+            r += left.min(8);
+        }
+    }
+
     /// Weight rows `j0..j0 + panel.len() / k` as f32 into `panel` (`scale·q + offset`).
     ///
     /// # Safety
@@ -1402,6 +1546,8 @@ pub fn stream_kernel(
         return match (isa, dtype) {
             (Isa::Avx512, DType::BF16) if k.is_multiple_of(16) => Some(bf16_avx512::stream),
             (Isa::Avx512, DType::Q4K) => Some(q4k_avx512::stream),
+            (Isa::Avx2, DType::BF16) => Some(avx2::floats::<avx2::Bf16s>),
+            (Isa::Avx2, DType::F32) => Some(avx2::floats::<avx2::F32s>),
             (Isa::Avx2, DType::Q8_0) => Some(avx2::stream::<BlockQ8_0>),
             (Isa::Avx2, DType::Q4_0) => Some(avx2::stream::<BlockQ4_0>),
             (Isa::Avx2, DType::Q4_1) => Some(avx2::stream::<BlockQ4_1>),

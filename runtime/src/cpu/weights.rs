@@ -299,6 +299,15 @@ pub fn tiles_available() -> bool {
     false
 }
 
+/// Whether steps of a few rows run hand-vectorized kernels for every weight format on this CPU
+/// (AVX-512 register tiles, or AVX2 row groups), faster than generated code at every row count.
+pub fn few_rows_kernels_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return matches!(isa(), Isa::Avx512 | Isa::Avx2);
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// The name of the instruction set the weight kernels use on this CPU.
 pub fn isa_name() -> &'static str {
     match isa() {
@@ -651,7 +660,7 @@ pub fn matmul(
             let wf = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), n * k) };
             super::library::matmul(x, wf, None, out, rows, n, k);
         }
-        DType::F32 => matmul_as::<F32s>(x, w, out, rows, n, k, threads, None, dtype),
+        DType::F32 => matmul_as::<F32s>(x, w, out, rows, n, k, threads, fast, dtype),
         DType::F16 => matmul_as::<F16s>(x, w, out, rows, n, k, threads, None, dtype),
         DType::BF16 => matmul_as::<Bf16s>(x, w, out, rows, n, k, threads, fast, dtype),
         DType::Q8_0 => matmul_as::<Blocks<BlockQ8_0>>(x, w, out, rows, n, k, threads, fast, dtype),
