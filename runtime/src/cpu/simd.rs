@@ -109,6 +109,23 @@ unsafe fn q6_bytes(blk: &BlockQ6K, g: usize) -> __m256i {
     }
 }
 
+/// A K super-block's eight 6-bit scales, then its eight mins, as sixteen bytes (the bit layout
+/// of `scale_min_k4`, four at a time).
+#[inline(always)]
+fn k_scale_bytes(q: &[u8; 12]) -> [u32; 4] {
+    const LOW6: u32 = 0x3F3F_3F3F;
+    const LOW4: u32 = 0x0F0F_0F0F;
+    const LOW2: u32 = 0x0303_0303;
+    let word = |i: usize| u32::from_le_bytes([q[i], q[i + 1], q[i + 2], q[i + 3]]);
+    let (u0, u1, u2) = (word(0), word(4), word(8));
+    [
+        u0 & LOW6,
+        (u2 & LOW4) | (((u0 >> 6) & LOW2) << 4),
+        u1 & LOW6,
+        ((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4),
+    ]
+}
+
 /// Group `g` (0..8) of a K super-block's nibbles as 32 bytes (`2c`: the low nibbles of
 /// `qs[32c..32c + 32]`, `2c + 1`: their high nibbles), with the fifth bit `g` of each `qh`
 /// byte (Q5_K) where given.
@@ -314,17 +331,7 @@ mod avx512 {
     /// bytes of packed 6-bit scales and mins (the bit layout of `scale_min_k4`, four at a time).
     #[inline(always)]
     unsafe fn k_scales(d: [u8; 2], dmin: [u8; 2], q: &[u8; 12]) -> [f32; 16] {
-        const LOW6: u32 = 0x3F3F_3F3F;
-        const LOW4: u32 = 0x0F0F_0F0F;
-        const LOW2: u32 = 0x0303_0303;
-        let word = |i: usize| u32::from_le_bytes([q[i], q[i + 1], q[i + 2], q[i + 3]]);
-        let (u0, u1, u2) = (word(0), word(4), word(8));
-        let bytes = [
-            u0 & LOW6,
-            (u2 & LOW4) | (((u0 >> 6) & LOW2) << 4),
-            u1 & LOW6,
-            ((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4),
-        ];
+        let bytes = k_scale_bytes(q);
         let mut out = [0.0f32; 16];
         // SAFETY: sixteen bytes read, sixteen floats written; the caller has AVX-512F and F16C.
         unsafe {
@@ -760,7 +767,6 @@ pub(crate) use avx2::hsum;
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
-    use maxc_schema::blocks::scale_min_k4;
 
     /// A block's values in 32-value groups, `scale_g · q + offset_g` with `q` integers the
     /// block stores (Q6_K, whose groups of 16 have their own scales, gives its values scaled,
@@ -779,7 +785,7 @@ mod avx2 {
         ///
         /// # Safety
         /// AVX2 must be available; `g < GROUPS`.
-        unsafe fn unpack(&self, g: usize) -> [__m256; 4];
+        unsafe fn unpack(&self, scales: &Self::Scales, g: usize) -> [__m256; 4];
     }
 
     /// The two f16 values at the start of a block (a scale, and an offset or the first bytes
@@ -804,13 +810,17 @@ mod avx2 {
     /// F16C must be available.
     #[inline(always)]
     unsafe fn k_groups<B: Block>(blk: &B, q: &[u8; 12]) -> ([f32; 8], [f32; 8]) {
-        // SAFETY: the caller has F16C; K blocks start with `d` and `dmin`.
-        let (d, dmin) = unsafe { head(blk) };
+        let bytes = k_scale_bytes(q);
         let mut s = ([0.0; 8], [0.0; 8]);
-        for g in 0..8 {
-            let (sc, m) = scale_min_k4(g, q);
-            s.0[g] = d * sc as f32;
-            s.1[g] = -(dmin * m as f32);
+        // SAFETY: the caller has F16C (and AVX2); K blocks start with `d` and `dmin`; sixteen
+        // bytes read, eight floats written to each half.
+        unsafe {
+            let (d, dmin) = head(blk);
+            let b = _mm_loadu_si128(bytes.as_ptr().cast());
+            let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+            let m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
+            _mm256_storeu_ps(s.0.as_mut_ptr(), _mm256_mul_ps(sc, _mm256_set1_ps(d)));
+            _mm256_storeu_ps(s.1.as_mut_ptr(), _mm256_mul_ps(m, _mm256_set1_ps(-dmin)));
         }
         s
     }
@@ -885,7 +895,7 @@ mod avx2 {
     impl Unpack for BlockQ8_0 {
         block32_scales!(b => (head(b).0, 0.0));
         #[inline(always)]
-        unsafe fn unpack(&self, _: usize) -> [__m256; 4] {
+        unsafe fn unpack(&self, _: &Self::Scales, _: usize) -> [__m256; 4] {
             let p = self.qs.as_ptr().cast::<u8>();
             // SAFETY: 32 bytes of qs, read unaligned eight at a time (each load sign-extended
             // as it is read).
@@ -963,7 +973,7 @@ mod avx2 {
             (d, -8.0 * d)
         });
         #[inline(always)]
-        unsafe fn unpack(&self, _: usize) -> [__m256; 4] {
+        unsafe fn unpack(&self, _: &Self::Scales, _: usize) -> [__m256; 4] {
             // SAFETY: as `nibbles4`.
             unsafe { nibbles4(&self.qs) }
         }
@@ -972,7 +982,7 @@ mod avx2 {
     impl Unpack for BlockQ4_1 {
         block32_scales!(b => head(b));
         #[inline(always)]
-        unsafe fn unpack(&self, _: usize) -> [__m256; 4] {
+        unsafe fn unpack(&self, _: &Self::Scales, _: usize) -> [__m256; 4] {
             // SAFETY: as `nibbles4`.
             unsafe { nibbles4(&self.qs) }
         }
@@ -981,7 +991,7 @@ mod avx2 {
     impl Unpack for BlockQ5_0 {
         block32_scales!(b => (head(b).0, 0.0));
         #[inline(always)]
-        unsafe fn unpack(&self, _: usize) -> [__m256; 4] {
+        unsafe fn unpack(&self, _: &Self::Scales, _: usize) -> [__m256; 4] {
             // SAFETY: as `nibbles`.
             unsafe {
                 let (lo, hi) = nibbles(&self.qs, Some(self.qh), 16);
@@ -993,7 +1003,7 @@ mod avx2 {
     impl Unpack for BlockQ5_1 {
         block32_scales!(b => head(b));
         #[inline(always)]
-        unsafe fn unpack(&self, _: usize) -> [__m256; 4] {
+        unsafe fn unpack(&self, _: &Self::Scales, _: usize) -> [__m256; 4] {
             // SAFETY: as `nibbles`.
             unsafe {
                 let (lo, hi) = nibbles(&self.qs, Some(self.qh), 0);
@@ -1015,39 +1025,67 @@ mod avx2 {
     impl Unpack for BlockQ4K {
         k_scales!();
         #[inline(always)]
-        unsafe fn unpack(&self, g: usize) -> [__m256; 4] {
-            // SAFETY: as `k_nibbles`.
-            unsafe { k_nibbles(&self.qs, None, g) }
+        unsafe fn unpack(&self, _: &Self::Scales, g: usize) -> [__m256; 4] {
+            // SAFETY: 32 bytes of qs at 32·(g / 2), read unaligned eight at a time (each
+            // zero-extended as it is read); the caller has AVX2. Even groups are the low
+            // nibbles, odd ones the high.
+            unsafe {
+                let p = self.qs.as_ptr().add(32 * (g / 2));
+                let mut q = [_mm256_setzero_ps(); 4];
+                for (i, q) in q.iter_mut().enumerate() {
+                    let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8 * i).cast()));
+                    let v = if g.is_multiple_of(2) {
+                        _mm256_and_si256(v, _mm256_set1_epi32(0x0F))
+                    } else {
+                        _mm256_srli_epi32(v, 4)
+                    };
+                    *q = _mm256_cvtepi32_ps(v);
+                }
+                q
+            }
         }
     }
 
     impl Unpack for BlockQ5K {
         k_scales!();
         #[inline(always)]
-        unsafe fn unpack(&self, g: usize) -> [__m256; 4] {
+        unsafe fn unpack(&self, _: &Self::Scales, g: usize) -> [__m256; 4] {
             // SAFETY: as `k_nibbles`.
             unsafe { k_nibbles(&self.qs, Some(&self.qh), g) }
         }
     }
 
-    /// Values scaled here (each 16 has its own scale): group scale 1, offset 0.
+    /// Values scaled here (each 16 has its own scale, `d·scales[i]`, computed once per
+    /// block): group scale 1, offset 0.
     impl Unpack for BlockQ6K {
         const GROUPS: usize = 8;
-        type Scales = ();
+        type Scales = [f32; 16];
         #[inline(always)]
-        unsafe fn scales(&self) {}
+        unsafe fn scales(&self) -> [f32; 16] {
+            let mut out = [0.0f32; 16];
+            // SAFETY: the caller has F16C (and AVX2); sixteen bytes read, sixteen floats
+            // written.
+            unsafe {
+                let d = _mm256_set1_ps(half_to_f32(u16::from_le_bytes(self.d)));
+                let b = _mm_loadu_si128(self.scales.as_ptr().cast());
+                let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+                let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+                _mm256_storeu_ps(out.as_mut_ptr(), _mm256_mul_ps(lo, d));
+                _mm256_storeu_ps(out.as_mut_ptr().add(8), _mm256_mul_ps(hi, d));
+            }
+            out
+        }
         #[inline(always)]
-        fn group(_: &(), _: usize) -> (f32, f32) {
+        fn group(_: &[f32; 16], _: usize) -> (f32, f32) {
             (1.0, 0.0)
         }
         #[inline(always)]
-        unsafe fn unpack(&self, g: usize) -> [__m256; 4] {
+        unsafe fn unpack(&self, s: &[f32; 16], g: usize) -> [__m256; 4] {
             // SAFETY: the caller has AVX2.
             unsafe {
                 let q = q6_bytes(self, g);
-                let d = half_to_f32(u16::from_le_bytes(self.d));
-                let s0 = _mm256_set1_ps(d * self.scales[2 * g] as f32);
-                let s1 = _mm256_set1_ps(d * self.scales[2 * g + 1] as f32);
+                let s0 = _mm256_set1_ps(s[2 * g]);
+                let s1 = _mm256_set1_ps(s[2 * g + 1]);
                 let [a, b, c, e] =
                     widen32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
                 [
@@ -1190,7 +1228,7 @@ mod avx2 {
         // SAFETY: as the function's contract.
         unsafe {
             let d = _mm256_set1_ps(scale);
-            let q = blk.unpack(g);
+            let q = blk.unpack(scales, g);
             for r in 0..R {
                 let px = x.add(r * k + at * QK);
                 let mut p = _mm256_mul_ps(q[0], _mm256_loadu_ps(px));
@@ -1232,7 +1270,7 @@ mod avx2 {
                     unsafe {
                         let d = _mm256_set1_ps(scale);
                         let o = _mm256_set1_ps(offset);
-                        let q = blk.unpack(g);
+                        let q = blk.unpack(&scales, g);
                         let v = [
                             _mm256_fmadd_ps(q[0], d, o),
                             _mm256_fmadd_ps(q[1], d, o),
@@ -1458,7 +1496,7 @@ mod avx2 {
                     unsafe {
                         let d = _mm256_set1_ps(scale);
                         let o = _mm256_set1_ps(offset);
-                        let q = blk.unpack(g);
+                        let q = blk.unpack(&scales, g);
                         let p = prow.as_mut_ptr().add(b * B::ELEMS + g * QK);
                         for (i, q) in q.iter().enumerate() {
                             _mm256_storeu_ps(p.add(8 * i), _mm256_fmadd_ps(*q, d, o));
