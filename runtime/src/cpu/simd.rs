@@ -910,41 +910,34 @@ mod avx2 {
         }
     }
 
-    /// Low and high nibbles of 16 bytes, each with a fifth bit from `qh` where given (bit `j`
-    /// for element `j`), less `offset`, as signed bytes.
+    /// Low and high nibbles of 16 bytes, each with a fifth bit from `qh` (bit `j` for element
+    /// `j`), as bytes 0..32 (Q5_0's `− 16` is its offset).
     #[inline(always)]
-    unsafe fn nibbles(qs: &[u8; 16], qh: Option<[u8; 4]>, offset: i8) -> (__m128i, __m128i) {
+    unsafe fn nibbles5(qs: &[u8; 16], qh: [u8; 4]) -> (__m128i, __m128i) {
         // SAFETY: 16 bytes, read unaligned; the caller has AVX2.
         unsafe {
             let q = _mm_loadu_si128(qs.as_ptr().cast());
             let mask = _mm_set1_epi8(0x0F);
-            let mut lo = _mm_and_si128(q, mask);
-            let mut hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-            if let Some(qh) = qh {
-                // Bit j of qh to byte j: each byte selects its bit, compared with it.
-                let bits = _mm256_set1_epi32(u32::from_le_bytes(qh) as i32);
-                let pick = _mm256_set_epi64x(
-                    0x8040_2010_0804_0201u64 as i64,
-                    0x8040_2010_0804_0201u64 as i64,
-                    0x8040_2010_0804_0201u64 as i64,
-                    0x8040_2010_0804_0201u64 as i64,
-                );
-                let spread = _mm256_shuffle_epi8(
-                    bits,
-                    _mm256_set_epi64x(
-                        0x0303_0303_0303_0303,
-                        0x0202_0202_0202_0202,
-                        0x0101_0101_0101_0101,
-                        0,
-                    ),
-                );
-                let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, pick), pick);
-                let five = _mm256_and_si256(set, _mm256_set1_epi8(0x10));
-                lo = _mm_or_si128(lo, _mm256_castsi256_si128(five));
-                hi = _mm_or_si128(hi, _mm256_extracti128_si256(five, 1));
-            }
-            let off = _mm_set1_epi8(offset);
-            (_mm_sub_epi8(lo, off), _mm_sub_epi8(hi, off))
+            let lo = _mm_and_si128(q, mask);
+            let hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+            // Bit j of qh to byte j: each byte selects its bit, compared with it.
+            let bits = _mm256_set1_epi32(u32::from_le_bytes(qh) as i32);
+            let pick = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+            let spread = _mm256_shuffle_epi8(
+                bits,
+                _mm256_set_epi64x(
+                    0x0303_0303_0303_0303,
+                    0x0202_0202_0202_0202,
+                    0x0101_0101_0101_0101,
+                    0,
+                ),
+            );
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, pick), pick);
+            let five = _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+            (
+                _mm_or_si128(lo, _mm256_castsi256_si128(five)),
+                _mm_or_si128(hi, _mm256_extracti128_si256(five, 1)),
+            )
         }
     }
 
@@ -988,13 +981,17 @@ mod avx2 {
         }
     }
 
+    /// `d·(q − 16)` as scale `d`, offset `−16·d`.
     impl Unpack for BlockQ5_0 {
-        block32_scales!(b => (head(b).0, 0.0));
+        block32_scales!(b => {
+            let d = head(b).0;
+            (d, -16.0 * d)
+        });
         #[inline(always)]
         unsafe fn unpack(&self, _: &Self::Scales, _: usize) -> [__m256; 4] {
             // SAFETY: as `nibbles`.
             unsafe {
-                let (lo, hi) = nibbles(&self.qs, Some(self.qh), 16);
+                let (lo, hi) = nibbles5(&self.qs, self.qh);
                 widen32(lo, hi)
             }
         }
@@ -1006,7 +1003,7 @@ mod avx2 {
         unsafe fn unpack(&self, _: &Self::Scales, _: usize) -> [__m256; 4] {
             // SAFETY: as `nibbles`.
             unsafe {
-                let (lo, hi) = nibbles(&self.qs, Some(self.qh), 0);
+                let (lo, hi) = nibbles5(&self.qs, self.qh);
                 widen32(lo, hi)
             }
         }
@@ -1177,14 +1174,17 @@ mod avx2 {
                 for (b, blk) in blocks.iter().enumerate() {
                     // SAFETY: the caller has F16C.
                     let scales = unsafe { blk.scales() };
-                    for g in (0..B::GROUPS).step_by(2) {
+                    // (Constant trip counts, so that both loops unroll and each group's
+                    // index, and its parity, is a constant.)
+                    for gp in 0..B::GROUPS / 2 {
                         for u in 0..2 {
-                            let at = b * B::GROUPS + g + u;
+                            let g = 2 * gp + u;
+                            let at = b * B::GROUPS + g;
                             unsafe {
                                 group::<B, R>(
                                     blk,
                                     &scales,
-                                    g + u,
+                                    g,
                                     at,
                                     xr,
                                     xs,
