@@ -51,10 +51,10 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ExportError + '_ {
 /// How matmuls run on the CPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum CpuMatmul {
-    /// The runtime chooses per CPU: the library's register tiles at every row count where it
-    /// has them (AVX-512); elsewhere generated code for steps of 2 to
-    /// [`AUTO_MATMUL_MAX_ROWS`] rows and `gemm` otherwise (measured: gemm wins at 1 row and at
-    /// many, generated code in between).
+    /// The runtime chooses per CPU: the library's hand-vectorized kernels at every row count
+    /// where it has them (AVX-512 register tiles, AVX2 row groups); elsewhere generated code for
+    /// steps of 2 to [`AUTO_MATMUL_MAX_ROWS`] rows and `gemm` otherwise (measured: gemm wins at
+    /// 1 row and at many, generated code in between).
     #[default]
     Auto,
     /// The runtime's `gemm` library kernel.
