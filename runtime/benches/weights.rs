@@ -5,7 +5,8 @@
 
 use maxc_runtime::bench::bandwidth;
 use maxc_runtime::cpu::weights::{
-    isa_name, matmul, set_block_tiles, set_hand_kernels, set_packed_min_rows,
+    isa_name, matmul, set_activations, set_block_tiles, set_hand_kernels, set_packed_min_rows,
+    Activations,
 };
 use maxc_runtime::schema::DType;
 use std::time::Instant;
@@ -97,6 +98,7 @@ fn main() {
             };
             // Interleaved, so that the machine's drift hits every variant alike.
             let (mut ss, mut gs, mut ps, mut ts, mut ks) = (vec![], vec![], vec![], vec![], vec![]);
+            let mut qs = vec![];
             for _ in 0..3 {
                 ss.push(time(true));
                 gs.push(time(false));
@@ -110,12 +112,16 @@ fn main() {
                 set_packed_min_rows(1);
                 ks.push(time(true));
                 set_packed_min_rows(0);
+                // 8-bit activations (block formats of a few rows; the others as before).
+                set_activations(Activations::Q8);
+                qs.push(time(true));
+                set_activations(Activations::F32);
             }
             let (s, generic, panels) = (median(ss), median(gs), median(ps));
-            let (tiles, packed) = (median(ts), median(ks));
+            let (tiles, packed, q8) = (median(ts), median(ks), median(qs));
             let gbs = bytes as f64 / s;
             println!(
-                "  {:>5}  {:>8.1} us  {:>6.1} GB/s  {:>5.2} of bandwidth  {:>6.1} GFLOP/s  {:>5.2}x the generic kernel  {:>5.2}x panels  tiles {:>7.1} us  packed {:>7.1} us",
+                "  {:>5}  {:>8.1} us  {:>6.1} GB/s  {:>5.2} of bandwidth  {:>6.1} GFLOP/s  {:>5.2}x the generic kernel  {:>5.2}x panels  tiles {:>7.1} us  packed {:>7.1} us  q8 activations {:>7.1} us ({:.2}x)",
                 dtype.name(),
                 s * 1e6,
                 gbs / 1e9,
@@ -124,7 +130,9 @@ fn main() {
                 generic / s,
                 panels / s,
                 tiles * 1e6,
-                packed * 1e6
+                packed * 1e6,
+                q8 * 1e6,
+                s / q8
             );
         }
     }

@@ -765,6 +765,9 @@ mod q4k_avx512 {
 pub(crate) use avx2::hsum;
 
 #[cfg(target_arch = "x86_64")]
+pub(crate) mod int8;
+
+#[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
 
@@ -913,7 +916,7 @@ mod avx2 {
     /// Low and high nibbles of 16 bytes, each with a fifth bit from `qh` (bit `j` for element
     /// `j`), as bytes 0..32 (Q5_0's `− 16` is its offset).
     #[inline(always)]
-    unsafe fn nibbles5(qs: &[u8; 16], qh: [u8; 4]) -> (__m128i, __m128i) {
+    pub(super) unsafe fn nibbles5(qs: &[u8; 16], qh: [u8; 4]) -> (__m128i, __m128i) {
         // SAFETY: 16 bytes, read unaligned; the caller has AVX2.
         unsafe {
             let q = _mm_loadu_si128(qs.as_ptr().cast());
@@ -1531,6 +1534,17 @@ pub fn block_tile_kernel(dtype: maxc_schema::DType, isa: super::weights::Isa) ->
     {
         let _ = (dtype, isa);
         None
+    }
+}
+
+/// The kernel on 8-bit activations for `dtype` on this CPU (AVX2, which every AVX-512 CPU
+/// here has too), where there is one.
+#[cfg(target_arch = "x86_64")]
+pub fn q8_kernel(dtype: maxc_schema::DType, isa: super::weights::Isa) -> Option<int8::Q8Fn> {
+    use super::weights::Isa;
+    match isa {
+        Isa::Avx512 | Isa::Avx2 => int8::kernel(dtype),
+        Isa::Baseline => None,
     }
 }
 

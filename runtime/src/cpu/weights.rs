@@ -49,6 +49,60 @@ fn packed_min_rows(dtype: DType) -> usize {
         n => n,
     }
 }
+/// How activations meet block-format weights in steps of a few rows (decode).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Activations {
+    /// As f32, accumulated in f32: the interpreter's arithmetic in another order (the default).
+    #[default]
+    F32,
+    /// Quantized to 8 bits per 32 values (one f32 scale each) and multiplied with the weights'
+    /// integers in integer arithmetic: faster where the CPU has AVX2, at the cost of
+    /// fidelity (measured in the README). Other CPUs, float weights and steps of more than
+    /// [`STREAM_MAX_ROWS`] rows keep f32 activations.
+    Q8,
+}
+
+impl Activations {
+    /// The name the command line takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Activations::F32 => "f32",
+            Activations::Q8 => "q8",
+        }
+    }
+}
+
+impl std::str::FromStr for Activations {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(Activations::F32),
+            "q8" => Ok(Activations::Q8),
+            _ => Err(format!(
+                "unknown activation format {s:?}: expected f32 or q8"
+            )),
+        }
+    }
+}
+
+/// Whether block-format matmuls of a few rows take 8-bit activations (process-wide, like the
+/// instruction set the kernels use).
+static Q8_ACTIVATIONS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Sets how activations meet block-format weights from now on, in this process.
+pub fn set_activations(a: Activations) {
+    Q8_ACTIVATIONS.store(a == Activations::Q8, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// How activations meet block-format weights.
+pub fn activations() -> Activations {
+    if Q8_ACTIVATIONS.load(std::sync::atomic::Ordering::Relaxed) {
+        Activations::Q8
+    } else {
+        Activations::F32
+    }
+}
+
 /// Below this many weight bytes a matmul runs on the calling thread.
 const SPLIT_BYTES: usize = 1 << 16;
 
@@ -501,6 +555,10 @@ fn stream_split(
 }
 
 thread_local! {
+    /// The calling thread's quantized activations (bytes, scales, sums), kept between calls.
+    #[cfg(target_arch = "x86_64")]
+    static Q8_SCRATCH: std::cell::RefCell<(Vec<i8>, Vec<f32>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
     /// Each thread's dequantized panel, kept between calls.
     static PANEL_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -597,6 +655,26 @@ pub fn matmul(
     }
     debug_assert!(x.len() >= rows * k && out.len() >= rows * n);
     debug_assert_eq!(dtype.bytes_for((n * k) as u64), Some(w.len() as u64));
+    #[cfg(target_arch = "x86_64")]
+    if rows <= STREAM_MAX_ROWS
+        && activations() == Activations::Q8
+        && HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed)
+    {
+        if let Some(f) = super::simd::q8_kernel(dtype, isa()) {
+            Q8_SCRATCH.with(|scratch| {
+                let (q, d, s) = &mut *scratch.borrow_mut();
+                // SAFETY: `q8_kernel` gives a kernel only where the CPU has AVX2, FMA and
+                // F16C; block rows are whole 32-value groups.
+                unsafe { super::simd::int8::quantize(x, rows, k, q, d, s) };
+                let xq = super::simd::int8::Q8Rows { q, d, s };
+                // SAFETY: as above; `xq` holds the step's rows.
+                stream_split(w.len(), out, rows, n, threads, &|o, cols| unsafe {
+                    f(&xq, w, o, rows, n, k, cols)
+                });
+            });
+            return;
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     if super::tile::available() && HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed) {
         use super::tile::{Bf16Rows, F16Rows, F32Rows};
