@@ -48,6 +48,25 @@ impl SpeculativeArgs {
     }
 }
 
+/// How the CPU's block-format matmuls take their activations, shared by the commands that
+/// run an artifact.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ActivationArgs {
+    /// Activations of the CPU's matmuls on block-format weights (Q4_1, Q8_0, K-quants, ...) in
+    /// decode steps: f32 (the interpreter's arithmetic) or q8 (8 bits per 32 values and
+    /// integer dot products, as llama.cpp: faster on AVX2, logits further from the
+    /// reference). Float weights, prefill and other CPUs keep f32.
+    #[arg(long, default_value = "f32", value_name = "f32|q8")]
+    pub activations: maxc_runtime::cpu::weights::Activations,
+}
+
+impl ActivationArgs {
+    /// Makes it this process's choice.
+    pub fn apply(&self) {
+        maxc_runtime::cpu::weights::set_activations(self.activations);
+    }
+}
+
 /// The expert-parallel degree a deployment runs at.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ExpertParallelArgs {

@@ -74,6 +74,7 @@ pub struct ServeSettings {
     pub served_model_name: Option<String>,
     pub no_prefix_caching: Option<bool>,
     pub device: Option<String>,
+    pub activations: Option<String>,
     pub max_request_bytes: Option<usize>,
     pub max_queue_size: Option<usize>,
     pub graceful_shutdown_timeout_s: Option<f64>,

@@ -33,6 +33,8 @@ pub struct Args {
     /// The role to benchmark.
     #[arg(long, default_value = "decoder")]
     pub role: String,
+    #[command(flatten)]
+    pub activations: crate::args::ActivationArgs,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -93,6 +95,7 @@ impl Probes {
 
 /// Runs the benchmark and prints it.
 pub fn run(args: Args) -> Result<()> {
+    args.activations.apply();
     // Load time with the files in the page cache (the first open warms it).
     let mut loads = Vec::new();
     for _ in 0..4 {
@@ -220,6 +223,7 @@ pub fn run(args: Args) -> Result<()> {
         "role": args.role,
         "threads": maxc_runtime::cpu::pool::threads(),
         "weight_kernels": maxc_runtime::cpu::weights::isa_name(),
+        "activations": args.activations.activations.name(),
         "load_s": median(loads.clone()),
         "rounds": rounds,
         "peak_rss_bytes": probes.peak_rss(),
@@ -231,10 +235,11 @@ pub fn run(args: Args) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{}: {} threads, weight kernels {}",
+        "{}: {} threads, weight kernels {}, activations {}",
         args.artifact.display(),
         report["threads"],
-        report["weight_kernels"].as_str().unwrap_or("")
+        report["weight_kernels"].as_str().unwrap_or(""),
+        args.activations.activations.name()
     );
     println!(
         "probes (medians; each ratio is the median of {rounds} rounds, each over the probe just \

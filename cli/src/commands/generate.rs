@@ -61,11 +61,14 @@ pub struct Args {
     #[command(flatten)]
     expert_parallel: crate::args::ExpertParallelArgs,
     #[command(flatten)]
+    activations: crate::args::ActivationArgs,
+    #[command(flatten)]
     speculative: crate::args::SpeculativeArgs,
 }
 
 /// Generates, streaming text (or ids) to stdout.
 pub fn run(args: Args) -> Result<()> {
+    args.activations.apply();
     let valid = args.temperature >= 0.0 && args.top_p > 0.0 && args.top_p <= 1.0;
     if !valid {
         bail!(

@@ -32,10 +32,13 @@ pub struct Args {
     /// The role to profile.
     #[arg(long, default_value = "decoder")]
     pub role: String,
+    #[command(flatten)]
+    pub activations: crate::args::ActivationArgs,
 }
 
 /// Profiles and prints.
 pub fn run(args: Args) -> Result<()> {
+    args.activations.apply();
     let mut engine = Engine::open(&args.artifact, &args.role)?;
     let vocab = engine.vocab_size() as i64;
     let prompt: Vec<i64> = match (&args.tokens, &args.prompt) {

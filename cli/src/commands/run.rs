@@ -26,6 +26,8 @@ pub struct Args {
     signature: crate::commands::sign::RequireSignature,
     #[command(flatten)]
     expert_parallel: crate::args::ExpertParallelArgs,
+    #[command(flatten)]
+    activations: crate::args::ActivationArgs,
 }
 
 /// Every position's logits of `tokens`: one step where the program returns every row, else one
@@ -49,6 +51,7 @@ pub fn prompt_logits(engine: &mut Engine, tokens: &[i64]) -> Result<Vec<f32>> {
 
 /// Runs the prompt and prints the last position's top tokens.
 pub fn run(args: Args) -> Result<()> {
+    args.activations.apply();
     let tokens = parse_tokens(&args.tokens)?;
     let key = args.signature.key()?;
     let mut engine = Engine::open_verified(&args.artifact, &args.role, args.device, key.as_ref())?;

@@ -87,6 +87,8 @@ pub struct Args {
     pub expert_parallel: crate::args::ExpertParallelArgs,
     #[command(flatten)]
     pub speculative: crate::args::SpeculativeArgs,
+    #[command(flatten)]
+    pub activations: crate::args::ActivationArgs,
 }
 
 /// Takes the config file's settings where neither a flag nor its environment variable gave
@@ -146,6 +148,9 @@ fn apply_config_file(
     if let (Some(d), false) = (&s.device, explicit("device")) {
         args.device = d.parse().map_err(|e| bad("device", e))?;
     }
+    if let (Some(a), false) = (&s.activations, explicit("activations")) {
+        args.activations.activations = a.parse().map_err(|e| bad("activations", e))?;
+    }
     if let (Some(l), false) = (&s.kernel_trace_level, explicit("kernel_trace_level")) {
         args.kernel_trace_level = l.parse().map_err(|e| bad("kernel_trace_level", e))?;
     }
@@ -171,6 +176,7 @@ fn seconds(flag: &str, s: f64) -> Result<Duration> {
 /// environment gave (they win over the config file).
 pub fn run(mut args: Args, matches: Option<&clap::ArgMatches>) -> Result<()> {
     let profiling = apply_config_file(&mut args, matches)?;
+    args.activations.apply();
     if !args.artifact.join("manifest.json").is_file() {
         anyhow::bail!(
             "{}: not a maxc artifact (no manifest.json); compile one with `maxc compile`",

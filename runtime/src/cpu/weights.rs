@@ -557,8 +557,8 @@ fn stream_split(
 thread_local! {
     /// The calling thread's quantized activations (bytes, scales, sums), kept between calls.
     #[cfg(target_arch = "x86_64")]
-    static Q8_SCRATCH: std::cell::RefCell<(Vec<i8>, Vec<f32>, Vec<f32>)> =
-        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    static Q8_SCRATCH: std::cell::RefCell<super::simd::int8::Q8Buffers> =
+        std::cell::RefCell::new(Default::default());
     /// Each thread's dequantized panel, kept between calls.
     static PANEL_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -662,11 +662,11 @@ pub fn matmul(
     {
         if let Some(f) = super::simd::q8_kernel(dtype, isa()) {
             Q8_SCRATCH.with(|scratch| {
-                let (q, d, s) = &mut *scratch.borrow_mut();
+                let buf = &mut *scratch.borrow_mut();
                 // SAFETY: `q8_kernel` gives a kernel only where the CPU has AVX2, FMA and
                 // F16C; block rows are whole 32-value groups.
-                unsafe { super::simd::int8::quantize(x, rows, k, q, d, s) };
-                let xq = super::simd::int8::Q8Rows { q, d, s };
+                unsafe { super::simd::int8::quantize(x, rows, k, buf) };
+                let xq = buf.rows();
                 // SAFETY: as above; `xq` holds the step's rows.
                 stream_split(w.len(), out, rows, n, threads, &|o, cols| unsafe {
                     f(&xq, w, o, rows, n, k, cols)
