@@ -9,7 +9,8 @@
 # (Q8_0, BF16, F32, and Q4_K_M: the mix most downloads are) are made from GGUF with llama.cpp's
 # own llama-quantize, so both engines read the very same files. llama-bench reports prefill
 # (pp128) and decode (tg64) means over 3 repetitions; maxc bench the median of its prefill_128
-# and decode_b1 steps (decode after a 16-token prompt). Not part of CI: it builds llama.cpp
+# and decode_b1 steps (decode after a 16-token prompt), and decode again with `--activations q8`
+# (8-bit activations, as llama.cpp computes). Not part of CI: it builds llama.cpp
 # (minutes) and needs quiet cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -104,13 +105,17 @@ for round in $(seq "$rounds"); do
     art="$peers/$(basename "$f" .gguf).maxc"
     llama=$("$bin/llama-bench" -m "$f" -t "$threads" -p 128 -n 64 -r 3 -o json 2>/dev/null)
     ours=$("$maxc" bench "$art" --json --steps 64 --rounds 1)
-    python3 - "$f" "$llama" "$ours" >> "$results" <<'EOF2'
+    # 8-bit activations, as llama.cpp's (decode of block formats; the same kernels otherwise).
+    ours8=$("$maxc" bench "$art" --json --steps 64 --rounds 1 --activations q8)
+    python3 - "$f" "$llama" "$ours" "$ours8" >> "$results" <<'EOF2'
 import json, os, sys
-name, llama, ours = os.path.basename(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
+name, llama, ours, ours8 = os.path.basename(sys.argv[1]), *map(json.loads, sys.argv[2:5])
 pp = next(r["avg_ts"] for r in llama if r["n_prompt"] == 128 and r["n_gen"] == 0)
 tg = next(r["avg_ts"] for r in llama if r["n_gen"] == 64 and r["n_prompt"] == 0)
 m = {r["name"]: r for r in ours["measurements"]}
-print(json.dumps([name, pp, m["prefill_128"]["tokens_per_s"], tg, m["decode_b1"]["tokens_per_s"]]))
+m8 = {r["name"]: r for r in ours8["measurements"]}
+print(json.dumps([name, pp, m["prefill_128"]["tokens_per_s"], tg, m["decode_b1"]["tokens_per_s"],
+                  m8["decode_b1"]["tokens_per_s"]]))
 EOF2
   done
 done
@@ -121,11 +126,12 @@ for line in open(sys.argv[1]):
     name, *v = json.loads(line)
     rows.setdefault(name, []).append(v)
 print(f"medians of {sys.argv[2]} interleaved rounds (tokens/s)")
-print(f"{'file':<34} {'llama pp128':>12} {'maxc pp128':>12} {'ratio':>7} {'llama tg':>12} {'maxc tg':>12} {'ratio':>7}")
+print(f"{'file':<34} {'llama pp128':>12} {'maxc pp128':>12} {'ratio':>7} {'llama tg':>12} {'maxc tg':>12} {'ratio':>7} {'maxc tg q8':>12} {'ratio':>7}")
 for name, rs in rows.items():
     med = lambda i: st.median(r[i] for r in rs)
     pr = st.median(r[1] / r[0] for r in rs)
     tr = st.median(r[3] / r[2] for r in rs)
-    print(f"{name:<34} {med(0):12.1f} {med(1):12.1f} {pr:6.2f}x {med(2):12.1f} {med(3):12.1f} {tr:6.2f}x")
+    tr8 = st.median(r[4] / r[2] for r in rs)
+    print(f"{name:<34} {med(0):12.1f} {med(1):12.1f} {pr:6.2f}x {med(2):12.1f} {med(3):12.1f} {tr:6.2f}x {med(4):12.1f} {tr8:6.2f}x")
 EOF2
 rm -f "$results"

@@ -25,12 +25,14 @@ use std::arch::x86_64::*;
 
 /// A step's activations quantized per 32 values: `q` (rows·k bytes), and per group its scale
 /// `d` (rows·k/32), `p8`: eight times the sums of its `q` four at a time (rows·k/4: eight per
-/// group), and the exact sum `s` of its f32 values, laid out for eight rows at a time (one
-/// vector): group `g` of row `r` at [`Q8Rows::at`], rows past the last 0.
+/// group), the exact sum `s` of its f32 values and what rounding lost of it, `e = s − d·Σ q`,
+/// these two laid out for eight rows at a time (one vector): group `g` of row `r` at
+/// [`Q8Rows::at`], rows past the last 0.
 pub struct Q8Rows<'a> {
     pub q: &'a [i8],
     pub d: &'a [f32],
     pub s: &'a [f32],
+    pub e: &'a [f32],
     pub p8: &'a [i32],
 }
 
@@ -40,6 +42,7 @@ pub struct Q8Buffers {
     q: Vec<i8>,
     d: Vec<f32>,
     s: Vec<f32>,
+    e: Vec<f32>,
     p8: Vec<i32>,
 }
 
@@ -57,6 +60,7 @@ impl Q8Buffers {
             q: &self.q,
             d: &self.d,
             s: &self.s,
+            e: &self.e,
             p8: &self.p8,
         }
     }
@@ -81,11 +85,13 @@ pub type Q8Fn = unsafe fn(
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn quantize(x: &[f32], rows: usize, k: usize, buf: &mut Q8Buffers) {
     let groups = rows * k / QK;
-    let Q8Buffers { q, d, s, p8 } = buf;
+    let Q8Buffers { q, d, s, e, p8 } = buf;
     q.resize(rows * k, 0);
     d.resize(groups, 0.0);
-    s.clear();
-    s.resize(rows.div_ceil(8) * 8 * (k / QK), 0.0);
+    for v in [&mut *s, &mut *e] {
+        v.clear();
+        v.resize(rows.div_ceil(8) * 8 * (k / QK), 0.0);
+    }
     p8.resize(groups * 8, 0);
     let x = &x[..rows * k];
     for (i, ((xg, qg), (dg, pg))) in x
@@ -94,7 +100,7 @@ pub unsafe fn quantize(x: &[f32], rows: usize, k: usize, buf: &mut Q8Buffers) {
         .zip(d.iter_mut().zip(p8.chunks_exact_mut(8)))
         .enumerate()
     {
-        let sg = &mut s[Q8Rows::at(k, i / (k / QK), i % (k / QK))];
+        let at = Q8Rows::at(k, i / (k / QK), i % (k / QK));
         // SAFETY: 32 values read and 32 bytes written, unaligned; this function's features.
         unsafe {
             let p = xg.as_ptr();
@@ -130,10 +136,13 @@ pub unsafe fn quantize(x: &[f32], rows: usize, k: usize, buf: &mut Q8Buffers) {
                 _mm256_set1_epi16(1),
             );
             _mm256_storeu_si256(pg.as_mut_ptr().cast(), _mm256_slli_epi32(fours, 3));
-            *sg = hsum(_mm256_add_ps(
+            let sum = hsum(_mm256_add_ps(
                 _mm256_add_ps(v[0], v[1]),
                 _mm256_add_ps(v[2], v[3]),
             ));
+            s[at] = sum;
+            // What rounding lost of the sum (Σ q exact in f32: at most 32·127).
+            e[at] = sum - *dg * hsum(_mm256_cvtepi32_ps(fours));
         }
     }
 }
@@ -295,10 +304,11 @@ unsafe fn group<B: Bytes, const R: usize>(
     xq: *const i8,
     xd: &[f32],
     xs: *const f32,
+    xe: *const f32,
     xp: *const i32,
     k: usize,
     acc: &mut [__m256; R],
-    offs: &mut __m256,
+    offs: &mut [__m256; 2],
     offs1: &mut [f32; R],
 ) {
     let groups = k / QK;
@@ -316,8 +326,10 @@ unsafe fn group<B: Bytes, const R: usize>(
                 xv
             };
             let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xv), ones);
+            // (Three or more rows centre through `e`, below, once for all rows.)
             let sums = match B::CENTRE {
                 0 => sums,
+                _ if R > 2 => sums,
                 c => {
                     let p8 = _mm256_loadu_si256(xp.add(r * (k / 4) + at * 8).cast());
                     let p = if c == 16 {
@@ -333,14 +345,18 @@ unsafe fn group<B: Bytes, const R: usize>(
         }
         if B::OFFSET {
             let (scale, offset) = B::group(scales, g);
-            let offset = (B::CENTRE as f32).mul_add(scale, offset);
             if R <= 2 {
+                let offset = (B::CENTRE as f32).mul_add(scale, offset);
                 for r in 0..R {
                     offs1[r] = offset.mul_add(*xs.add(8 * at + r), offs1[r]);
                 }
             } else {
+                // `Σ (q_w − c)·x̂ = Σ q_w·x̂ − c·(Σ x − e)`: the offset takes `c·scale·Σ x`
+                // with the rest (two accumulators, so that neither waits on the other).
                 let sums = _mm256_loadu_ps(xs.add(8 * at));
-                *offs = _mm256_fmadd_ps(_mm256_set1_ps(offset), sums, *offs);
+                let lost = _mm256_loadu_ps(xe.add(8 * at));
+                offs[0] = _mm256_fmadd_ps(_mm256_set1_ps(offset), sums, offs[0]);
+                offs[1] = _mm256_fmadd_ps(_mm256_set1_ps(B::CENTRE as f32 * scale), lost, offs[1]);
             }
         }
     }
@@ -366,12 +382,13 @@ unsafe fn columns<B: Bytes, const R: usize>(
     let xd = &x.d[row0 * groups..];
     // (Row groups start at multiples of eight rows.)
     let xs = x.s[Q8Rows::at(k, row0, 0)..].as_ptr();
+    let xe = x.e[Q8Rows::at(k, row0, 0)..].as_ptr();
     let xp = x.p8[row0 * (k / 4)..].as_ptr();
     let split = if R <= 2 { 2 } else { 1 };
     for j in cols.clone() {
         let blocks = &w[j * nb..(j + 1) * nb];
         let mut acc = [[_mm256_setzero_ps(); R]; 2];
-        let mut offs = [_mm256_setzero_ps(); 2];
+        let mut offs = [[_mm256_setzero_ps(); 2]; 2];
         let mut offs1 = [[0.0f32; R]; 2];
         // SAFETY (the `group` calls): the caller has AVX2, FMA and F16C; rows row0..row0 + R
         // of x exist.
@@ -390,6 +407,7 @@ unsafe fn columns<B: Bytes, const R: usize>(
                             xq,
                             xd,
                             xs,
+                            xe,
                             xp,
                             k,
                             &mut acc[u],
@@ -412,6 +430,7 @@ unsafe fn columns<B: Bytes, const R: usize>(
                         xq,
                         xd,
                         xs,
+                        xe,
                         xp,
                         k,
                         &mut acc[0],
@@ -438,6 +457,7 @@ unsafe fn columns<B: Bytes, const R: usize>(
                                 xq,
                                 xd,
                                 xs,
+                                xe,
                                 xp,
                                 k,
                                 &mut acc[set],
@@ -451,7 +471,11 @@ unsafe fn columns<B: Bytes, const R: usize>(
         }
         let mut o = [0.0f32; 8];
         // SAFETY: AVX2; eight floats written.
-        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), _mm256_add_ps(offs[0], offs[1])) };
+        unsafe {
+            let [a, b] = offs;
+            let t = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(b[0], b[1]));
+            _mm256_storeu_ps(o.as_mut_ptr(), t)
+        };
         for r in 0..R {
             // SAFETY: AVX2.
             let sum = unsafe { hsum(_mm256_add_ps(acc[0][r], acc[1][r])) };
@@ -578,7 +602,7 @@ mod tests {
         let mut buf = Q8Buffers::default();
         // SAFETY: checked above.
         unsafe { quantize(&x, rows, k, &mut buf) };
-        let Q8Rows { q, d, s, p8 } = buf.rows();
+        let Q8Rows { q, d, s, e, p8 } = buf.rows();
         for (g, xg) in x.chunks_exact(QK).enumerate() {
             let amax = xg.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             assert_eq!(d[g], amax / 127.0, "group {g}'s scale");
@@ -587,6 +611,11 @@ mod tests {
             assert!(
                 (s[at] - sum).abs() <= 1e-5 * (1.0 + sum.abs()),
                 "group {g}'s sum"
+            );
+            let rounded: f32 = q[g * QK..(g + 1) * QK].iter().map(|&v| v as f32).sum();
+            assert!(
+                (e[at] - (s[at] - d[g] * rounded)).abs() <= 1e-6 * (1.0 + sum.abs()),
+                "group {g}'s loss"
             );
             for f in 0..8 {
                 let four: i32 = q[g * QK + 4 * f..g * QK + 4 * f + 4]
