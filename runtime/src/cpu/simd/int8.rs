@@ -2,18 +2,19 @@
 //! [`Activations::Q8`](crate::cpu::weights::Activations) asks for them: each 32 activations of a
 //! row quantized to signed bytes with one f32 scale (`d = max|x| / 127`, `q = round(x / d)`),
 //! each weight group's integers multiplied with them in 16-bit pairs (`vpmaddubsw`) and summed
-//! to 32 bits (`vpmaddwd`), then scaled in f32: `Σ x·(s·q_w + o) ≈ s·d·Σ q_w·q_x + o·Σ x`,
-//! where `Σ x` is the exact f32 sum of the group (so a group's offset costs nothing in
-//! fidelity; only the `s·Σ q_w·x` half sees the rounded activations).
+//! to 32 bits (`vpmaddwd`), then scaled in f32: `Σ x̂·(s·q_w + o) = s·d·Σ q_w·q_x + o·d·Σ q_x`
+//! (`x̂ = d·q_x`), the dot product of the weights with the rounded activations, as llama.cpp
+//! computes it.
 //!
-//! Unsigned weight integers (4 and 5 bits, and Q4_K's and Q5_K's) meet the signed activations
-//! directly, and are centred after the integer sum: `Σ (q_w − c)·q_x = Σ q_w·q_x − c·Σ q_x`,
-//! `c` the middle of their range (8 or 16), `c·Σ q_x` per four values computed once per row and
-//! group, and `c·s·Σ x` added to the offset. The rounded activations then meet `q_w − c`, half
-//! the size of `q_w` on average: SmolLM2's Q4_1 logits move 1.5 from the reference instead of
-//! 5.5 (max |diff|, one 16-token prompt). Signed ones (Q8_0's `q`, Q6_K's `q − 32`) give their sign to the activations
-//! (`vpsignb`) and their magnitude to the unsigned operand. Products of two bytes summed in
-//! pairs stay within 16 bits: at most `2·128·127`.
+//! Its deviation from the exact product is `Σ w·(x̂ − x)`: the rounding meets the weights, which
+//! are centred near 0. (With the exact `Σ x` for the offset half, `o·Σ x`, the rounding meets
+//! `s·q_w` instead, all of one sign for the unsigned formats and twice the size: SmolLM2's Q4_1
+//! logits moved up to 5.5 from the reference, 0.64 on average, against 1.6 and 0.28 this way,
+//! on one 16-token prompt.) Unsigned weight
+//! integers (4 and 5 bits, and Q4_K's and Q5_K's) meet the signed activations directly; signed
+//! ones (Q8_0's `q`, Q6_K's `q − 32`) give their sign to the activations (`vpsignb`) and their
+//! magnitude to the unsigned operand. Products of two bytes summed in pairs stay within 16
+//! bits: at most `2·128·127`.
 
 use super::avx2::{hsum, Unpack};
 use super::{k_bytes, q6_bytes};
@@ -23,17 +24,13 @@ use maxc_schema::blocks::{
 };
 use std::arch::x86_64::*;
 
-/// A step's activations quantized per 32 values: `q` (rows·k bytes), and per group its scale
-/// `d` (rows·k/32), `p8`: eight times the sums of its `q` four at a time (rows·k/4: eight per
-/// group), the exact sum `s` of its f32 values and what rounding lost of it, `e = s − d·Σ q`,
-/// these two laid out for eight rows at a time (one vector): group `g` of row `r` at
-/// [`Q8Rows::at`], rows past the last 0.
+/// A step's activations quantized per 32 values: `q` (rows·k bytes), per group its scale `d`
+/// (rows·k/32) and its rounded sum `h = d·Σ q`, laid out for eight rows at a time (one
+/// vector): group `g` of row `r` at [`Q8Rows::at`], rows past the last 0.
 pub struct Q8Rows<'a> {
     pub q: &'a [i8],
     pub d: &'a [f32],
-    pub s: &'a [f32],
-    pub e: &'a [f32],
-    pub p8: &'a [i32],
+    pub h: &'a [f32],
 }
 
 /// Quantized activations' buffers, kept between calls.
@@ -41,13 +38,11 @@ pub struct Q8Rows<'a> {
 pub struct Q8Buffers {
     q: Vec<i8>,
     d: Vec<f32>,
-    s: Vec<f32>,
-    e: Vec<f32>,
-    p8: Vec<i32>,
+    h: Vec<f32>,
 }
 
 impl Q8Rows<'_> {
-    /// Where `s` holds group `g` of row `r` (rows of `k` values).
+    /// Where `h` holds group `g` of row `r` (rows of `k` values).
     pub fn at(k: usize, r: usize, g: usize) -> usize {
         (r / 8) * 8 * (k / QK) + 8 * g + r % 8
     }
@@ -59,9 +54,7 @@ impl Q8Buffers {
         Q8Rows {
             q: &self.q,
             d: &self.d,
-            s: &self.s,
-            e: &self.e,
-            p8: &self.p8,
+            h: &self.h,
         }
     }
 }
@@ -85,19 +78,16 @@ pub type Q8Fn = unsafe fn(
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn quantize(x: &[f32], rows: usize, k: usize, buf: &mut Q8Buffers) {
     let groups = rows * k / QK;
-    let Q8Buffers { q, d, s, e, p8 } = buf;
+    let Q8Buffers { q, d, h } = buf;
     q.resize(rows * k, 0);
     d.resize(groups, 0.0);
-    for v in [&mut *s, &mut *e] {
-        v.clear();
-        v.resize(rows.div_ceil(8) * 8 * (k / QK), 0.0);
-    }
-    p8.resize(groups * 8, 0);
+    h.clear();
+    h.resize(rows.div_ceil(8) * 8 * (k / QK), 0.0);
     let x = &x[..rows * k];
-    for (i, ((xg, qg), (dg, pg))) in x
+    for (i, ((xg, qg), dg)) in x
         .chunks_exact(QK)
         .zip(q.chunks_exact_mut(QK))
-        .zip(d.iter_mut().zip(p8.chunks_exact_mut(8)))
+        .zip(d.iter_mut())
         .enumerate()
     {
         let at = Q8Rows::at(k, i / (k / QK), i % (k / QK));
@@ -130,19 +120,9 @@ pub unsafe fn quantize(x: &[f32], rows: usize, k: usize, buf: &mut Q8Buffers) {
             let ordered =
                 _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
             _mm256_storeu_si256(qg.as_mut_ptr().cast(), ordered);
-            // Σ q four at a time (as the kernels' sums of four products), times eight.
-            let fours = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(_mm256_set1_epi8(1), ordered),
-                _mm256_set1_epi16(1),
-            );
-            _mm256_storeu_si256(pg.as_mut_ptr().cast(), _mm256_slli_epi32(fours, 3));
-            let sum = hsum(_mm256_add_ps(
-                _mm256_add_ps(v[0], v[1]),
-                _mm256_add_ps(v[2], v[3]),
-            ));
-            s[at] = sum;
-            // What rounding lost of the sum (Σ q exact in f32: at most 32·127).
-            e[at] = sum - *dg * hsum(_mm256_cvtepi32_ps(fours));
+            // Σ q, exact in 32 bits (and in f32: at most 32·127).
+            let sums = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+            h[at] = *dg * hsum(_mm256_cvtepi32_ps(sums));
         }
     }
 }
@@ -154,8 +134,6 @@ pub(super) trait Bytes: Unpack {
     const SIGNED: bool;
     /// Whether groups have an offset (`Unpack::group`'s second value is not always 0).
     const OFFSET: bool;
-    /// The middle of an unsigned format's range (0, 8 or 16), subtracted after the integer sum.
-    const CENTRE: i32;
     /// Group `g`'s integers, in the order of its values.
     ///
     /// # Safety
@@ -189,7 +167,6 @@ unsafe fn nibble_bytes(qs: &[u8; 16]) -> __m256i {
 impl Bytes for BlockQ8_0 {
     const SIGNED: bool = true;
     const OFFSET: bool = false;
-    const CENTRE: i32 = 0;
     #[inline(always)]
     unsafe fn bytes(&self, _: usize) -> __m256i {
         // SAFETY: 32 bytes read unaligned; the caller's AVX2.
@@ -200,7 +177,6 @@ impl Bytes for BlockQ8_0 {
 impl Bytes for BlockQ4_0 {
     const SIGNED: bool = false;
     const OFFSET: bool = true;
-    const CENTRE: i32 = 8;
     #[inline(always)]
     unsafe fn bytes(&self, _: usize) -> __m256i {
         // SAFETY: as `nibble_bytes`.
@@ -211,7 +187,6 @@ impl Bytes for BlockQ4_0 {
 impl Bytes for BlockQ4_1 {
     const SIGNED: bool = false;
     const OFFSET: bool = true;
-    const CENTRE: i32 = 8;
     #[inline(always)]
     unsafe fn bytes(&self, _: usize) -> __m256i {
         // SAFETY: as `nibble_bytes`.
@@ -222,7 +197,6 @@ impl Bytes for BlockQ4_1 {
 impl Bytes for BlockQ5_0 {
     const SIGNED: bool = false;
     const OFFSET: bool = true;
-    const CENTRE: i32 = 16;
     #[inline(always)]
     unsafe fn bytes(&self, _: usize) -> __m256i {
         // SAFETY: as `nibbles5`.
@@ -236,7 +210,6 @@ impl Bytes for BlockQ5_0 {
 impl Bytes for BlockQ5_1 {
     const SIGNED: bool = false;
     const OFFSET: bool = true;
-    const CENTRE: i32 = 16;
     #[inline(always)]
     unsafe fn bytes(&self, _: usize) -> __m256i {
         // SAFETY: as `nibbles5`.
@@ -250,7 +223,6 @@ impl Bytes for BlockQ5_1 {
 impl Bytes for BlockQ4K {
     const SIGNED: bool = false;
     const OFFSET: bool = true;
-    const CENTRE: i32 = 8;
     #[inline(always)]
     unsafe fn bytes(&self, g: usize) -> __m256i {
         // SAFETY: as `k_bytes`.
@@ -261,7 +233,6 @@ impl Bytes for BlockQ4K {
 impl Bytes for BlockQ5K {
     const SIGNED: bool = false;
     const OFFSET: bool = true;
-    const CENTRE: i32 = 16;
     #[inline(always)]
     unsafe fn bytes(&self, g: usize) -> __m256i {
         // SAFETY: as `k_bytes`.
@@ -273,7 +244,6 @@ impl Bytes for BlockQ5K {
 impl Bytes for BlockQ6K {
     const SIGNED: bool = true;
     const OFFSET: bool = false;
-    const CENTRE: i32 = 0;
     #[inline(always)]
     unsafe fn bytes(&self, g: usize) -> __m256i {
         // SAFETY: as `q6_bytes`.
@@ -286,14 +256,13 @@ impl Bytes for BlockQ6K {
     }
 }
 
-/// Group `g` of `blk` (the `at`-th 32 values of its row) into rows `0..R` of `acc` and `offs`:
-/// `acc += lanes·d_x·Σ (q_w − c)·q_x` (per four values; `c` the format's centre),
-/// `offs += (offset + c·scale)·Σ x` (one or two rows: into `offs1`, else for the eight rows
-/// at once into `offs`, lane `r` row `r`).
+/// Group `g` of `blk` (the `at`-th 32 values of its row) into rows `0..R` of `acc` and the
+/// offsets: `acc += lanes·d·Σ q_w·q_x` (per four values), `offset·h` into `offs1` (one or two
+/// rows) or, for the eight rows at once, into `offs` (lane `r`: row `r`).
 ///
 /// # Safety
-/// AVX2, FMA and F16C; rows `0..R` of `x` exist from `xq` (k bytes each), `xd` and `xs`
-/// (k / 32 each) and `xp` (k / 4 each); `xs` points at their eight-row block.
+/// AVX2, FMA and F16C; rows `0..R` of `x` exist from `xq` (k bytes each) and `xd` (k / 32
+/// each); `xh` points at their eight-row block.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn group<B: Bytes, const R: usize>(
@@ -303,12 +272,10 @@ unsafe fn group<B: Bytes, const R: usize>(
     at: usize,
     xq: *const i8,
     xd: &[f32],
-    xs: *const f32,
-    xe: *const f32,
-    xp: *const i32,
+    xh: *const f32,
     k: usize,
     acc: &mut [__m256; R],
-    offs: &mut [__m256; 2],
+    offs: &mut __m256,
     offs1: &mut [f32; R],
 ) {
     let groups = k / QK;
@@ -326,37 +293,18 @@ unsafe fn group<B: Bytes, const R: usize>(
                 xv
             };
             let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xv), ones);
-            // (Three or more rows centre through `e`, below, once for all rows.)
-            let sums = match B::CENTRE {
-                0 => sums,
-                _ if R > 2 => sums,
-                c => {
-                    let p8 = _mm256_loadu_si256(xp.add(r * (k / 4) + at * 8).cast());
-                    let p = if c == 16 {
-                        _mm256_slli_epi32(p8, 1)
-                    } else {
-                        p8
-                    };
-                    _mm256_sub_epi32(sums, p)
-                }
-            };
             let scale = _mm256_mul_ps(lanes, _mm256_set1_ps(*xd.get_unchecked(r * groups + at)));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
         }
         if B::OFFSET {
-            let (scale, offset) = B::group(scales, g);
+            let offset = B::group(scales, g).1;
             if R <= 2 {
-                let offset = (B::CENTRE as f32).mul_add(scale, offset);
                 for r in 0..R {
-                    offs1[r] = offset.mul_add(*xs.add(8 * at + r), offs1[r]);
+                    offs1[r] = offset.mul_add(*xh.add(8 * at + r), offs1[r]);
                 }
             } else {
-                // `Σ (q_w − c)·x̂ = Σ q_w·x̂ − c·(Σ x − e)`: the offset takes `c·scale·Σ x`
-                // with the rest (two accumulators, so that neither waits on the other).
-                let sums = _mm256_loadu_ps(xs.add(8 * at));
-                let lost = _mm256_loadu_ps(xe.add(8 * at));
-                offs[0] = _mm256_fmadd_ps(_mm256_set1_ps(offset), sums, offs[0]);
-                offs[1] = _mm256_fmadd_ps(_mm256_set1_ps(B::CENTRE as f32 * scale), lost, offs[1]);
+                let h = _mm256_loadu_ps(xh.add(8 * at));
+                *offs = _mm256_fmadd_ps(_mm256_set1_ps(offset), h, *offs);
             }
         }
     }
@@ -381,63 +329,44 @@ unsafe fn columns<B: Bytes, const R: usize>(
     let xq = x.q[row0 * k..].as_ptr();
     let xd = &x.d[row0 * groups..];
     // (Row groups start at multiples of eight rows.)
-    let xs = x.s[Q8Rows::at(k, row0, 0)..].as_ptr();
-    let xe = x.e[Q8Rows::at(k, row0, 0)..].as_ptr();
-    let xp = x.p8[row0 * (k / 4)..].as_ptr();
+    let xh = x.h[Q8Rows::at(k, row0, 0)..].as_ptr();
     let split = if R <= 2 { 2 } else { 1 };
     for j in cols.clone() {
         let blocks = &w[j * nb..(j + 1) * nb];
         let mut acc = [[_mm256_setzero_ps(); R]; 2];
-        let mut offs = [[_mm256_setzero_ps(); 2]; 2];
+        let mut offs = [_mm256_setzero_ps(); 2];
         let mut offs1 = [[0.0f32; R]; 2];
         // SAFETY (the `group` calls): the caller has AVX2, FMA and F16C; rows row0..row0 + R
         // of x exist.
+        let mut run = |blk: &B, scales: &B::Scales, g: usize, at: usize, set: usize| unsafe {
+            group::<B, R>(
+                blk,
+                scales,
+                g,
+                at,
+                xq,
+                xd,
+                xh,
+                k,
+                &mut acc[set],
+                &mut offs[set],
+                &mut offs1[set],
+            )
+        };
         if B::GROUPS == 1 {
             let mut b = 0;
             while b + split <= nb {
                 for u in 0..split {
                     let blk = &blocks[b + u];
-                    unsafe {
-                        let s = blk.scales();
-                        group::<B, R>(
-                            blk,
-                            &s,
-                            0,
-                            b + u,
-                            xq,
-                            xd,
-                            xs,
-                            xe,
-                            xp,
-                            k,
-                            &mut acc[u],
-                            &mut offs[u],
-                            &mut offs1[u],
-                        )
-                    };
+                    // SAFETY: the caller has F16C.
+                    run(blk, &unsafe { blk.scales() }, 0, b + u, u);
                 }
                 b += split;
             }
             if b < nb {
                 let blk = &blocks[b];
-                unsafe {
-                    let s = blk.scales();
-                    group::<B, R>(
-                        blk,
-                        &s,
-                        0,
-                        b,
-                        xq,
-                        xd,
-                        xs,
-                        xe,
-                        xp,
-                        k,
-                        &mut acc[0],
-                        &mut offs[0],
-                        &mut offs1[0],
-                    )
-                };
+                // SAFETY: as above.
+                run(blk, &unsafe { blk.scales() }, 0, b, 0);
             }
         } else {
             for (b, blk) in blocks.iter().enumerate() {
@@ -447,35 +376,20 @@ unsafe fn columns<B: Bytes, const R: usize>(
                 for gp in 0..B::GROUPS / 2 {
                     for u in 0..2 {
                         let g = 2 * gp + u;
-                        let set = if split == 2 { u } else { 0 };
-                        unsafe {
-                            group::<B, R>(
-                                blk,
-                                &scales,
-                                g,
-                                b * B::GROUPS + g,
-                                xq,
-                                xd,
-                                xs,
-                                xe,
-                                xp,
-                                k,
-                                &mut acc[set],
-                                &mut offs[set],
-                                &mut offs1[set],
-                            )
-                        };
+                        run(
+                            blk,
+                            &scales,
+                            g,
+                            b * B::GROUPS + g,
+                            if split == 2 { u } else { 0 },
+                        );
                     }
                 }
             }
         }
         let mut o = [0.0f32; 8];
         // SAFETY: AVX2; eight floats written.
-        unsafe {
-            let [a, b] = offs;
-            let t = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(b[0], b[1]));
-            _mm256_storeu_ps(o.as_mut_ptr(), t)
-        };
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), _mm256_add_ps(offs[0], offs[1])) };
         for r in 0..R {
             // SAFETY: AVX2.
             let sum = unsafe { hsum(_mm256_add_ps(acc[0][r], acc[1][r])) };
@@ -602,33 +516,10 @@ mod tests {
         let mut buf = Q8Buffers::default();
         // SAFETY: checked above.
         unsafe { quantize(&x, rows, k, &mut buf) };
-        let Q8Rows { q, d, s, e, p8 } = buf.rows();
+        let Q8Rows { q, d, h } = buf.rows();
         for (g, xg) in x.chunks_exact(QK).enumerate() {
             let amax = xg.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             assert_eq!(d[g], amax / 127.0, "group {g}'s scale");
-            let sum: f32 = xg.iter().sum();
-            let at = Q8Rows::at(k, g / (k / QK), g % (k / QK));
-            assert!(
-                (s[at] - sum).abs() <= 1e-5 * (1.0 + sum.abs()),
-                "group {g}'s sum"
-            );
-            let rounded: f32 = q[g * QK..(g + 1) * QK].iter().map(|&v| v as f32).sum();
-            assert!(
-                (e[at] - (s[at] - d[g] * rounded)).abs() <= 1e-6 * (1.0 + sum.abs()),
-                "group {g}'s loss"
-            );
-            for f in 0..8 {
-                let four: i32 = q[g * QK + 4 * f..g * QK + 4 * f + 4]
-                    .iter()
-                    .map(|&v| v as i32)
-                    .sum();
-                assert_eq!(
-                    p8[g * 8 + f],
-                    8 * four,
-                    "group {g}'s sum of values {}..",
-                    4 * f
-                );
-            }
             for (i, v) in xg.iter().enumerate() {
                 let want = if amax > 0.0 {
                     (v * (127.0 / amax)).round_ties_even() as i8
@@ -636,6 +527,15 @@ mod tests {
                     0
                 };
                 assert_eq!(q[g * QK + i], want, "group {g} value {i} ({v})");
+            }
+            let rounded: f32 = q[g * QK..(g + 1) * QK].iter().map(|&v| v as f32).sum();
+            let at = Q8Rows::at(k, g / (k / QK), g % (k / QK));
+            assert_eq!(h[at], d[g] * rounded, "group {g}'s rounded sum");
+        }
+        // Rows past the last (11 of 16) hold zeros.
+        for r in rows..16 {
+            for g in 0..k / QK {
+                assert_eq!(h[Q8Rows::at(k, r, g)], 0.0, "row {r} group {g}");
             }
         }
     }
