@@ -10,11 +10,12 @@
 //! are centred near 0. (With the exact `Σ x` for the offset half, `o·Σ x`, the rounding meets
 //! `s·q_w` instead, all of one sign for the unsigned formats and twice the size: SmolLM2's Q4_1
 //! logits moved up to 5.5 from the reference, 0.64 on average, against 1.6 and 0.28 this way,
-//! on one 16-token prompt.) Unsigned weight
-//! integers (4 and 5 bits, and Q4_K's and Q5_K's) meet the signed activations directly; signed
-//! ones (Q8_0's `q`, Q6_K's `q − 32`) give their sign to the activations (`vpsignb`) and their
-//! magnitude to the unsigned operand. Products of two bytes summed in pairs stay within 16
-//! bits: at most `2·128·127`.
+//! on one 16-token prompt.)
+//!
+//! Unsigned weight integers (4 and 5 bits, and Q4_K's and Q5_K's) meet the signed activations
+//! directly; signed ones (Q8_0's `q`, Q6_K's `q − 32`) give their sign to the activations
+//! (`vpsignb`) and their magnitude to the unsigned operand. Products of two bytes summed in
+//! pairs stay within 16 bits: at most `2·128·127`.
 
 use super::avx2::{hsum, Unpack};
 use super::{k_bytes, q6_bytes};
