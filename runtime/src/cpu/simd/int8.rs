@@ -175,70 +175,36 @@ impl Bytes for BlockQ8_0 {
     }
 }
 
-impl Bytes for BlockQ4_0 {
-    const SIGNED: bool = false;
-    const OFFSET: bool = true;
-    #[inline(always)]
-    unsafe fn bytes(&self, _: usize) -> __m256i {
-        // SAFETY: as `nibble_bytes`.
-        unsafe { nibble_bytes(&self.qs) }
-    }
-}
-
-impl Bytes for BlockQ4_1 {
-    const SIGNED: bool = false;
-    const OFFSET: bool = true;
-    #[inline(always)]
-    unsafe fn bytes(&self, _: usize) -> __m256i {
-        // SAFETY: as `nibble_bytes`.
-        unsafe { nibble_bytes(&self.qs) }
-    }
-}
-
-impl Bytes for BlockQ5_0 {
-    const SIGNED: bool = false;
-    const OFFSET: bool = true;
-    #[inline(always)]
-    unsafe fn bytes(&self, _: usize) -> __m256i {
-        // SAFETY: as `nibbles5`.
-        unsafe {
-            let (lo, hi) = super::avx2::nibbles5(&self.qs, self.qh);
-            _mm256_set_m128i(hi, lo)
+/// [`Bytes`] for the unsigned formats (all with offsets): `$this` the block, `$g` the group.
+macro_rules! unsigned_bytes {
+    ($($block:ty => |$this:ident, $g:ident| $bytes:expr;)*) => {$(
+        impl Bytes for $block {
+            const SIGNED: bool = false;
+            const OFFSET: bool = true;
+            #[inline(always)]
+            unsafe fn bytes(&self, g: usize) -> __m256i {
+                let ($this, $g) = (self, g);
+                // SAFETY: the caller has AVX2 (the trait's contract); the helpers read within
+                // the block.
+                unsafe { $bytes }
+            }
         }
-    }
+    )*};
 }
 
-impl Bytes for BlockQ5_1 {
-    const SIGNED: bool = false;
-    const OFFSET: bool = true;
-    #[inline(always)]
-    unsafe fn bytes(&self, _: usize) -> __m256i {
-        // SAFETY: as `nibbles5`.
-        unsafe {
-            let (lo, hi) = super::avx2::nibbles5(&self.qs, self.qh);
-            _mm256_set_m128i(hi, lo)
-        }
-    }
-}
-
-impl Bytes for BlockQ4K {
-    const SIGNED: bool = false;
-    const OFFSET: bool = true;
-    #[inline(always)]
-    unsafe fn bytes(&self, g: usize) -> __m256i {
-        // SAFETY: as `k_bytes`.
-        unsafe { k_bytes(&self.qs, None, g) }
-    }
-}
-
-impl Bytes for BlockQ5K {
-    const SIGNED: bool = false;
-    const OFFSET: bool = true;
-    #[inline(always)]
-    unsafe fn bytes(&self, g: usize) -> __m256i {
-        // SAFETY: as `k_bytes`.
-        unsafe { k_bytes(&self.qs, Some(&self.qh), g) }
-    }
+unsigned_bytes! {
+    BlockQ4_0 => |b, _g| nibble_bytes(&b.qs);
+    BlockQ4_1 => |b, _g| nibble_bytes(&b.qs);
+    BlockQ5_0 => |b, _g| {
+        let (lo, hi) = super::avx2::nibbles5(&b.qs, b.qh);
+        _mm256_set_m128i(hi, lo)
+    };
+    BlockQ5_1 => |b, _g| {
+        let (lo, hi) = super::avx2::nibbles5(&b.qs, b.qh);
+        _mm256_set_m128i(hi, lo)
+    };
+    BlockQ4K => |b, g| k_bytes(&b.qs, None, g);
+    BlockQ5K => |b, g| k_bytes(&b.qs, Some(&b.qh), g);
 }
 
 /// Each 16 values have their own scale (`Unpack::scales` gives them multiplied by `d`).
