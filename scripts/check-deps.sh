@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# The contract between compiler and runtime, as dependency trees (DESIGN.md):
+# The contract between compiler and runtime, and the runtime's layers, as dependency trees
+# (DESIGN.md): serve -> runtime -> kv -> schema, each arrow one way.
+# - schema (the contract) pulls no other maxc crate and nothing that runs, serves or renders;
+# - kv (the page table and prefix cache) pulls schema alone of maxc, and no async or HTTP stack;
+# - the runtime (artifact, executors, engine) pulls no HTTP, metrics, tracing-export, tokenizer,
+#   template or scheduler crate;
+# - serve pulls no compiler crate;
 # - the compiler side (graph, lowering, exporter) pulls no executor or serving crate;
 # - the lean `maxc` (built without the default `compile` feature) pulls no compiler crate.
-# Exits non-zero, naming the offending crate, where either breaks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,9 +26,24 @@ refuse() { # $1: what, $2: list, rest: forbidden names
   done
 }
 
+compiler="maxc-graph maxc-lowering maxc-exporter cranelift-codegen cranelift-frontend petgraph"
+serving="axum hyper hyper-util http-body-util prometheus-client opentelemetry opentelemetry_sdk opentelemetry-otlp tokenizers minijinja serde-saphyr"
+
+# shellcheck disable=SC2086
+refuse "maxc-schema (the contract)" "$(crates -p maxc-schema)" \
+  maxc-kv maxc-runtime maxc-serve $compiler $serving tokio cudarc gemm memmap2
+# shellcheck disable=SC2086
+refuse "maxc-kv (KV bookkeeping)" "$(crates -p maxc-kv)" \
+  maxc-runtime maxc-serve $compiler $serving tokio cudarc gemm
+# shellcheck disable=SC2086
+refuse "maxc-runtime (executors, engine)" "$(crates -p maxc-runtime)" \
+  maxc-serve $compiler $serving tokio
+# shellcheck disable=SC2086
+refuse "maxc-serve (scheduler, server)" "$(crates -p maxc-serve)" $compiler
+
 for p in maxc-graph maxc-lowering maxc-exporter; do
   list=$(crates -p "$p")
-  refuse "$p (compiler side)" "$list" maxc-runtime gemm minijinja
+  refuse "$p (compiler side)" "$list" maxc-runtime maxc-serve gemm minijinja axum tokio
   if features_of cudarc -p "$p" | grep -qx driver; then
     echo "check-deps: $p pulls cudarc's CUDA driver bindings" >&2
     fail=1
@@ -38,6 +58,6 @@ if features_of cudarc -p maxc-cli --no-default-features | grep -qx nvrtc; then
   fail=1
 fi
 if [ "$fail" = 0 ]; then
-  echo "check-deps: compiler side free of executor crates; lean maxc free of compiler crates"
+  echo "check-deps: serve -> runtime -> kv -> schema one way; compiler side free of executor and serving crates; lean maxc free of compiler crates"
 fi
 exit "$fail"

@@ -38,9 +38,9 @@ pub struct SpeculativeArgs {
 
 impl SpeculativeArgs {
     /// The speculation asked for, if any.
-    pub fn options(&self) -> Option<maxc_runtime::scheduler::speculative::SpeculationOptions> {
+    pub fn options(&self) -> Option<maxc_serve::scheduler::speculative::SpeculationOptions> {
         (self.speculative || self.draft.is_some()).then(|| {
-            maxc_runtime::scheduler::speculative::SpeculationOptions {
+            maxc_serve::scheduler::speculative::SpeculationOptions {
                 draft: self.draft.clone(),
                 depth: self.num_speculative_tokens,
             }

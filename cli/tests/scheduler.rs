@@ -5,10 +5,10 @@
 
 use maxc_golden::fixtures;
 use maxc_runtime::engine::GenerateOptions;
-use maxc_runtime::metrics::Metrics;
 use maxc_runtime::sampling::SamplingParams;
-use maxc_runtime::scheduler::{Event, FinishReason, Request, Scheduler, SchedulerConfig};
 use maxc_runtime::Engine;
+use maxc_serve::metrics::Metrics;
+use maxc_serve::scheduler::{Event, FinishReason, Request, Scheduler, SchedulerConfig};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedReceiver;

@@ -9,13 +9,13 @@
 
 use maxc_golden::fixtures;
 use maxc_runtime::engine::GenerateOptions;
-use maxc_runtime::metrics::Metrics;
+use maxc_runtime::kv::PageTable;
 use maxc_runtime::sampling::SamplingParams;
-use maxc_runtime::scheduler::{
+use maxc_runtime::Engine;
+use maxc_serve::metrics::Metrics;
+use maxc_serve::scheduler::{
     Event, FinishReason, Request, Scheduler, SchedulerConfig, Speculation, SpeculationOptions,
 };
-use maxc_runtime::schema::PageTable;
-use maxc_runtime::Engine;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use std::cell::RefCell;

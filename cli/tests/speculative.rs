@@ -6,12 +6,12 @@
 use maxc_golden::fixtures;
 use maxc_graph::weights::read_safetensors_file;
 use maxc_runtime::engine::GenerateOptions;
-use maxc_runtime::metrics::Metrics;
 use maxc_runtime::sampling::{chi_square, chi_square_critical, Sampler, SamplingParams};
-use maxc_runtime::scheduler::{
+use maxc_runtime::Engine;
+use maxc_serve::metrics::Metrics;
+use maxc_serve::scheduler::{
     Event, Request, Scheduler, SchedulerConfig, Speculation, SpeculationOptions,
 };
-use maxc_runtime::Engine;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

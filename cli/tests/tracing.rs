@@ -5,13 +5,13 @@
 //! gives a forward-pass span with a span per launch.
 
 use maxc_golden::fixtures;
-use maxc_runtime::metrics::Metrics;
-use maxc_runtime::scheduler::{Event, Request, Scheduler, SchedulerConfig};
-use maxc_runtime::trace::{
+use maxc_runtime::Engine;
+use maxc_serve::metrics::Metrics;
+use maxc_serve::scheduler::{Event, Request, Scheduler, SchedulerConfig};
+use maxc_serve::trace::{
     ExportOptions, GpuProfiling, ProfilingConfig, RequestTrace, SpanContext, StepTracing,
     TraceLevel, Tracer,
 };
-use maxc_runtime::Engine;
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

@@ -366,46 +366,6 @@ impl Artifact {
         Ok((view, &self.weights[view.range.clone()]))
     }
 
-    /// The artifact's tokenizer, where it has one.
-    pub fn tokenizer(&self) -> Result<Option<crate::tokenizer::Tokenizer>> {
-        if !self
-            .manifest
-            .files
-            .contains_key(crate::schema::TOKENIZER_FILE)
-        {
-            return Ok(None);
-        }
-        let path = self.dir.join(crate::schema::TOKENIZER_FILE);
-        crate::tokenizer::Tokenizer::from_file(&path)
-            .map(Some)
-            .map_err(|e| RuntimeError::artifact(&path, e.to_string()))
-    }
-
-    /// The artifact's chat template with its BOS and EOS token texts, where it has one.
-    pub fn chat_template(
-        &self,
-        tokenizer: &crate::tokenizer::Tokenizer,
-    ) -> Result<Option<crate::chat::ChatTemplate>> {
-        let Some(source) = &self.manifest.chat_template else {
-            return Ok(None);
-        };
-        let text = |id: Option<i64>| {
-            id.and_then(|i| u32::try_from(i).ok())
-                .and_then(|i| tokenizer.token(i))
-                .unwrap_or_default()
-        };
-        let template = crate::chat::ChatTemplate::new(source).map_err(|e| {
-            RuntimeError::artifact(
-                self.dir.join(crate::schema::MANIFEST_FILE),
-                format!("chat_template: {e}"),
-            )
-        })?;
-        Ok(Some(template.with_special_tokens(
-            text(self.manifest.bos_token_id),
-            text(self.manifest.eos_token_ids.first().copied()),
-        )))
-    }
-
     /// Every weight, by key.
     pub fn weights(&self) -> &BTreeMap<String, WeightView> {
         &self.index

@@ -4,9 +4,10 @@ use crate::artifact::Artifact;
 use crate::cpu::CpuExecutor;
 use crate::cuda::CudaExecutor;
 use crate::error::{Result, RuntimeError};
+use crate::kv::PageTable;
 use crate::logits::Logits;
 use crate::sampling::{Sampler, SamplingParams};
-use crate::schema::{PageTable, StepDim};
+use crate::schema::StepDim;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -212,7 +213,7 @@ impl Engine {
 
     /// `gpu_profiling`: NVTX ranges on the CUDA executor (a missing NVTX library is a warning);
     /// nothing here on the CPU, where the scheduler makes the same structure as spans.
-    pub fn set_gpu_profiling(&mut self, level: crate::config::GpuProfiling) {
+    pub fn set_gpu_profiling(&mut self, level: crate::profile::GpuProfiling) {
         if let Executor::Cuda(e) = &mut self.exec {
             e.set_gpu_profiling(level);
         }
@@ -264,7 +265,7 @@ impl Engine {
     }
 
     /// The page table, for the scheduler's prefix cache (sharing and holding full pages).
-    pub(crate) fn pages_mut(&mut self) -> &mut PageTable {
+    pub fn pages_mut(&mut self) -> &mut PageTable {
         &mut self.pages
     }
 

@@ -30,7 +30,7 @@ pub enum RuntimeError {
     Input(String),
     /// The page table refused a step or an operation (out of pages, a sequence too long, ...).
     #[error("{0}")]
-    Pages(#[from] maxc_schema::PageError),
+    Pages(#[from] maxc_kv::PageError),
 }
 
 impl From<maxc_schema::StepError> for RuntimeError {

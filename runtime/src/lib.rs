@@ -1,12 +1,12 @@
-//! maxc's runtime: the artifact reader and its validation, the executors and the engine that
-//! runs sequences on them. It holds no compiler: artifacts are compiled ahead of time by
-//! `maxc compile`. The contract with the compiler is the schema crate, re-exported as
-//! [`schema`].
+//! maxc's runtime: the artifact reader and its validation, the CPU and CUDA executors, the
+//! expert-parallel exchange, and the engine that runs steps of one role on them, with
+//! sampling. It holds no compiler (artifacts are compiled ahead of time by `maxc compile`)
+//! and no HTTP, metrics or scheduler (the `maxc-serve` crate, above it). The contract with
+//! the compiler is the schema crate, re-exported as [`schema`]; the KV cache's bookkeeping is
+//! the `maxc-kv` crate, re-exported as [`kv`].
 
 pub mod artifact;
 pub mod bench;
-pub mod chat;
-pub mod config;
 pub mod cpu;
 pub mod cuda;
 pub mod diff;
@@ -15,18 +15,15 @@ pub mod engine;
 pub mod error;
 pub mod hugemem;
 pub mod logits;
-pub mod metrics;
 pub mod profile;
 pub mod sampling;
-pub mod scheduler;
-pub mod server;
 pub mod signature;
-pub mod tokenizer;
-pub mod trace;
 
 pub use artifact::Artifact;
 pub use engine::Engine;
 pub use error::{Result, RuntimeError};
 pub use logits::Logits;
+pub use maxc_kv as kv;
+pub use maxc_kv::PageTable;
 pub use maxc_schema as schema;
-pub use maxc_schema::{PageTable, StepInputs};
+pub use maxc_schema::StepInputs;

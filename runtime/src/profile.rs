@@ -1,6 +1,35 @@
-//! Per-launch timings of a step, for `maxc profile` and traces.
+//! Per-launch timings of a step, for `maxc profile` and traces, and how much of a pass the
+//! executors time (`gpu_profiling`).
 
 use crate::schema::{KernelBody, Program, Rows, StepDim};
+use serde::Deserialize;
+
+/// NVTX ranges on the CUDA executor (spans on the CPU).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GpuProfiling {
+    /// Nothing.
+    #[default]
+    Off,
+    /// A range (span) around each forward pass.
+    On,
+    /// A range (span) around each forward pass and each kernel launch.
+    Detailed,
+}
+
+impl std::str::FromStr for GpuProfiling {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "off" => Ok(GpuProfiling::Off),
+            "on" => Ok(GpuProfiling::On),
+            "detailed" => Ok(GpuProfiling::Detailed),
+            other => Err(format!(
+                "unknown gpu_profiling `{other}` (expected off, on or detailed)"
+            )),
+        }
+    }
+}
 
 /// One kernel launch of a profiled step.
 #[derive(Clone, Debug, PartialEq, Eq)]

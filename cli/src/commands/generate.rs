@@ -3,13 +3,13 @@
 
 use crate::args::parse_tokens;
 use anyhow::{bail, Context, Result};
-use maxc_runtime::chat::ChatMessage;
 use maxc_runtime::engine::GenerateOptions;
 use maxc_runtime::sampling::SamplingParams;
-use maxc_runtime::scheduler::{
+use maxc_runtime::Engine;
+use maxc_serve::chat::ChatMessage;
+use maxc_serve::scheduler::{
     Event, Request, Scheduler, SchedulerConfig, Speculation, SpeculationStats,
 };
-use maxc_runtime::Engine;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -88,7 +88,7 @@ pub fn run(args: Args) -> Result<()> {
     let mut engine = Engine::open_verified(&args.artifact, &args.role, args.device, key.as_ref())?;
     args.expert_parallel.check(&engine)?;
     let artifact = engine.artifact().clone();
-    let tokenizer = artifact.tokenizer()?;
+    let tokenizer = maxc_serve::tokenizer::Tokenizer::of_artifact(&artifact)?;
     let need_tokenizer = || {
         tokenizer.as_ref().with_context(|| {
             format!(
@@ -106,8 +106,7 @@ pub fn run(args: Args) -> Result<()> {
             .collect(),
         (None, None, Some(user)) => {
             let tok = need_tokenizer()?;
-            let template = artifact
-                .chat_template(tok)?
+            let template = maxc_serve::chat::ChatTemplate::of_artifact(&artifact, tok)?
                 .with_context(|| format!("{} has no chat template", args.artifact.display()))?;
             let mut messages = Vec::new();
             if let Some(system) = &args.system {
@@ -227,7 +226,7 @@ fn speculate(
 ) -> Result<(Vec<i64>, Option<Accepted>)> {
     let depth = spec.depth();
     let cfg = SchedulerConfig::from_runtime(&engine.artifact().manifest.runtime);
-    let metrics = std::sync::Arc::new(maxc_runtime::metrics::Metrics::new());
+    let metrics = std::sync::Arc::new(maxc_serve::metrics::Metrics::new());
     let mut sched = Scheduler::new(engine, cfg, metrics).with_speculation(spec);
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let mut req = Request::greedy(prompt.to_vec(), opts.max_new_tokens);

@@ -43,9 +43,7 @@ pub fn run(args: Args) -> Result<()> {
     let vocab = engine.vocab_size() as i64;
     let prompt: Vec<i64> = match (&args.tokens, &args.prompt) {
         (Some(t), _) => parse_tokens(t)?,
-        (None, Some(text)) => engine
-            .artifact()
-            .tokenizer()?
+        (None, Some(text)) => maxc_serve::tokenizer::Tokenizer::of_artifact(engine.artifact())?
             .with_context(|| {
                 format!(
                     "{} has no tokenizer; pass --tokens",

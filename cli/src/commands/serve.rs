@@ -3,8 +3,8 @@
 
 use anyhow::{Context, Result};
 use maxc_runtime::engine::Device;
-use maxc_runtime::server::{serve, ServeOptions, ServeTracing};
-use maxc_runtime::trace::{ExportOptions, ProfilingConfig, TraceLevel};
+use maxc_serve::server::{serve, ServeOptions, ServeTracing};
+use maxc_serve::trace::{ExportOptions, ProfilingConfig, TraceLevel};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -100,7 +100,7 @@ fn apply_config_file(
     let Some(file) = args.config_file.clone() else {
         return Ok(ProfilingConfig::default());
     };
-    let s = maxc_runtime::config::read(&file, args.section_name.as_deref())?;
+    let s = maxc_serve::config::read(&file, args.section_name.as_deref())?;
     let explicit = |id: &str| {
         matches.and_then(|m| m.value_source(id)).is_some_and(|v| {
             matches!(

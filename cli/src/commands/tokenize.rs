@@ -22,8 +22,7 @@ pub struct Args {
 /// Prints the ids.
 pub fn run(args: Args) -> Result<()> {
     let artifact = Artifact::open(&args.artifact)?;
-    let tok = artifact
-        .tokenizer()?
+    let tok = maxc_serve::tokenizer::Tokenizer::of_artifact(&artifact)?
         .with_context(|| format!("{} has no tokenizer.json", args.artifact.display()))?;
     let ids = tok.encode(&args.text, args.add_special_tokens)?;
     if args.json {

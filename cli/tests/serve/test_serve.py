@@ -322,6 +322,34 @@ def test_every_metric_is_served_and_counts_are_exact(artifacts):
         s.stop()
 
 
+def test_request_count_labels_come_from_a_fixed_set(artifacts):
+    """Random paths land in one `other` series: a client cannot grow the metrics."""
+    import random
+    s = Server(artifacts["tiny"])
+    try:
+        def series():
+            return {k for k in s.metrics() if k.startswith("maxserve_request_count_total")}
+        with httpx.Client() as c:
+            c.get(s.base + "/warm-up-path")
+            c.post(s.base + "/another-one", json={})
+            before = series()
+            rng = random.Random(7)
+            for i in range(2000):
+                path = "/" + "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789/")
+                                     for _ in range(rng.randint(1, 24)))
+                r = (c.get if i % 2 else c.post)(s.base + path)
+                assert r.status_code in (404, 405), (path, r.status_code)
+            after = series()
+        assert after == before, sorted(after - before)[:10]
+        m = s.metrics()
+        others = sum(v for k, v in m.items()
+                     if k.startswith("maxserve_request_count_total") and 'path="other"' in k)
+        assert others >= 2002, m
+        assert all('path="other"' in k or 'path="/' in k for k in after), after
+    finally:
+        s.stop()
+
+
 @pytest.mark.parametrize("body,param,status", [
     ({"prompt": "hi", "max_tokens": -1}, "max_tokens", 400),
     ({"prompt": "hi", "temperature": 3}, "temperature", 400),
@@ -334,6 +362,11 @@ def test_every_metric_is_served_and_counts_are_exact(artifacts):
     ({"prompt": "hi", "top_p": 0}, "top_p", 400),
     ({"prompt": "hi", "model": "gpt-4"}, "model", 404),
     ({"max_tokens": 2}, "prompt", 400),
+    ({"prompt": "hi", "max_tokens": 1e30}, "max_tokens", 400),
+    ({"prompt": "hi", "max_tokens": 2.5}, "max_tokens", 400),
+    ({"prompt": "hi", "temperature": "hot"}, "temperature", 400),
+    ({"prompt": "hi", "stream": "yes"}, "stream", 400),
+    ({"prompt": {"text": "hi"}}, "prompt", 400),
 ])
 def test_bad_requests_name_the_field_and_the_server_goes_on(smol, body, param, status):
     r = httpx.post(smol.v1 + "/completions", json=body)

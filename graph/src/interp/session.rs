@@ -1,10 +1,10 @@
-//! A simple driver of the interpreter over many sequences: the schema's [`PageTable`] hands out
+//! A simple driver of the interpreter over many sequences: the KV crate's [`PageTable`] hands out
 //! cache pages (so sequences' pages interleave, as in the runtime) and builds each step's
 //! [`super::StepInputs`].
 
 use super::{Interpreter, KvCache, Tensor};
 use crate::{Error, Result};
-use maxc_schema::PageTable;
+use maxc_kv::PageTable;
 
 /// Sequences being run by one interpreter, with their pages and cached lengths.
 pub struct Session<'a> {
@@ -32,7 +32,7 @@ impl<'a> Session<'a> {
     /// or a decode token); new sequences start empty. Returns the graph's logits. A failing
     /// step changes no sequence.
     pub fn step(&mut self, chunks: &[(u64, &[i64])]) -> Result<Tensor> {
-        let eval = |e: maxc_schema::PageError| Error::Eval(e.to_string());
+        let eval = |e: maxc_kv::PageError| Error::Eval(e.to_string());
         let step = self.pages.prepare(chunks).map_err(eval)?;
         match self.interp.step(&step.inputs, &mut self.cache) {
             Ok(out) => {

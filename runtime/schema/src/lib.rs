@@ -1,19 +1,18 @@
 //! maxc's artifact contract, the one crate that both the compiler and the runtime depend on:
 //! element types and their safetensors mapping, the manifest (JSON), the per-role program
 //! (bincode 2) with the kernel IR and [`Program::validate`], the per-step inputs with their one
-//! check, and the paged KV cache's page table that builds them. Nothing here runs a kernel.
+//! check. Nothing here runs a kernel or holds state: the KV cache's page table, which builds the
+//! step inputs, is the `maxc-kv` crate.
 
 pub mod blocks;
 pub mod dtype;
 pub mod kernel;
 pub mod manifest;
-pub mod pages;
 pub mod step;
 pub mod target;
 pub mod validate;
 
 pub use dtype::DType;
-pub use pages::{PageError, PageTable, PreparedStep};
 pub use step::{StepError, StepInputs, StepLimits};
 pub use target::CpuTarget;
 pub use validate::{ProgramEnv, ValidationError, WeightInfo};

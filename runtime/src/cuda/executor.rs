@@ -2,9 +2,9 @@
 //! device once at the bounds, and runs steps with the same interface as the CPU executor.
 
 use crate::artifact::Artifact;
-use crate::config::GpuProfiling;
 use crate::error::{Result, RuntimeError};
 use crate::logits::Logits;
+use crate::profile::GpuProfiling;
 use crate::schema::{
     CudaModule, Extent, GridExtent, Program, Rows, StepDim, StepInputs, StepLimits, Storage,
 };

@@ -6,7 +6,7 @@
 //! sequence uses any more stays cached until it is evicted, least recently used first, when the
 //! KV cache runs out of free pages.
 
-use crate::schema::PageTable;
+use crate::PageTable;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
 

@@ -1,7 +1,7 @@
 //! `maxc serve --config-file`: the settings a YAML file gives, and the error each bad key or
 //! value gives (naming the key, its line and the file).
 
-use maxc_runtime::config::{parse, read, GpuProfiling, ProfilingConfig};
+use maxc_serve::config::{parse, read, GpuProfiling, ProfilingConfig};
 
 fn err(text: &str, section: Option<&str>) -> String {
     let e = parse(text, section).expect_err("a bad config");

@@ -6,16 +6,16 @@
 //! chunks included) and, for each decoding sequence, proposes up to `depth` tokens one draft
 //! step at a time. The decoder runs the sequence's pending token and the proposals as rows of
 //! one step, returns the logits of those rows ([`Engine::step_n`]) and the scheduler accepts
-//! proposals by [`crate::sampling::Sampler::verify`]: the tokens that come out are distributed
+//! proposals by [`maxc_runtime::sampling::Sampler::verify`]: the tokens that come out are distributed
 //! exactly as the decoder's own. Rejected proposals leave both caches through
 //! [`Engine::truncate`].
 
 use super::Active;
-use crate::engine::{Device, Engine};
-use crate::error::{Result, RuntimeError};
 use crate::metrics::Metrics;
-use crate::sampling::Distribution;
-use crate::schema::TOKENIZER_FILE;
+use maxc_runtime::engine::{Device, Engine};
+use maxc_runtime::error::{Result, RuntimeError};
+use maxc_runtime::sampling::Distribution;
+use maxc_runtime::schema::TOKENIZER_FILE;
 use std::path::PathBuf;
 
 /// Where the draft comes from and how far it proposes.

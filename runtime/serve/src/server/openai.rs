@@ -234,13 +234,21 @@ pub fn parse<T: serde::de::DeserializeOwned + Fields>(body: &[u8]) -> Result<T, 
             ));
         }
     }
-    serde_json::from_value(value).map_err(|e| {
-        let msg = e.to_string();
-        let param = msg
-            .split('`')
-            .nth(1)
-            .map(str::to_string)
-            .unwrap_or_else(|| "body".into());
+    serde_json::from_value::<T>(value.clone()).map_err(|e| {
+        // serde's message names a mismatched value, not its field: every field is optional,
+        // so the first field that fails alone is the one to name.
+        let field = value.as_object().and_then(|obj| {
+            obj.iter().find_map(|(k, v)| {
+                let alone = Value::Object([(k.clone(), v.clone())].into_iter().collect());
+                serde_json::from_value::<T>(alone)
+                    .err()
+                    .map(|e| (k.clone(), e))
+            })
+        });
+        let (param, msg) = match field {
+            Some((k, e)) => (k.clone(), format!("`{k}`: {e}")),
+            None => ("body".to_string(), e.to_string()),
+        };
         ApiError {
             status: StatusCode::BAD_REQUEST,
             message: format!("invalid request: {msg}"),

@@ -7,32 +7,7 @@
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
-/// NVTX ranges on the CUDA executor (spans on the CPU).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum GpuProfiling {
-    /// Nothing.
-    #[default]
-    Off,
-    /// A range (span) around each forward pass.
-    On,
-    /// A range (span) around each forward pass and each kernel launch.
-    Detailed,
-}
-
-impl std::str::FromStr for GpuProfiling {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "off" => Ok(GpuProfiling::Off),
-            "on" => Ok(GpuProfiling::On),
-            "detailed" => Ok(GpuProfiling::Detailed),
-            other => Err(format!(
-                "unknown gpu_profiling `{other}` (expected off, on or detailed)"
-            )),
-        }
-    }
-}
+pub use maxc_runtime::profile::GpuProfiling;
 
 /// MAX's `ProfilingConfig`: GPU profiling and the limits of kernel traces. As in MAX, the
 /// `kernel_trace_*` limits are set only here, never by a flag.

@@ -47,6 +47,20 @@ pub struct Tokenizer {
 }
 
 impl Tokenizer {
+    /// The tokenizer `artifact` carries, where it has one.
+    pub fn of_artifact(
+        artifact: &maxc_runtime::Artifact,
+    ) -> maxc_runtime::Result<Option<Tokenizer>> {
+        use maxc_runtime::schema::TOKENIZER_FILE;
+        if !artifact.manifest.files.contains_key(TOKENIZER_FILE) {
+            return Ok(None);
+        }
+        let path = artifact.dir.join(TOKENIZER_FILE);
+        Tokenizer::from_file(&path)
+            .map(Some)
+            .map_err(|e| maxc_runtime::RuntimeError::artifact(&path, e.to_string()))
+    }
+
     /// Loads a `tokenizer.json` file.
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| TokenizerError::Load {

@@ -53,6 +53,32 @@ pub struct ChatTemplate {
 }
 
 impl ChatTemplate {
+    /// `artifact`'s chat template with its BOS and EOS token texts (from `tokenizer`), where
+    /// it has one.
+    pub fn of_artifact(
+        artifact: &maxc_runtime::Artifact,
+        tokenizer: &crate::tokenizer::Tokenizer,
+    ) -> maxc_runtime::Result<Option<ChatTemplate>> {
+        let Some(source) = &artifact.manifest.chat_template else {
+            return Ok(None);
+        };
+        let text = |id: Option<i64>| {
+            id.and_then(|i| u32::try_from(i).ok())
+                .and_then(|i| tokenizer.token(i))
+                .unwrap_or_default()
+        };
+        let template = ChatTemplate::new(source).map_err(|e| {
+            maxc_runtime::RuntimeError::artifact(
+                artifact.dir.join(maxc_runtime::schema::MANIFEST_FILE),
+                format!("chat_template: {e}"),
+            )
+        })?;
+        Ok(Some(template.with_special_tokens(
+            text(artifact.manifest.bos_token_id),
+            text(artifact.manifest.eos_token_ids.first().copied()),
+        )))
+    }
+
     /// Compiles `source` (a `tokenizer.chat_template` / `chat_template` string); `bos_token`
     /// and `eos_token` start empty (see [`ChatTemplate::with_special_tokens`]).
     pub fn new(source: &str) -> Result<Self, ChatTemplateError> {

@@ -8,8 +8,8 @@
 //! disk, exports nothing and warns.
 
 use super::{ProfilingConfig, Span, SpanContext, TraceStats};
-use crate::profile::StepProfile;
-use crate::schema::{Program, StepDim};
+use maxc_runtime::profile::StepProfile;
+use maxc_runtime::schema::{Program, StepDim};
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};

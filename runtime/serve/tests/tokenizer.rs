@@ -6,8 +6,8 @@ use maxc_graph::tokenizer::{
     chat_template_from_gguf, special_tokens_from_gguf, tokenizer_json_from_gguf,
 };
 use maxc_graph::weights::gguf::GgufFile;
-use maxc_runtime::chat::{ChatMessage, ChatTemplate, ChatTemplateError};
-use maxc_runtime::tokenizer::{Tokenizer, TokenizerError};
+use maxc_serve::chat::{ChatMessage, ChatTemplate, ChatTemplateError};
+use maxc_serve::tokenizer::{Tokenizer, TokenizerError};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -43,7 +43,7 @@ struct Prompt {
 }
 
 fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
 fn fixtures() -> PathBuf {

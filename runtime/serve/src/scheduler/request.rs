@@ -1,7 +1,7 @@
 //! What the scheduler takes (a request: prompt tokens, limits, sampling) and what it gives back
 //! (a stream of events: tokens, then one finish or error).
 
-use crate::sampling::SamplingParams;
+use maxc_runtime::sampling::SamplingParams;
 
 /// One generation request, in tokens.
 #[derive(Clone, Debug, PartialEq)]

@@ -13,21 +13,20 @@
 //! generated, to be recomputed (its client sees no difference). A request whose event receiver
 //! is gone is cancelled before the next step.
 
-pub mod prefix;
 pub mod request;
 pub mod speculative;
 
-use crate::engine::Engine;
-use crate::error::RuntimeError;
 use crate::metrics::{BatchType, Metrics};
-use crate::sampling::{Distribution, Sampler};
-use crate::schema::manifest::RuntimeSettings;
-use crate::schema::PageError;
 use crate::trace::capture::Capture;
 use crate::trace::{
     GpuProfiling, ProfilingConfig, Span, SpanContext, StepTracing, TraceLevel, Tracer,
 };
-use prefix::PrefixCache;
+use maxc_kv::PageError;
+use maxc_kv::PrefixCache;
+use maxc_runtime::engine::Engine;
+use maxc_runtime::error::RuntimeError;
+use maxc_runtime::sampling::{Distribution, Sampler};
+use maxc_runtime::schema::manifest::RuntimeSettings;
 pub use request::{Event, EventSender, FinishReason, Request, TokenLogprob, Usage};
 use speculative::{Acceptance, Planned};
 pub use speculative::{Speculation, SpeculationOptions, SpeculationStats};
@@ -131,7 +130,7 @@ impl Active {
 
     /// The next token from the decoder's logits `raw` at this position: sampled, or, where a
     /// draft proposed `draft` from its distribution, verified (see
-    /// [`crate::sampling::Sampler::verify`]). Returns the token and whether it is the draft's.
+    /// [`maxc_runtime::sampling::Sampler::verify`]). Returns the token and whether it is the draft's.
     fn choose(
         &mut self,
         raw: &[f32],
@@ -359,7 +358,7 @@ impl Scheduler {
             return;
         }
         let sampler = Sampler::new(req.sampling.clone());
-        let draft_sampler = Sampler::new(crate::sampling::SamplingParams {
+        let draft_sampler = Sampler::new(maxc_runtime::sampling::SamplingParams {
             seed: req.sampling.seed ^ DRAFT_SEED,
             ..req.sampling.clone()
         });

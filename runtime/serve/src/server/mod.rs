@@ -7,11 +7,8 @@ mod choice;
 pub mod listen;
 pub mod openai;
 
-use crate::artifact::Artifact;
 use crate::chat::{ChatMessage, ChatTemplate};
-use crate::engine::{Device, Engine};
 use crate::metrics::Metrics;
-use crate::sampling::SamplingParams;
 use crate::scheduler::speculative::SpeculationOptions;
 use crate::scheduler::{
     Request, Scheduler, SchedulerConfig, SchedulerHandle, Speculation, TokenLogprob, Usage,
@@ -30,6 +27,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use choice::{ms, Choice, Delta};
+use maxc_runtime::artifact::Artifact;
+use maxc_runtime::engine::{Device, Engine};
+use maxc_runtime::sampling::SamplingParams;
 use openai::{ApiError, ChatRequest, Common, CompletionRequest, Content, Prompt};
 use serde_json::{json, Value};
 use std::net::SocketAddr;
@@ -231,12 +231,11 @@ fn load(opts: &ServeOptions, metrics: &Arc<Metrics>, tracer: Tracer) -> Result<L
             .require_expert_parallel_degree(n)
             .map_err(|e| e.to_string())?;
     }
-    let tokenizer: Option<&'static Tokenizer> = artifact
-        .tokenizer()
+    let tokenizer: Option<&'static Tokenizer> = Tokenizer::of_artifact(&artifact)
         .map_err(|e| e.to_string())?
         .map(|t| &*Box::leak(Box::new(t)));
     let chat = match tokenizer {
-        Some(t) => artifact.chat_template(t).map_err(|e| e.to_string())?,
+        Some(t) => ChatTemplate::of_artifact(&artifact, t).map_err(|e| e.to_string())?,
         None => None,
     };
     let rt = &artifact.manifest.runtime;
@@ -445,6 +444,12 @@ async fn observe(
         .map(str::to_string)
         .unwrap_or_else(|| format!("{:016x}", app.next_id.fetch_add(1, Ordering::Relaxed)));
     let path = req.uri().path().to_string();
+    // A label from the router's fixed set of routes: a raw path would let clients grow the
+    // series without bound.
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or("other", |m| route_label(m.as_str()));
     let method = req.method().clone();
     let mut req = req;
     let traced = request_span(&app, &req, &id, &path);
@@ -458,7 +463,7 @@ async fn observe(
         .request_count
         .get_or_create(&vec![
             ("code".into(), code.to_string()),
-            ("path".into(), path.clone()),
+            ("path".into(), route.into()),
         ])
         .inc();
     let elapsed = ms(t.elapsed());
@@ -472,6 +477,25 @@ async fn observe(
     tracing::info!(request_id = %id, %method, %path, status = code, ms = elapsed, "request");
     resp
 }
+
+/// The `path` label of a matched route: the router's own path, or `other`.
+fn route_label(matched: &str) -> &'static str {
+    ROUTES
+        .iter()
+        .find(|r| **r == matched)
+        .copied()
+        .unwrap_or("other")
+}
+
+/// The API's routes, as [`router`] serves them and `maxserve_request_count` labels them.
+const ROUTES: [&str; 6] = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/health",
+    "/v1/health",
+    "/version",
+];
 
 /// The span of a request that is traced: at level `batch` and up, or where it carries an
 /// `x-max-trace-level` header (a W3C `traceparent` header puts it in the caller's trace).

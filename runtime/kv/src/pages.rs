@@ -25,7 +25,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::step::StepInputs;
+use maxc_schema::StepInputs;
 
 /// Page ids must fit the `i32` entries of [`StepInputs::kv_lookup_table`],
 /// so a table has at most `2^31` pages.

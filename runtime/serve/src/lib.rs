@@ -1,0 +1,12 @@
+//! maxc's serving layers over the runtime: the scheduler (continuous batching, the prefix
+//! cache, preemption, speculative decoding; no HTTP), the OpenAI-compatible HTTP server,
+//! MAX's serve metrics, traces, the serve config file, and text: the tokenizer and the chat
+//! template. The runtime below it runs steps; nothing here computes a kernel.
+
+pub mod chat;
+pub mod config;
+pub mod metrics;
+pub mod scheduler;
+pub mod server;
+pub mod tokenizer;
+pub mod trace;
