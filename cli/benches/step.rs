@@ -10,7 +10,7 @@ use maxc_graph::{DType, KvCacheParams, ModuleRuntime, Registry};
 use maxc_lowering::cpu::{compile_kernel, CpuTarget};
 use maxc_runtime::cpu::code::ExecutableCode;
 use maxc_runtime::cpu::library;
-use maxc_runtime::Engine;
+use maxc_runtime::Session as RuntimeSession;
 use maxc_schema::{KernelBody, Rows, StepDim};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -101,7 +101,7 @@ fn engine_numbers(dir: &Path, batch: usize) -> (f64, f64) {
 }
 
 fn engine_numbers_on(dir: &Path, batch: usize, device: maxc_runtime::engine::Device) -> (f64, f64) {
-    let mut engine = Engine::open_on(dir, "decoder", device).expect("artifact");
+    let mut engine = RuntimeSession::open_on(dir, "decoder", device).expect("artifact");
     let engine = std::cell::RefCell::new(&mut engine);
     measure(
         batch,
@@ -294,7 +294,7 @@ fn smollm2_bench(tmp: &Path) {
             cuda_arch: None,
         };
         compile(&gguf, &dir, &opts, &mut |_| {}).expect("compile SmolLM2");
-        let mut engine = Engine::open(&dir, "decoder").expect("artifact");
+        let mut engine = RuntimeSession::open(&dir, "decoder").expect("artifact");
         let engine = std::cell::RefCell::new(&mut engine);
         let (p, d) = measure(
             1,

@@ -498,10 +498,10 @@ fn running_on_cuda_without_a_gpu_is_a_clear_error() {
 
 #[test]
 fn engine_steps_are_transactional_and_truncation_recomputes_exactly() {
-    use maxc_runtime::Engine;
+    use maxc_runtime::Session;
     let tmp = tempfile::tempdir().unwrap();
     let a = fresh(tmp.path(), "engine.maxc");
-    let mut engine = Engine::open(&a, "decoder").unwrap();
+    let mut engine = Session::open(&a, "decoder").unwrap();
     let prompt = [1i64, 5, 9, 200, 3, 7, 11, 42, 17, 8];
     engine.prefill(1, &prompt).unwrap();
     let before = engine.pages().clone();

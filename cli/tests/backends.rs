@@ -9,8 +9,8 @@ use maxc_graph::interp::{Interpreter, Session};
 use maxc_graph::pipeline::{load_model, LoadOptions};
 use maxc_graph::weights::{read_safetensors_file, StateDict};
 use maxc_graph::{DType, GraphRole, KvCacheParams, ModuleRuntime, Registry};
-use maxc_runtime::engine::GenerateOptions;
-use maxc_runtime::Engine;
+use maxc_runtime::{Engine, Session as RuntimeSession};
+use maxc_serve::scheduler::{generate, GenerateOptions, Scheduler};
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 
@@ -55,7 +55,7 @@ impl Backend for Interp {
 }
 
 struct Compiled {
-    engine: Engine,
+    engine: RuntimeSession,
     seqs: Vec<u64>,
 }
 
@@ -70,7 +70,7 @@ impl Backend for Compiled {
         }
     }
     fn all_logits(&self) -> bool {
-        self.engine.all_logits()
+        self.engine.engine().all_logits()
     }
 }
 
@@ -150,16 +150,19 @@ impl Case {
             }
             Kind::Cuda(dtype) => {
                 let out = artifact_dir(self.model, dtype, true);
-                let engine =
-                    Engine::open_on(&out, self.role.name(), maxc_runtime::engine::Device::Cuda)
-                        .expect("CUDA engine");
+                let engine = RuntimeSession::open_on(
+                    &out,
+                    self.role.name(),
+                    maxc_runtime::engine::Device::Cuda,
+                )
+                .expect("CUDA engine");
                 Box::new(Compiled {
                     engine,
                     seqs: vec![],
                 })
             }
             Kind::Ep(degree) => Box::new(Compiled {
-                engine: Engine::open(
+                engine: RuntimeSession::open(
                     &artifact_dir_at(self.model, DType::F32, true, degree),
                     self.role.name(),
                 )
@@ -169,7 +172,7 @@ impl Case {
             Kind::Artifact(dtype, all_logits) => {
                 let out = artifact_dir(self.model, dtype, all_logits);
                 Box::new(Compiled {
-                    engine: Engine::open(&out, self.role.name()).expect("artifact opens"),
+                    engine: RuntimeSession::open(&out, self.role.name()).expect("artifact opens"),
                     seqs: vec![],
                 })
             }
@@ -372,14 +375,15 @@ fn greedy_generation(case: &Case, kind: Kind) {
             "{kind:?} prompt {i}: greedy tokens (the first {sure} are above the margin)"
         );
         if let Kind::Artifact(dtype, _) = kind {
-            let mut engine =
-                Engine::open(&artifact_dir(case.model, dtype, false), case.role.name()).unwrap();
+            let mut engine = Scheduler::alone(
+                Engine::open(&artifact_dir(case.model, dtype, false), case.role.name()).unwrap(),
+            );
             let opts = GenerateOptions {
                 max_new_tokens: greedy.len(),
                 sampling: Default::default(),
                 stop_at_eos: false,
             };
-            let got = engine.generate(&tokens, &opts).unwrap();
+            let got = generate(&mut engine, &tokens, &opts, |_| {}).unwrap();
             assert_eq!(
                 got[..sure],
                 greedy[..sure],

@@ -11,7 +11,7 @@ use maxc_graph::interp::{Interpreter, Session};
 use maxc_graph::pipeline::{load_model, LoadOptions, WeightFormat};
 use maxc_graph::weights::read_safetensors_file;
 use maxc_graph::{DType, GraphRole, KvCacheParams, ModuleRuntime, Registry};
-use maxc_runtime::Engine;
+use maxc_runtime::Session as RuntimeSession;
 
 const PAGE: usize = 16;
 const MAX_LEN: usize = 160;
@@ -88,7 +88,7 @@ fn check_with(
         );
     }
     let interp = Interpreter::new(rg.graph, &rg.weights).unwrap();
-    let mut engine = Engine::open(&out, role.name()).expect("opens");
+    let mut engine = RuntimeSession::open(&out, role.name()).expect("opens");
     let reference = read_safetensors_file(&dir.join("reference.safetensors")).unwrap();
     let prompts: Vec<Vec<i64>> = (0..)
         .map_while(|i| reference.get(&format!("{prefix}p{i}.tokens")))

@@ -4,10 +4,10 @@
 //! request frees its pages.
 
 use maxc_golden::fixtures;
-use maxc_runtime::engine::GenerateOptions;
 use maxc_runtime::sampling::SamplingParams;
 use maxc_runtime::Engine;
 use maxc_serve::metrics::Metrics;
+use maxc_serve::scheduler::{generate, GenerateOptions};
 use maxc_serve::scheduler::{Event, FinishReason, Request, Scheduler, SchedulerConfig};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -38,13 +38,13 @@ fn prompts(n: usize) -> Vec<Vec<i64>> {
 }
 
 fn alone(artifact: &Path, prompt: &[i64], max: usize) -> Vec<i64> {
-    let mut e = Engine::open(artifact, "decoder").unwrap();
+    let mut e = Scheduler::alone(Engine::open(artifact, "decoder").unwrap());
     let opts = GenerateOptions {
         max_new_tokens: max,
         sampling: SamplingParams::default(),
         stop_at_eos: true,
     };
-    e.generate(prompt, &opts).unwrap()
+    generate(&mut e, prompt, &opts, |_| {}).unwrap()
 }
 
 type Outcome = (Vec<i64>, Option<Event>);
@@ -129,8 +129,8 @@ fn batched_requests_get_exactly_their_tokens_alone() {
         }
     }
     assert_eq!(
-        s.engine().pages().free_pages() + s.cached_only_pages(),
-        s.engine().pages().total_pages()
+        s.kv().pages().free_pages() + s.cached_only_pages(),
+        s.kv().pages().total_pages()
     );
 }
 
@@ -194,18 +194,22 @@ fn a_small_kv_cache_preempts_and_completes_every_request_correctly() {
             rx
         })
         .collect();
-    assert_eq!(s.engine().pages().total_pages(), 12);
+    assert_eq!(s.kv().pages().total_pages(), 12);
     let (out, _, preempted) = drain_counting(&mut s, rx);
     assert!(preempted > 0, "the load must not fit without preemption");
     for (i, (tokens, end)) in out.iter().enumerate() {
         assert!(matches!(end, Some(Event::Finished { .. })), "{i}: {end:?}");
-        let mut e = Engine::open(&a, "decoder").unwrap();
+        let mut e = Scheduler::alone(Engine::open(&a, "decoder").unwrap());
         let opts = GenerateOptions {
             max_new_tokens: 24,
             sampling: SamplingParams::default(),
             stop_at_eos: false,
         };
-        assert_eq!(tokens, &e.generate(&ps[i], &opts).unwrap(), "request {i}");
+        assert_eq!(
+            tokens,
+            &generate(&mut e, &ps[i], &opts, |_| {}).unwrap(),
+            "request {i}"
+        );
     }
 }
 
@@ -219,14 +223,11 @@ fn a_cancelled_request_frees_its_pages() {
     s.submit(r, tx);
     s.step();
     s.step();
-    assert!(s.engine().pages().free_pages() < s.engine().pages().total_pages());
+    assert!(s.kv().pages().free_pages() < s.kv().pages().total_pages());
     drop(rx);
     s.step();
     assert!(!s.has_work());
-    assert_eq!(
-        s.engine().pages().free_pages(),
-        s.engine().pages().total_pages()
-    );
+    assert_eq!(s.kv().pages().free_pages(), s.kv().pages().total_pages());
 }
 
 #[test]

@@ -8,11 +8,11 @@
 //! them, and every page is back (the prefix cache's aside).
 
 use maxc_golden::fixtures;
-use maxc_runtime::engine::GenerateOptions;
 use maxc_runtime::kv::PageTable;
 use maxc_runtime::sampling::SamplingParams;
 use maxc_runtime::Engine;
 use maxc_serve::metrics::Metrics;
+use maxc_serve::scheduler::{generate, GenerateOptions};
 use maxc_serve::scheduler::{
     Event, FinishReason, Request, Scheduler, SchedulerConfig, Speculation, SpeculationOptions,
 };
@@ -89,7 +89,7 @@ fn check_pages(t: &PageTable, what: &str) -> Result<(), TestCaseError> {
 
 /// Greedy tokens of a request run alone (by prompt, max_tokens, ignore_eos).
 struct Alone {
-    engine: Engine,
+    engine: Scheduler,
     memo: BTreeMap<(Vec<i64>, usize, bool), Vec<i64>>,
 }
 
@@ -104,7 +104,7 @@ impl Alone {
                     sampling: SamplingParams::default(),
                     stop_at_eos: !ignore_eos,
                 };
-                engine.generate(prompt, &o).unwrap()
+                generate(engine, prompt, &o, |_| {}).unwrap()
             })
             .clone()
     }
@@ -168,23 +168,24 @@ fn run_case(
         prop_assert!(report.sequences <= BATCH, "{:?}", report);
         prop_assert!(report.tokens <= BUDGET, "{:?}", report);
         prop_assert!(s.running() <= BATCH);
-        check_pages(s.engine().pages(), "decoder")?;
+        check_pages(s.kv().pages(), "decoder")?;
+        prop_assert_eq!(s.kv().audit(), Ok(()));
         if let Some(spec) = s.speculation() {
-            let draft = spec.engine().pages();
+            let draft = spec.kv().pages();
             check_pages(draft, "draft")?;
             for seq in draft.sequences() {
                 prop_assert!(
-                    s.engine().pages().contains(seq),
+                    s.kv().pages().contains(seq),
                     "the draft holds sequence {} that the decoder does not",
                     seq
                 );
                 // Rejected proposals left the draft's cache: it never runs ahead.
                 prop_assert!(
-                    draft.len(seq) <= s.engine().pages().len(seq),
+                    draft.len(seq) <= s.kv().pages().len(seq),
                     "the draft caches {} tokens of sequence {}, the decoder {}",
                     draft.len(seq),
                     seq,
-                    s.engine().pages().len(seq)
+                    s.kv().pages().len(seq)
                 );
             }
         }
@@ -231,13 +232,13 @@ fn run_case(
         }
     }
     prop_assert_eq!(s.running() + s.queued(), 0);
-    let pages = s.engine().pages();
+    let pages = s.kv().pages();
     prop_assert_eq!(
         pages.free_pages() + s.cached_only_pages(),
         pages.total_pages()
     );
     if let Some(spec) = s.speculation() {
-        let draft = spec.engine().pages();
+        let draft = spec.kv().pages();
         prop_assert_eq!(draft.free_pages(), draft.total_pages());
         seen.speculative_steps += spec.stats().verifications;
     }
@@ -272,7 +273,7 @@ fn random_workloads_keep_the_schedulers_invariants() {
     let tmp = tempfile::tempdir().unwrap();
     let a = artifact(tmp.path());
     let alone = RefCell::new(Alone {
-        engine: Engine::open(&a, "decoder").unwrap(),
+        engine: Scheduler::alone(Engine::open(&a, "decoder").unwrap()),
         memo: BTreeMap::new(),
     });
     let seen = RefCell::new(Seen::default());

@@ -6,8 +6,8 @@ use maxc_exporter::{compile, CompileOptions, CpuMatmul};
 use maxc_graph::pipeline::WeightFormat;
 use maxc_graph::weights::{read_safetensors_file, StateDict};
 use maxc_graph::{DType, KvCacheParams, ModuleRuntime};
-use maxc_runtime::engine::GenerateOptions;
-use maxc_runtime::Engine;
+use maxc_runtime::{Engine, Session};
+use maxc_serve::scheduler::{generate, GenerateOptions, Scheduler};
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
@@ -110,7 +110,7 @@ fn kept_q4_1_blocks_give_the_fixture_logits() {
 
 fn last_position_logits(artifact: &std::path::Path) {
     let r = reference();
-    let mut engine = Engine::open(artifact, "decoder").unwrap();
+    let mut engine = Session::open(artifact, "decoder").unwrap();
     for i in 0..3 {
         let tokens = r.get(&format!("p{i}.tokens")).unwrap().to_i64("t").unwrap();
         let want = r.get(&format!("p{i}.last")).unwrap().to_f32("l").unwrap();
@@ -128,7 +128,7 @@ fn last_position_logits(artifact: &std::path::Path) {
 #[test]
 fn greedy_generation_matches_the_fixture() {
     let r = reference();
-    let mut engine = Engine::open(artifact(), "decoder").unwrap();
+    let mut engine = Scheduler::alone(Engine::open(artifact(), "decoder").unwrap());
     for i in 0..3 {
         let tokens = r.get(&format!("p{i}.tokens")).unwrap().to_i64("t").unwrap();
         let greedy = r.get(&format!("p{i}.greedy")).unwrap().to_i64("g").unwrap();
@@ -142,7 +142,7 @@ fn greedy_generation_matches_the_fixture() {
             sampling: Default::default(),
             stop_at_eos: false,
         };
-        let got = engine.generate(&tokens, &opts).unwrap();
+        let got = generate(&mut engine, &tokens, &opts, |_| {}).unwrap();
         let sure = margin
             .iter()
             .position(|&m| m <= 1e-2)

@@ -5,10 +5,10 @@
 
 use maxc_golden::fixtures;
 use maxc_graph::weights::read_safetensors_file;
-use maxc_runtime::engine::GenerateOptions;
 use maxc_runtime::sampling::{chi_square, chi_square_critical, Sampler, SamplingParams};
 use maxc_runtime::Engine;
 use maxc_serve::metrics::Metrics;
+use maxc_serve::scheduler::{generate, GenerateOptions};
 use maxc_serve::scheduler::{
     Event, Request, Scheduler, SchedulerConfig, Speculation, SpeculationOptions,
 };
@@ -106,7 +106,7 @@ fn greedy_speculation_gives_exactly_the_plain_tokens() {
     let (_t, a) = roles_artifact(&[]);
     let prompts = fixture_prompts();
     assert_eq!(prompts.len(), 4);
-    let mut plain = Engine::open(&a, "decoder").unwrap();
+    let mut plain = Scheduler::alone(Engine::open(&a, "decoder").unwrap());
     let opts = GenerateOptions {
         max_new_tokens: 24,
         sampling: SamplingParams::default(),
@@ -115,7 +115,7 @@ fn greedy_speculation_gives_exactly_the_plain_tokens() {
     let metrics = Arc::new(Metrics::new());
     let mut s = speculative(&a, metrics);
     for (i, (prompt, reference, margin)) in prompts.iter().enumerate() {
-        let want = plain.generate(prompt, &opts).unwrap();
+        let want = generate(&mut plain, prompt, &opts, |_| {}).unwrap();
         // The fixture's greedy tokens, where the decision is not a near tie.
         for (j, (&w, &r)) in want.iter().zip(reference).enumerate() {
             if margin[..=j].iter().all(|&m| m > 1e-2) {
@@ -137,7 +137,7 @@ fn greedy_speculation_gives_exactly_the_plain_tokens() {
                 max_new_tokens: max,
                 ..opts.clone()
             };
-            plain.generate(&prompts[p].0, &o).unwrap()
+            generate(&mut plain, &prompts[p].0, &o, |_| {}).unwrap()
         })
         .collect();
     let got = run_all(
@@ -152,7 +152,7 @@ fn greedy_speculation_gives_exactly_the_plain_tokens() {
     let st = s.speculation().unwrap().stats();
     assert!(st.verifications > 0 && st.positions.len() == 3, "{st:?}");
     // Both caches hold nothing once every request is done (the decoder's prefix cache aside).
-    let draft_pages = s.speculation().unwrap().engine().pages();
+    let draft_pages = s.speculation().unwrap().kv().pages();
     assert_eq!(draft_pages.free_pages(), draft_pages.total_pages());
 }
 
@@ -211,14 +211,18 @@ fn a_draft_equal_to_the_decoder_has_every_token_accepted() {
     let prompts = fixture_prompts();
     let reqs: Vec<Request> = prompts.iter().map(|p| greedy(&p.0, 22)).collect();
     let out = run_all(&mut s, reqs);
-    let mut plain = Engine::open(&a, "decoder").unwrap();
+    let mut plain = Scheduler::alone(Engine::open(&a, "decoder").unwrap());
     for (i, (p, got)) in prompts.iter().zip(&out).enumerate() {
         let opts = GenerateOptions {
             max_new_tokens: 22,
             sampling: SamplingParams::default(),
             stop_at_eos: false,
         };
-        assert_eq!(got, &plain.generate(&p.0, &opts).unwrap(), "prompt {i}");
+        assert_eq!(
+            got,
+            &generate(&mut plain, &p.0, &opts, |_| {}).unwrap(),
+            "prompt {i}"
+        );
     }
     let st = s.speculation().unwrap().stats().clone();
     // 22 tokens: the first from the prompt, five steps of 3 accepted proposals and the
@@ -256,7 +260,7 @@ fn sampling_with_speculation_follows_the_decoders_distribution() {
         ..Default::default()
     };
     // The decoder's exact distribution of the first two tokens: p(t1) · p(t2 | t1).
-    let mut engine = Engine::open(&a, "decoder").unwrap();
+    let mut engine = maxc_runtime::Session::open(&a, "decoder").unwrap();
     let sampler = Sampler::new(params(0));
     let first = sampler.distribution(&engine.prefill(1, &prompt).unwrap());
     engine.release(1);
@@ -410,7 +414,7 @@ fn speculation_survives_chunked_prefill_and_preemption() {
     // pages of 16 tokens cannot hold every request at once, so some are preempted.
     let (_t, a) = roles_artifact(&["--max-batch-input-tokens", "24", "--kv-cache-pages", "12"]);
     let prompts = fixture_prompts();
-    let mut plain = Engine::open(&a, "decoder").unwrap();
+    let mut plain = Scheduler::alone(Engine::open(&a, "decoder").unwrap());
     let reqs: Vec<(usize, usize)> = (0..10).map(|i| (i % 4, 10 + (i * 5) % 30)).collect();
     let want: Vec<Vec<i64>> = reqs
         .iter()
@@ -420,7 +424,7 @@ fn speculation_survives_chunked_prefill_and_preemption() {
                 sampling: SamplingParams::default(),
                 stop_at_eos: false,
             };
-            plain.generate(&prompts[p].0, &o).unwrap()
+            generate(&mut plain, &prompts[p].0, &o, |_| {}).unwrap()
         })
         .collect();
     let mut s = speculative(&a, Arc::new(Metrics::new()));
@@ -455,6 +459,6 @@ fn speculation_survives_chunked_prefill_and_preemption() {
     }
     let st = s.speculation().unwrap().stats();
     assert!(st.verifications > 0, "{st:?}");
-    let draft_pages = s.speculation().unwrap().engine().pages();
+    let draft_pages = s.speculation().unwrap().kv().pages();
     assert_eq!(draft_pages.free_pages(), draft_pages.total_pages());
 }

@@ -1,4 +1,7 @@
-//! An executor with its page table: runs steps of sequences by id, and generates.
+//! One role of an artifact on one device, ready to run steps: [`Engine`], and the interface
+//! the scheduler drives it through, [`StepExecutor`]. An engine holds no KV bookkeeping: each
+//! step's inputs (pages included) come from its caller's page table, which the scheduler owns
+//! (a [`crate::session::Session`] pairs one with an engine for direct use).
 
 use crate::artifact::Artifact;
 use crate::cpu::CpuExecutor;
@@ -6,8 +9,8 @@ use crate::cuda::CudaExecutor;
 use crate::error::{Result, RuntimeError};
 use crate::kv::PageTable;
 use crate::logits::Logits;
-use crate::sampling::{Sampler, SamplingParams};
-use crate::schema::StepDim;
+use crate::profile::{GpuProfiling, StepProfile};
+use crate::schema::{Program, StepDim, StepInputs, TOKENIZER_FILE};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -49,13 +52,13 @@ enum Executor {
 }
 
 impl Executor {
-    fn execute(&mut self, s: &crate::schema::StepInputs) -> Result<Logits> {
+    fn execute(&mut self, s: &StepInputs) -> Result<Logits> {
         match self {
             Executor::Cpu(e) => e.execute(s),
             Executor::Cuda(e) => e.execute(s),
         }
     }
-    fn program(&self) -> &crate::schema::Program {
+    fn program(&self) -> &Program {
         match self {
             Executor::Cpu(e) => e.program(),
             Executor::Cuda(e) => e.program(),
@@ -75,24 +78,82 @@ impl Executor {
     }
 }
 
-/// One role of an artifact, ready to run sequences: an executor and the page table of its KV
-/// cache. `Send`, so a scheduler thread can own it.
-pub struct Engine {
-    exec: Executor,
-    pages: PageTable,
-    max_seq_len: usize,
-    max_step_tokens: usize,
+/// What a scheduler must know of the role it runs: the program's bounds and outputs, and
+/// the model's end-of-sequence tokens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RoleInfo {
+    /// Vocabulary size (logit columns; token ids lie below it).
+    pub vocab_size: usize,
+    /// Longest context of a sequence.
+    pub max_seq_len: usize,
+    /// Most token rows in one step.
+    pub max_step_tokens: usize,
+    /// Most sequences in one step (every data-parallel replica's).
+    pub max_batch_size: usize,
+    /// Tokens per KV page.
+    pub page_size: usize,
+    /// Pages in the KV cache.
+    pub total_pages: usize,
+    /// Lookup-table columns: pages one sequence may hold.
+    pub pages_per_seq: usize,
+    /// Whether a step returns logits for every token row (else the last rows of each sequence).
+    pub all_logits: bool,
+    /// Most logit rows a step returns per sequence (`num_speculative_tokens + 1`; 1 where
+    /// every row's logits come back).
+    pub max_return_n_logits: usize,
+    /// End-of-sequence token ids.
+    pub eos_token_ids: Vec<i64>,
+    /// The sha256 of the tokenizer the model was compiled with, where it has one.
+    pub tokenizer_sha256: Option<String>,
 }
 
-/// Options of [`Engine::generate`].
-#[derive(Clone, Debug, PartialEq)]
-pub struct GenerateOptions {
-    /// Tokens to generate at most.
-    pub max_new_tokens: usize,
-    /// How tokens are chosen.
-    pub sampling: SamplingParams,
-    /// Stop at an end-of-sequence token (the manifest's `eos_token_ids`).
-    pub stop_at_eos: bool,
+impl RoleInfo {
+    /// An empty page table the size of this role's KV cache.
+    pub fn page_table(&self) -> PageTable {
+        PageTable::new(self.total_pages, self.page_size, self.pages_per_seq)
+    }
+}
+
+/// Runs whole steps of one role: what the scheduler needs of an executor. [`Engine`] is the
+/// real one; the scheduler's tests drive it with fakes.
+pub trait StepExecutor: Send {
+    /// The role's bounds and tokens.
+    fn info(&self) -> &RoleInfo;
+
+    /// Runs one step whose pages its caller has allocated; returns its logit rows (see
+    /// [`StepInputs::return_n_logits`]). A step that fails leaves the KV cache's contents
+    /// for the step's rows undefined: its caller rolls the step back.
+    fn execute(&mut self, inputs: &StepInputs) -> Result<Logits>;
+
+    /// Times every kernel launch of the following steps, where the executor can.
+    fn set_profiling(&mut self, on: bool) -> Result<()> {
+        if on {
+            return Err(RuntimeError::Target(
+                "this executor does not time its launches".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// NVTX ranges around passes and launches (`gpu_profiling`), where the executor has them.
+    fn set_gpu_profiling(&mut self, _level: GpuProfiling) {}
+
+    /// The per-launch timings of the last step, while profiling.
+    fn last_profile(&self) -> Option<&StepProfile> {
+        None
+    }
+
+    /// The program it runs, where it runs one (kernel names for traces).
+    fn program(&self) -> Option<&Program> {
+        None
+    }
+}
+
+/// One role of an artifact on one device, ready to run steps. `Send`, so a scheduler thread
+/// can own it.
+pub struct Engine {
+    exec: Executor,
+    info: RoleInfo,
 }
 
 impl Engine {
@@ -143,20 +204,33 @@ impl Engine {
             Device::Cpu => Executor::Cpu(CpuExecutor::new(artifact.clone(), role)?),
             Device::Cuda => Executor::Cuda(CudaExecutor::new(artifact.clone(), role)?),
         };
-        let rt = &artifact.manifest.runtime;
         let bounds = *exec.bounds();
-        let page = exec.program().page_size() as usize;
-        let pages = PageTable::new(
-            bounds[StepDim::TotalNumPages as usize] as usize,
-            page,
-            bounds[StepDim::MaxNumPages as usize] as usize,
-        );
-        Ok(Engine {
-            exec,
-            pages,
-            max_seq_len: rt.max_seq_len as usize,
-            max_step_tokens: bounds[StepDim::TotalSeqLen as usize] as usize,
-        })
+        let bound = |d: StepDim| bounds[d as usize] as usize;
+        let program = exec.program();
+        let all_logits = program.outputs.get("logits").is_some_and(|&o| {
+            program.buffers[o as usize].shape.first()
+                == Some(&crate::schema::Extent::Step(StepDim::TotalSeqLen))
+        });
+        let max_return_n_logits = if all_logits {
+            1
+        } else {
+            (bound(StepDim::LogitRows) / bound(StepDim::BatchSize).max(1)).max(1)
+        };
+        let m = &artifact.manifest;
+        let info = RoleInfo {
+            vocab_size: program.vocab_size as usize,
+            max_seq_len: m.runtime.max_seq_len as usize,
+            max_step_tokens: bound(StepDim::TotalSeqLen),
+            max_batch_size: bound(StepDim::BatchSize),
+            page_size: program.page_size() as usize,
+            total_pages: bound(StepDim::TotalNumPages),
+            pages_per_seq: bound(StepDim::MaxNumPages),
+            all_logits,
+            max_return_n_logits,
+            eos_token_ids: m.eos_token_ids.clone(),
+            tokenizer_sha256: m.files.get(TOKENIZER_FILE).map(|f| f.sha256.clone()),
+        };
+        Ok(Engine { exec, info })
     }
 
     /// The artifact.
@@ -164,38 +238,40 @@ impl Engine {
         self.exec.artifact()
     }
 
+    /// The role's bounds and tokens.
+    pub fn info(&self) -> &RoleInfo {
+        &self.info
+    }
+
     /// Vocabulary size.
     pub fn vocab_size(&self) -> usize {
-        self.exec.program().vocab_size as usize
+        self.info.vocab_size
     }
 
     /// Longest context.
     pub fn max_seq_len(&self) -> usize {
-        self.max_seq_len
+        self.info.max_seq_len
     }
 
     /// Most token rows in one step.
     pub fn max_step_tokens(&self) -> usize {
-        self.max_step_tokens
+        self.info.max_step_tokens
     }
 
     /// Most sequences in one step (the `batch_size` bound: every data-parallel replica's).
     pub fn max_batch_size(&self) -> usize {
-        self.exec.bounds()[StepDim::BatchSize as usize] as usize
+        self.info.max_batch_size
     }
 
     /// Whether the program returns logits for every token row (else one row per sequence).
     pub fn all_logits(&self) -> bool {
-        let p = self.exec.program();
-        p.outputs.get("logits").is_some_and(|&o| {
-            p.buffers[o as usize].shape.first()
-                == Some(&crate::schema::Extent::Step(StepDim::TotalSeqLen))
-        })
+        self.info.all_logits
     }
 
-    /// Tokens cached for `seq`.
-    pub fn cached_len(&self, seq: u64) -> usize {
-        self.pages.len(seq)
+    /// Most logit rows a step returns per sequence: the artifact's `num_speculative_tokens`
+    /// plus one, for programs that return the last rows of each sequence.
+    pub fn max_return_n_logits(&self) -> usize {
+        self.info.max_return_n_logits
     }
 
     /// Times every kernel launch of the following steps (CPU only).
@@ -213,7 +289,7 @@ impl Engine {
 
     /// `gpu_profiling`: NVTX ranges on the CUDA executor (a missing NVTX library is a warning);
     /// nothing here on the CPU, where the scheduler makes the same structure as spans.
-    pub fn set_gpu_profiling(&mut self, level: crate::profile::GpuProfiling) {
+    pub fn set_gpu_profiling(&mut self, level: GpuProfiling) {
         if let Executor::Cuda(e) = &mut self.exec {
             e.set_gpu_profiling(level);
         }
@@ -247,7 +323,7 @@ impl Engine {
     }
 
     /// The per-launch timings of the last step, while profiling.
-    pub fn last_profile(&self) -> Option<&crate::profile::StepProfile> {
+    pub fn last_profile(&self) -> Option<&StepProfile> {
         match &self.exec {
             Executor::Cpu(e) => e.last_profile(),
             Executor::Cuda(_) => None,
@@ -255,142 +331,34 @@ impl Engine {
     }
 
     /// The program of this engine's role.
-    pub fn program(&self) -> &crate::schema::Program {
+    pub fn program(&self) -> &Program {
         self.exec.program()
     }
 
-    /// The KV cache's page table (read-only: steps and releases go through the engine).
-    pub fn pages(&self) -> &PageTable {
-        &self.pages
+    /// Runs one step (see [`StepExecutor::execute`]).
+    pub fn execute(&mut self, inputs: &StepInputs) -> Result<Logits> {
+        self.exec.execute(inputs)
     }
+}
 
-    /// The page table, for the scheduler's prefix cache (sharing and holding full pages).
-    pub fn pages_mut(&mut self) -> &mut PageTable {
-        &mut self.pages
+impl StepExecutor for Engine {
+    fn info(&self) -> &RoleInfo {
+        &self.info
     }
-
-    /// Keeps the first `len` cached tokens of `seq` (speculative decoding drops rejected
-    /// tokens this way); pages past them return to the free list.
-    pub fn truncate(&mut self, seq: u64, len: usize) -> Result<()> {
-        Ok(self.pages.truncate(seq, len)?)
+    fn execute(&mut self, inputs: &StepInputs) -> Result<Logits> {
+        self.exec.execute(inputs)
     }
-
-    /// Most logit rows a step returns per sequence ([`Engine::step_n`]): the artifact's
-    /// `num_speculative_tokens` plus one, for programs that return the last rows of each
-    /// sequence.
-    pub fn max_return_n_logits(&self) -> usize {
-        if self.all_logits() {
-            return 1;
-        }
-        let b = self.exec.bounds();
-        (b[StepDim::LogitRows as usize] / b[StepDim::BatchSize as usize].max(1)).max(1) as usize
+    fn set_profiling(&mut self, on: bool) -> Result<()> {
+        Engine::set_profiling(self, on)
     }
-
-    /// One step: each `(sequence, tokens)` appends a prefill chunk or a decode token; the
-    /// logits of each sequence's last row come back (every row's, where the program returns
-    /// all). A step that fails (bad input, an executor error) leaves every sequence as it was.
-    pub fn step(&mut self, chunks: &[(u64, &[i64])]) -> Result<Logits> {
-        self.step_n(chunks, 1)
+    fn set_gpu_profiling(&mut self, level: GpuProfiling) {
+        Engine::set_gpu_profiling(self, level);
     }
-
-    /// [`Engine::step`] returning the logits of the last `n` rows of each sequence (row
-    /// `b·n + j` is sequence `b`'s `j`-th of its last `n`; zeros in front where it has fewer),
-    /// so that one step verifies `n - 1` speculated tokens. `n` is at most
-    /// [`Engine::max_return_n_logits`].
-    pub fn step_n(&mut self, chunks: &[(u64, &[i64])], n: usize) -> Result<Logits> {
-        if n == 0 || n > self.max_return_n_logits() {
-            return Err(RuntimeError::Input(format!(
-                "return_n_logits is {n}; this artifact returns 1 to {} logit rows per sequence \
-                 (compile with --num-speculative-tokens to return more)",
-                self.max_return_n_logits()
-            )));
-        }
-        for &(seq, tokens) in chunks {
-            let end = self.pages.len(seq) + tokens.len();
-            if end > self.max_seq_len {
-                return Err(RuntimeError::Input(format!(
-                    "sequence {seq} would reach {end} tokens; the artifact's max_seq_len is {}",
-                    self.max_seq_len
-                )));
-            }
-        }
-        let mut step = self.pages.prepare(chunks)?;
-        step.inputs.return_n_logits = n;
-        match self.exec.execute(&step.inputs) {
-            Ok(logits) => {
-                self.pages.commit(step)?;
-                Ok(logits)
-            }
-            Err(e) => {
-                self.pages.rollback(step)?;
-                Err(e)
-            }
-        }
+    fn last_profile(&self) -> Option<&StepProfile> {
+        Engine::last_profile(self)
     }
-
-    /// Frees `seq`'s cache pages.
-    pub fn release(&mut self, seq: u64) {
-        self.pages.release(seq);
-    }
-
-    /// Prefills `prompt` as sequence `seq` in chunks of at most the step budget; returns the
-    /// logits of its last position.
-    pub fn prefill(&mut self, seq: u64, prompt: &[i64]) -> Result<Vec<f32>> {
-        if prompt.is_empty() {
-            return Err(RuntimeError::Input("the prompt is empty".into()));
-        }
-        if prompt.len() > self.max_seq_len {
-            return Err(RuntimeError::Input(format!(
-                "the prompt has {} tokens; the artifact's max_seq_len is {}",
-                prompt.len(),
-                self.max_seq_len
-            )));
-        }
-        let mut last = Vec::new();
-        for chunk in prompt.chunks(self.max_step_tokens.max(1)) {
-            let logits = self.step(&[(seq, chunk)])?;
-            last = logits.row(logits.rows - 1).to_vec();
-        }
-        Ok(last)
-    }
-
-    /// Generates up to `opts.max_new_tokens` tokens after `prompt`, stopping early at the end of
-    /// sequence (where asked) or when prompt and output fill max_seq_len.
-    pub fn generate(&mut self, prompt: &[i64], opts: &GenerateOptions) -> Result<Vec<i64>> {
-        self.generate_with(prompt, opts, |_| {})
-    }
-
-    /// [`Engine::generate`], calling `on_token` with each token as it is chosen.
-    pub fn generate_with(
-        &mut self,
-        prompt: &[i64],
-        opts: &GenerateOptions,
-        mut on_token: impl FnMut(i64),
-    ) -> Result<Vec<i64>> {
-        let seq = u64::MAX;
-        self.release(seq);
-        let eos = self.artifact().manifest.eos_token_ids.clone();
-        let mut sampler = Sampler::new(opts.sampling.clone());
-        let result = (|| {
-            let mut logits = self.prefill(seq, prompt)?;
-            let mut out = Vec::new();
-            // The context (prompt and generated tokens) never exceeds max_seq_len.
-            while out.len() < opts.max_new_tokens && prompt.len() + out.len() < self.max_seq_len {
-                let next = sampler.sample(&logits) as i64;
-                out.push(next);
-                on_token(next);
-                let full = out.len() == opts.max_new_tokens
-                    || prompt.len() + out.len() >= self.max_seq_len;
-                if full || (opts.stop_at_eos && eos.contains(&next)) {
-                    break;
-                }
-                let l = self.step(&[(seq, &[next])])?;
-                logits = l.row(l.rows - 1).to_vec();
-            }
-            Ok(out)
-        })();
-        self.release(seq);
-        result
+    fn program(&self) -> Option<&Program> {
+        Some(self.exec.program())
     }
 }
 

@@ -17,13 +17,15 @@ pub mod hugemem;
 pub mod logits;
 pub mod profile;
 pub mod sampling;
+pub mod session;
 pub mod signature;
 
 pub use artifact::Artifact;
-pub use engine::Engine;
+pub use engine::{Engine, RoleInfo, StepExecutor};
 pub use error::{Result, RuntimeError};
 pub use logits::Logits;
 pub use maxc_kv as kv;
 pub use maxc_kv::PageTable;
 pub use maxc_schema as schema;
 pub use maxc_schema::StepInputs;
+pub use session::Session;

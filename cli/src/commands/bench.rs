@@ -11,7 +11,7 @@
 use anyhow::Result;
 use maxc_runtime::bench::{bandwidth, fma_peak, gemm_flops, peak_rss, reset_peak_rss};
 use maxc_runtime::profile::kernel_cost;
-use maxc_runtime::Engine;
+use maxc_runtime::Session;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -50,11 +50,11 @@ fn prompt(n: usize, vocab: i64, salt: i64) -> Vec<i64> {
 }
 
 /// Bytes and FLOPs of the last step's launches (the program at the step's dims).
-fn step_cost(engine: &Engine) -> (u64, u64) {
-    let Some(p) = engine.last_profile() else {
+fn step_cost(engine: &Session) -> (u64, u64) {
+    let Some(p) = engine.engine().last_profile() else {
         return (0, 0);
     };
-    let program = engine.program();
+    let program = engine.engine().program();
     program.launches.iter().fold((0, 0), |(b, f), l| {
         let (lb, lf) = kernel_cost(&program.kernels[l.kernel as usize].body, &p.dims);
         (b + lb, f + lf)
@@ -100,13 +100,13 @@ pub fn run(args: Args) -> Result<()> {
     let mut loads = Vec::new();
     for _ in 0..4 {
         let t = Instant::now();
-        drop(Engine::open(&args.artifact, &args.role)?);
+        drop(Session::open(&args.artifact, &args.role)?);
         loads.push(t.elapsed().as_secs_f64());
     }
     loads.remove(0);
-    let mut engine = Engine::open(&args.artifact, &args.role)?;
-    engine.set_profiling(true)?;
-    let vocab = engine.vocab_size() as i64;
+    let mut engine = Session::open(&args.artifact, &args.role)?;
+    engine.engine_mut().set_profiling(true)?;
+    let vocab = engine.engine().vocab_size() as i64;
     let rounds = args.rounds as usize;
     let mut probes = Probes::default();
     let peak = fma_peak();
@@ -114,8 +114,8 @@ pub fn run(args: Args) -> Result<()> {
     let mut seq = 0u64;
 
     for n in [128usize, 512] {
-        if n > engine.max_step_tokens() || n > engine.max_seq_len() {
-            rows.push(json!({"name": format!("prefill_{n}"), "skipped": format!("the artifact's step budget is {} tokens", engine.max_step_tokens())}));
+        if n > engine.engine().max_step_tokens() || n > engine.engine().max_seq_len() {
+            rows.push(json!({"name": format!("prefill_{n}"), "skipped": format!("the artifact's step budget is {} tokens", engine.engine().max_step_tokens())}));
             continue;
         }
         let p = prompt(n, vocab, 0);
@@ -151,18 +151,18 @@ pub fn run(args: Args) -> Result<()> {
         }));
     }
 
-    let max_batch = engine.max_batch_size();
+    let max_batch = engine.engine().max_batch_size();
     for batch in [1usize, 8, 32] {
         if batch > max_batch {
             rows.push(json!({"name": format!("decode_b{batch}"), "skipped": format!("the artifact's max batch size is {max_batch}")}));
             continue;
         }
-        if 16 + args.steps * rounds > engine.max_seq_len() {
+        if 16 + args.steps * rounds > engine.engine().max_seq_len() {
             anyhow::bail!(
                 "--steps {} × --rounds {}: 16 prompt tokens + the steps exceed max_seq_len {}",
                 args.steps,
                 rounds,
-                engine.max_seq_len()
+                engine.engine().max_seq_len()
             );
         }
         let seqs: Vec<u64> = (0..batch as u64).map(|i| 1000 + i).collect();

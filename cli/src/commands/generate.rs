@@ -3,13 +3,10 @@
 
 use crate::args::parse_tokens;
 use anyhow::{bail, Context, Result};
-use maxc_runtime::engine::GenerateOptions;
 use maxc_runtime::sampling::SamplingParams;
 use maxc_runtime::Engine;
 use maxc_serve::chat::ChatMessage;
-use maxc_serve::scheduler::{
-    Event, Request, Scheduler, SchedulerConfig, Speculation, SpeculationStats,
-};
+use maxc_serve::scheduler::{generate, GenerateOptions, Scheduler, Speculation};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -85,7 +82,7 @@ pub fn run(args: Args) -> Result<()> {
             args.role
         );
     }
-    let mut engine = Engine::open_verified(&args.artifact, &args.role, args.device, key.as_ref())?;
+    let engine = Engine::open_verified(&args.artifact, &args.role, args.device, key.as_ref())?;
     args.expert_parallel.check(&engine)?;
     let artifact = engine.artifact().clone();
     let tokenizer = maxc_serve::tokenizer::Tokenizer::of_artifact(&artifact)?;
@@ -154,13 +151,16 @@ pub fn run(args: Args) -> Result<()> {
             }
         }
     };
-    let (out, stats) = match &speculation {
-        None => (engine.generate_with(&prompt, &opts, on_token)?, None),
-        Some(so) => {
-            let spec = Speculation::open(&engine, so, args.device, key.as_ref())?;
-            speculate(engine, spec, &prompt, &opts, on_token)?
-        }
+    let spec = match &speculation {
+        Some(so) => Some(Speculation::open(&engine, so, args.device, key.as_ref())?),
+        None => None,
     };
+    let mut sched = Scheduler::alone(engine);
+    if let Some(spec) = spec {
+        sched = sched.with_speculation(spec);
+    }
+    let out = generate(&mut sched, &prompt, &opts, on_token)?;
+    let stats = sched.speculation().map(|s| (s.depth(), s.stats().clone()));
     let done = Instant::now();
     if let Some(e) = stream_err {
         return Err(e.into());
@@ -210,46 +210,4 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// A speculation's depth and what it accepted.
-type Accepted = (usize, SpeculationStats);
-
-/// Generates through the scheduler with `spec`'s draft proposing tokens; returns the tokens
-/// and the speculation's depth and acceptance.
-fn speculate(
-    engine: Engine,
-    spec: Speculation,
-    prompt: &[i64],
-    opts: &GenerateOptions,
-    mut on_token: impl FnMut(i64),
-) -> Result<(Vec<i64>, Option<Accepted>)> {
-    let depth = spec.depth();
-    let cfg = SchedulerConfig::from_runtime(&engine.artifact().manifest.runtime);
-    let metrics = std::sync::Arc::new(maxc_serve::metrics::Metrics::new());
-    let mut sched = Scheduler::new(engine, cfg, metrics).with_speculation(spec);
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let mut req = Request::greedy(prompt.to_vec(), opts.max_new_tokens);
-    req.sampling = opts.sampling.clone();
-    req.ignore_eos = !opts.stop_at_eos;
-    sched.submit(req, tx);
-    let mut out = Vec::new();
-    loop {
-        while let Ok(event) = rx.try_recv() {
-            match event {
-                Event::Token { id, .. } => {
-                    out.push(id);
-                    on_token(id);
-                }
-                Event::Error(e) => bail!("{e}"),
-                _ => {}
-            }
-        }
-        if !sched.has_work() {
-            break;
-        }
-        sched.step();
-    }
-    let stats = sched.speculation().map(|s| (depth, s.stats().clone()));
-    Ok((out, stats))
 }

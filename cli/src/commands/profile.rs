@@ -6,7 +6,7 @@ use crate::args::parse_tokens;
 use anyhow::{bail, Context, Result};
 use maxc_runtime::profile::{summarize, trace_json, StepProfile};
 use maxc_runtime::sampling::argmax;
-use maxc_runtime::Engine;
+use maxc_runtime::Session;
 use std::path::PathBuf;
 
 /// Arguments of `maxc profile`.
@@ -39,21 +39,23 @@ pub struct Args {
 /// Profiles and prints.
 pub fn run(args: Args) -> Result<()> {
     args.activations.apply();
-    let mut engine = Engine::open(&args.artifact, &args.role)?;
-    let vocab = engine.vocab_size() as i64;
+    let mut engine = Session::open(&args.artifact, &args.role)?;
+    let vocab = engine.engine().vocab_size() as i64;
     let prompt: Vec<i64> = match (&args.tokens, &args.prompt) {
         (Some(t), _) => parse_tokens(t)?,
-        (None, Some(text)) => maxc_serve::tokenizer::Tokenizer::of_artifact(engine.artifact())?
-            .with_context(|| {
-                format!(
-                    "{} has no tokenizer; pass --tokens",
-                    args.artifact.display()
-                )
-            })?
-            .encode(text, true)?
-            .into_iter()
-            .map(i64::from)
-            .collect(),
+        (None, Some(text)) => {
+            maxc_serve::tokenizer::Tokenizer::of_artifact(engine.engine().artifact())?
+                .with_context(|| {
+                    format!(
+                        "{} has no tokenizer; pass --tokens",
+                        args.artifact.display()
+                    )
+                })?
+                .encode(text, true)?
+                .into_iter()
+                .map(i64::from)
+                .collect()
+        }
         (None, None) => (0..128)
             .map(|i| (i * 7919 + 13) % vocab.min(1000) + 3.min(vocab - 1))
             .collect(),
@@ -61,27 +63,32 @@ pub fn run(args: Args) -> Result<()> {
     if args.batch == 0 {
         bail!("--batch: expected at least 1");
     }
-    if prompt.len() * args.batch > engine.max_step_tokens() {
+    if prompt.len() * args.batch > engine.engine().max_step_tokens() {
         bail!(
             "--batch {} × {} prompt tokens exceeds the artifact's step budget of {} tokens",
             args.batch,
             prompt.len(),
-            engine.max_step_tokens()
+            engine.engine().max_step_tokens()
         );
     }
-    if prompt.len() + args.steps > engine.max_seq_len() {
+    if prompt.len() + args.steps > engine.engine().max_seq_len() {
         bail!(
             "{} prompt tokens + {} steps exceed the artifact's max_seq_len {}",
             prompt.len(),
             args.steps,
-            engine.max_seq_len()
+            engine.engine().max_seq_len()
         );
     }
-    engine.set_profiling(true)?;
+    engine.engine_mut().set_profiling(true)?;
     let seqs: Vec<u64> = (0..args.batch as u64).collect();
     let chunks: Vec<(u64, &[i64])> = seqs.iter().map(|&s| (s, prompt.as_slice())).collect();
     let logits = engine.step(&chunks)?;
-    let take = |e: &Engine| e.last_profile().cloned().context("no profile recorded");
+    let take = |e: &Session| {
+        e.engine()
+            .last_profile()
+            .cloned()
+            .context("no profile recorded")
+    };
     let prefill: StepProfile = take(&engine)?;
     let mut next: Vec<i64> = (0..args.batch)
         .map(|b| {
@@ -101,7 +108,7 @@ pub fn run(args: Args) -> Result<()> {
         decode.push(take(&engine)?);
         next = (0..args.batch).map(|b| argmax(l.row(b)) as i64).collect();
     }
-    let program = engine.program().clone();
+    let program = engine.engine().program().clone();
     // The machine's probes, measured now: a streaming read and an f32 GEMM on every core.
     let probes = Probes {
         bytes_per_s: maxc_runtime::bench::bandwidth(),

@@ -2,7 +2,7 @@
 
 use crate::args::parse_tokens;
 use anyhow::Result;
-use maxc_runtime::Engine;
+use maxc_runtime::{Engine, Session};
 use std::path::PathBuf;
 
 /// Arguments of `maxc run`.
@@ -32,12 +32,12 @@ pub struct Args {
 
 /// Every position's logits of `tokens`: one step where the program returns every row, else one
 /// step per token.
-pub fn prompt_logits(engine: &mut Engine, tokens: &[i64]) -> Result<Vec<f32>> {
+pub fn prompt_logits(engine: &mut Session, tokens: &[i64]) -> Result<Vec<f32>> {
     let seq = 0;
     engine.release(seq);
-    let mut out = Vec::with_capacity(tokens.len() * engine.vocab_size());
-    if engine.all_logits() {
-        for chunk in tokens.chunks(engine.max_step_tokens().max(1)) {
+    let mut out = Vec::with_capacity(tokens.len() * engine.engine().vocab_size());
+    if engine.engine().all_logits() {
+        for chunk in tokens.chunks(engine.engine().max_step_tokens().max(1)) {
             out.extend(engine.step(&[(seq, chunk)])?.data);
         }
     } else {
@@ -54,19 +54,24 @@ pub fn run(args: Args) -> Result<()> {
     args.activations.apply();
     let tokens = parse_tokens(&args.tokens)?;
     let key = args.signature.key()?;
-    let mut engine = Engine::open_verified(&args.artifact, &args.role, args.device, key.as_ref())?;
-    args.expert_parallel.check(&engine)?;
-    if tokens.len() > engine.max_seq_len() {
+    let mut engine = Session::new(Engine::open_verified(
+        &args.artifact,
+        &args.role,
+        args.device,
+        key.as_ref(),
+    )?);
+    args.expert_parallel.check(engine.engine())?;
+    if tokens.len() > engine.engine().max_seq_len() {
         anyhow::bail!(
             "the prompt has {} tokens; the artifact's max_seq_len is {}",
             tokens.len(),
-            engine.max_seq_len()
+            engine.engine().max_seq_len()
         );
     }
     let logits = prompt_logits(&mut engine, &tokens)?;
     crate::report::logits(
         tokens.len(),
-        engine.vocab_size(),
+        engine.engine().vocab_size(),
         &logits,
         args.dump_logits.as_deref(),
     )?;

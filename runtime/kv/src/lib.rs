@@ -3,8 +3,10 @@
 //! which full pages are kept for reuse by the tokens before them ([`PrefixCache`]). The
 //! scheduler owns one of each per role; the executors only read the step inputs they build.
 
+pub mod cache;
 pub mod pages;
 pub mod prefix;
 
+pub use cache::KvCache;
 pub use pages::{PageError, PageTable, PreparedStep};
 pub use prefix::PrefixCache;

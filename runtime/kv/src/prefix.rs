@@ -45,6 +45,11 @@ impl PrefixCache {
         self.pages.len()
     }
 
+    /// The pages cached (in no particular order).
+    pub fn pages(&self) -> impl Iterator<Item = u32> + '_ {
+        self.pages.keys().copied()
+    }
+
     /// Whether no page is cached.
     pub fn is_empty(&self) -> bool {
         self.pages.is_empty()

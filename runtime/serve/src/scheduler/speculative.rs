@@ -5,17 +5,19 @@
 //! catches every planned sequence up with the tokens the decoder will hold after it (prefill
 //! chunks included) and, for each decoding sequence, proposes up to `depth` tokens one draft
 //! step at a time. The decoder runs the sequence's pending token and the proposals as rows of
-//! one step, returns the logits of those rows ([`Engine::step_n`]) and the scheduler accepts
-//! proposals by [`maxc_runtime::sampling::Sampler::verify`]: the tokens that come out are distributed
-//! exactly as the decoder's own. Rejected proposals leave both caches through
-//! [`Engine::truncate`].
+//! one step, returns the logits of those rows and the scheduler accepts proposals by
+//! [`maxc_runtime::sampling::Sampler::verify`]: the tokens that come out are distributed
+//! exactly as the decoder's own. Rejected proposals leave both caches by truncation. The
+//! draft's KV cache (no prefix cache) is the scheduler's too: it lives here, beside the draft.
 
-use super::Active;
-use crate::metrics::Metrics;
-use maxc_runtime::engine::{Device, Engine};
+use super::active::Active;
+use super::plan::Planned;
+use super::stats::AcceptanceStats;
+use maxc_kv::KvCache;
+use maxc_runtime::engine::{Device, Engine, RoleInfo, StepExecutor};
 use maxc_runtime::error::{Result, RuntimeError};
-use maxc_runtime::sampling::Distribution;
 use maxc_runtime::schema::TOKENIZER_FILE;
+use maxc_runtime::Logits;
 use std::path::PathBuf;
 
 /// Where the draft comes from and how far it proposes.
@@ -30,7 +32,9 @@ pub struct SpeculationOptions {
 
 /// The draft of speculative decoding and how far ahead it proposes.
 pub struct Speculation {
-    pub(super) engine: Engine,
+    engine: Box<dyn StepExecutor>,
+    info: RoleInfo,
+    pub(super) kv: KvCache,
     pub(super) depth: usize,
     stats: SpeculationStats,
 }
@@ -66,8 +70,12 @@ impl Speculation {
     /// artifact verifies in a step, its `num_speculative_tokens`; `None`: that many). The two
     /// must share the vocabulary and tokenizer, and the draft must hold contexts as long as the
     /// decoder's.
-    pub fn new(decoder: &Engine, draft: Engine, depth: Option<usize>) -> Result<Self> {
-        let most = decoder.max_return_n_logits() - 1;
+    pub fn new(
+        decoder: &RoleInfo,
+        draft: impl StepExecutor + 'static,
+        depth: Option<usize>,
+    ) -> Result<Self> {
+        let most = decoder.max_return_n_logits - 1;
         if most == 0 {
             return Err(RuntimeError::Input(
                 "the decoder's artifact verifies no draft tokens per step; compile it with \
@@ -82,43 +90,38 @@ impl Speculation {
                  draft tokens per step"
             )));
         }
-        if draft.vocab_size() != decoder.vocab_size() {
+        let info = draft.info().clone();
+        if info.vocab_size != decoder.vocab_size {
             return Err(RuntimeError::Input(format!(
                 "the draft's vocabulary has {} tokens, the decoder's {}: they must be the same",
-                draft.vocab_size(),
-                decoder.vocab_size()
+                info.vocab_size, decoder.vocab_size
             )));
         }
-        let tokenizer = |e: &Engine| {
-            e.artifact()
-                .manifest
-                .files
-                .get(TOKENIZER_FILE)
-                .map(|f| f.sha256.clone())
-        };
-        if tokenizer(&draft) != tokenizer(decoder) {
+        if info.tokenizer_sha256 != decoder.tokenizer_sha256 {
+            let sha = |s: &Option<String>| s.clone().unwrap_or_else(|| "none".into());
             return Err(RuntimeError::Input(format!(
                 "the draft's {TOKENIZER_FILE} differs from the decoder's (sha256 {} and {}): \
                  both must tokenize alike",
-                tokenizer(&draft).unwrap_or_else(|| "none".into()),
-                tokenizer(decoder).unwrap_or_else(|| "none".into())
+                sha(&info.tokenizer_sha256),
+                sha(&decoder.tokenizer_sha256)
             )));
         }
-        if draft.all_logits() {
+        if info.all_logits {
             return Err(RuntimeError::Input(
                 "the draft returns logits for every token row; compile it without --all-logits"
                     .into(),
             ));
         }
-        if draft.max_seq_len() < decoder.max_seq_len() {
+        if info.max_seq_len < decoder.max_seq_len {
             return Err(RuntimeError::Input(format!(
                 "the draft's max_seq_len is {}, below the decoder's {}",
-                draft.max_seq_len(),
-                decoder.max_seq_len()
+                info.max_seq_len, decoder.max_seq_len
             )));
         }
         Ok(Speculation {
-            engine: draft,
+            kv: KvCache::new(info.page_table(), false),
+            info,
+            engine: Box::new(draft),
             depth,
             stats: SpeculationStats::default(),
         })
@@ -145,7 +148,7 @@ impl Speculation {
                 Engine::new(artifact, "draft", device)?
             }
         };
-        Speculation::new(decoder, draft, opts.depth)
+        Speculation::new(decoder.info(), draft, opts.depth)
     }
 
     /// Tokens proposed per step at most.
@@ -153,9 +156,46 @@ impl Speculation {
         self.depth
     }
 
-    /// The draft engine.
-    pub fn engine(&self) -> &Engine {
-        &self.engine
+    /// The draft's bounds and tokens.
+    pub fn info(&self) -> &RoleInfo {
+        &self.info
+    }
+
+    /// The draft's KV cache.
+    pub fn kv(&self) -> &KvCache {
+        &self.kv
+    }
+
+    /// One draft step over `chunks`, in the draft's own cache (left as it was where it fails).
+    fn step(&mut self, chunks: &[(u64, &[i64])]) -> Result<Logits> {
+        let step = self.kv.prepare(chunks)?;
+        match self.engine.execute(&step.inputs) {
+            Ok(logits) => {
+                self.kv.commit(step)?;
+                Ok(logits)
+            }
+            Err(e) => {
+                self.kv.rollback(step)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Adds one step's acceptance to the totals.
+    pub(super) fn record(&mut self, a: &AcceptanceStats) {
+        if a.sequences == 0 {
+            return;
+        }
+        let st = &mut self.stats;
+        if st.positions.len() < a.positions.len() {
+            st.positions.resize(a.positions.len(), (0, 0));
+        }
+        for (t, p) in st.positions.iter_mut().zip(&a.positions) {
+            t.0 += p.0;
+            t.1 += p.1;
+        }
+        st.verifications += a.sequences;
+        st.accepted += a.accepted;
     }
 
     /// Acceptance so far.
@@ -164,35 +204,12 @@ impl Speculation {
     }
 }
 
-/// One sequence's share of a step.
-pub(super) struct Planned {
-    /// Its index in the scheduler's running requests.
-    pub idx: usize,
-    /// Its own tokens in the step: a prefill chunk, or the pending token of a decode.
-    pub n: usize,
-    /// Draft tokens it may propose this step.
-    pub propose: usize,
-    /// The proposals, each with the distribution the draft drew it from.
-    pub drafts: Vec<(i64, Distribution)>,
-}
-
-impl Planned {
-    pub fn new(idx: usize, n: usize, propose: usize) -> Self {
-        Planned {
-            idx,
-            n,
-            propose,
-            drafts: Vec::new(),
-        }
-    }
-}
-
 /// Runs the draft before a step: catches each planned sequence's draft cache up with what the
 /// decoder will hold after the step, then proposes up to `propose` tokens for each. A draft
 /// step that fails proposes nothing further (the decoder then runs without proposals).
 pub(super) fn propose(spec: &mut Speculation, running: &mut [Active], plan: &mut [Planned]) {
-    let mut budget = spec.engine.max_step_tokens();
-    let max_batch = spec.engine.max_batch_size();
+    let mut budget = spec.info.max_step_tokens;
+    let max_batch = spec.info.max_batch_size;
     // (plan entry, from, to) of each catch-up chunk.
     let mut feeds: Vec<(usize, usize, usize)> = Vec::new();
     for (pi, p) in plan.iter_mut().enumerate() {
@@ -220,7 +237,7 @@ pub(super) fn propose(spec: &mut Speculation, running: &mut [Active], plan: &mut
             (a.seq, &a.tokens[from..to])
         })
         .collect();
-    let logits = match spec.engine.step(&chunks) {
+    let logits = match spec.step(&chunks) {
         Ok(l) => l,
         Err(e) => {
             tracing::debug!("draft step failed, no proposals this step: {e}");
@@ -253,7 +270,7 @@ pub(super) fn propose(spec: &mut Speculation, running: &mut [Active], plan: &mut
             .zip(&last)
             .map(|(&pi, t)| (running[plan[pi].idx].seq, &t[..]))
             .collect();
-        let logits = match spec.engine.step(&chunks) {
+        let logits = match spec.step(&chunks) {
             Ok(l) => l,
             Err(e) => {
                 tracing::debug!("draft step failed, fewer proposals this step: {e}");
@@ -271,59 +288,5 @@ pub(super) fn propose(spec: &mut Speculation, running: &mut [Active], plan: &mut
     }
     for p in plan.iter_mut() {
         p.propose = p.drafts.len();
-    }
-}
-
-/// Acceptance counts of one decoder step, for the metrics.
-#[derive(Default)]
-pub(super) struct Acceptance {
-    /// `(proposed, accepted)` per draft position.
-    positions: Vec<(u64, u64)>,
-    /// Sequences that proposed.
-    sequences: u64,
-    /// Draft tokens accepted.
-    accepted: u64,
-}
-
-impl Acceptance {
-    /// One sequence proposed `proposed` tokens and `accepted` of them were accepted.
-    pub fn add(&mut self, proposed: usize, accepted: usize) {
-        if proposed == 0 {
-            return;
-        }
-        if self.positions.len() < proposed {
-            self.positions.resize(proposed, (0, 0));
-        }
-        for (j, p) in self.positions.iter_mut().take(proposed).enumerate() {
-            p.0 += 1;
-            p.1 += u64::from(j < accepted);
-        }
-        self.sequences += 1;
-        self.accepted += accepted as u64;
-    }
-
-    /// Records the step in MAX's speculative-decoding metrics and in `spec`'s totals (nothing
-    /// where no sequence proposed).
-    pub fn record(&self, m: &Metrics, spec: &mut Speculation) {
-        if self.sequences == 0 {
-            return;
-        }
-        let st = &mut spec.stats;
-        if st.positions.len() < self.positions.len() {
-            st.positions.resize(self.positions.len(), (0, 0));
-        }
-        for (t, p) in st.positions.iter_mut().zip(&self.positions) {
-            t.0 += p.0;
-            t.1 += p.1;
-        }
-        st.verifications += self.sequences;
-        st.accepted += self.accepted;
-        m.spec_decode_avg_acceptance_length
-            .observe(self.accepted as f64 / self.sequences as f64);
-        for (j, &(proposed, accepted)) in self.positions.iter().enumerate() {
-            m.spec_decode_acceptance_rate_per_position
-                .get_or_create(&vec![("position".into(), j.to_string())])
-                .observe(100.0 * accepted as f64 / proposed as f64);
-        }
     }
 }

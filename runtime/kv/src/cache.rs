@@ -1,0 +1,180 @@
+//! One role's KV cache state, owned in one place: the page table and, where prefix caching is
+//! on, the prefix cache holding full pages for reuse. The scheduler owns one per role and does
+//! every allocation, eviction and release through it before a step runs, so that the executor
+//! is handed a step that fits.
+
+use crate::{PageError, PageTable, PrefixCache, PreparedStep};
+use std::collections::BTreeMap;
+
+/// A page table with its prefix cache.
+#[derive(Debug)]
+pub struct KvCache {
+    table: PageTable,
+    prefix: Option<PrefixCache>,
+}
+
+impl KvCache {
+    /// `table` (empty), with a prefix cache where `prefix_caching`.
+    pub fn new(table: PageTable, prefix_caching: bool) -> Self {
+        let prefix = prefix_caching.then(|| PrefixCache::new(table.page_size()));
+        KvCache { table, prefix }
+    }
+
+    /// The page table (read-only: changes go through the cache).
+    pub fn pages(&self) -> &PageTable {
+        &self.table
+    }
+
+    /// Tokens per page.
+    pub fn page_size(&self) -> usize {
+        self.table.page_size()
+    }
+
+    /// Whether full pages are shared between sequences.
+    pub fn prefix_caching(&self) -> bool {
+        self.prefix.is_some()
+    }
+
+    /// Pages held by the prefix cache alone (eviction frees them).
+    pub fn cached_only_pages(&self) -> usize {
+        self.prefix.as_ref().map_or(0, |p| p.evictable(&self.table))
+    }
+
+    /// Pages a step could use: free ones and those eviction would free.
+    pub fn available_pages(&self) -> usize {
+        self.table.free_pages() + self.cached_only_pages()
+    }
+
+    /// Pages `seq` needs beyond those it holds to hold `len` tokens.
+    pub fn pages_needed(&self, seq: u64, len: usize) -> usize {
+        len.div_ceil(self.page_size())
+            .saturating_sub(self.table.pages(seq).len())
+    }
+
+    /// Shares the cached full pages that start `tokens` with the new sequence `seq` (leaving at
+    /// least one token to compute); returns the tokens they hold (0 without a cache or a hit).
+    pub fn attach_cached_prefix(&mut self, seq: u64, tokens: &[i64]) -> usize {
+        let Some(cache) = self.prefix.as_mut() else {
+            return 0;
+        };
+        let pages = cache.lookup(tokens);
+        if pages.is_empty() || self.table.attach_prefix(seq, &pages).is_err() {
+            return 0;
+        }
+        pages.len() * self.table.page_size()
+    }
+
+    /// Evicts unreferenced cached pages, least recently used first, until `free` pages are
+    /// free; returns whether they are.
+    pub fn make_room(&mut self, free: usize) -> bool {
+        if self.table.free_pages() < free {
+            if let Some(cache) = self.prefix.as_mut() {
+                cache.evict(&mut self.table, free);
+            }
+        }
+        self.table.free_pages() >= free
+    }
+
+    /// [`PageTable::prepare`]: the step's inputs, its pages allocated.
+    pub fn prepare(&mut self, chunks: &[(u64, &[i64])]) -> Result<PreparedStep, PageError> {
+        self.table.prepare(chunks)
+    }
+
+    /// [`PageTable::commit`].
+    pub fn commit(&mut self, step: PreparedStep) -> Result<(), PageError> {
+        self.table.commit(step)
+    }
+
+    /// [`PageTable::rollback`].
+    pub fn rollback(&mut self, step: PreparedStep) -> Result<(), PageError> {
+        self.table.rollback(step)
+    }
+
+    /// Keeps the first `len` cached tokens of `seq` (rejected draft tokens leave this way).
+    pub fn truncate(&mut self, seq: u64, len: usize) -> Result<(), PageError> {
+        self.table.truncate(seq, len)
+    }
+
+    /// Caches the full pages of `seq`, whose cached tokens start with `tokens`.
+    pub fn cache_prefix(&mut self, seq: u64, tokens: &[i64]) {
+        if let Some(cache) = self.prefix.as_mut() {
+            let pages = self.table.pages(seq).to_vec();
+            let n = tokens.len().min(self.table.len(seq));
+            cache.insert(&mut self.table, &tokens[..n], &pages);
+        }
+    }
+
+    /// Frees `seq`'s pages (those the prefix cache holds stay cached).
+    pub fn release(&mut self, seq: u64) {
+        self.table.release(seq);
+    }
+
+    /// Checks the bookkeeping: every sequence holds `ceil(len / page_size)` distinct pages, a
+    /// shared page is full in every sequence holding it, each page's reference count is its
+    /// holders plus its external holds, the prefix cache's pages are exactly the external
+    /// holds, and used and free pages add up. Returns what is wrong.
+    pub fn audit(&self) -> Result<(), String> {
+        let t = &self.table;
+        let ps = t.page_size();
+        let mut holders = vec![0u32; t.total_pages()];
+        for seq in t.sequences() {
+            let pages = t.pages(seq);
+            if pages.len() != t.len(seq).div_ceil(ps) {
+                return Err(format!(
+                    "sequence {seq}: {} tokens in {} pages of {ps}",
+                    t.len(seq),
+                    pages.len()
+                ));
+            }
+            let mut seen = std::collections::BTreeSet::new();
+            for &p in pages {
+                if !seen.insert(p) {
+                    return Err(format!("sequence {seq} holds page {p} twice"));
+                }
+                match holders.get_mut(p as usize) {
+                    Some(h) => *h += 1,
+                    None => return Err(format!("sequence {seq} holds page {p}, out of range")),
+                }
+            }
+        }
+        for seq in t.sequences() {
+            for (i, &p) in t.pages(seq).iter().enumerate() {
+                if holders[p as usize] > 1 && (i + 1) * ps > t.len(seq) {
+                    return Err(format!(
+                        "page {p} is shared but partly filled in sequence {seq}"
+                    ));
+                }
+            }
+        }
+        let cached: BTreeMap<u32, ()> = self
+            .prefix
+            .as_ref()
+            .map(|c| c.pages().map(|p| (p, ())).collect())
+            .unwrap_or_default();
+        let mut used = 0;
+        for (p, &h) in holders.iter().enumerate() {
+            let p = p as u32;
+            let (rc, ext) = (t.ref_count(p), t.external_holds(p));
+            if rc != h + ext {
+                return Err(format!(
+                    "page {p}: reference count {rc}, {h} sequences and {ext} external holds"
+                ));
+            }
+            if ext != u32::from(cached.contains_key(&p)) {
+                return Err(format!(
+                    "page {p}: {ext} external holds, cached by the prefix cache: {}",
+                    cached.contains_key(&p)
+                ));
+            }
+            used += usize::from(rc > 0);
+        }
+        if used + t.free_pages() != t.total_pages() {
+            return Err(format!(
+                "{used} pages used and {} free of {}",
+                t.free_pages(),
+                t.total_pages()
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,50 @@
+//! A scheduler on a thread of its own, fed through a channel: what the HTTP server talks to.
+
+use super::request::{Event, EventSender, Request};
+use super::state::Scheduler;
+
+/// What the scheduler thread is told.
+enum Command {
+    Submit(Request, EventSender),
+}
+
+/// A scheduler running on its own thread; requests reach it through [`SchedulerHandle::submit`].
+/// Dropping every handle stops the thread once its requests are done.
+#[derive(Clone)]
+pub struct SchedulerHandle {
+    tx: std::sync::mpsc::Sender<Command>,
+}
+
+impl SchedulerHandle {
+    /// Runs `scheduler` on a new thread.
+    pub fn spawn(mut scheduler: Scheduler) -> std::io::Result<Self> {
+        let (tx, rx) = std::sync::mpsc::channel::<Command>();
+        std::thread::Builder::new()
+            .name("maxc-scheduler".into())
+            .spawn(move || loop {
+                if !scheduler.has_work() {
+                    match rx.recv() {
+                        Ok(Command::Submit(r, e)) => scheduler.submit(r, e),
+                        Err(_) => return,
+                    }
+                }
+                while let Ok(Command::Submit(r, e)) = rx.try_recv() {
+                    scheduler.submit(r, e);
+                }
+                scheduler.step();
+            })?;
+        Ok(SchedulerHandle { tx })
+    }
+
+    /// Queues `req`; its events arrive on the returned receiver, and dropping the receiver
+    /// cancels it.
+    pub fn submit(&self, req: Request) -> tokio::sync::mpsc::UnboundedReceiver<Event> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        if let Err(std::sync::mpsc::SendError(Command::Submit(_, events))) =
+            self.tx.send(Command::Submit(req, tx))
+        {
+            let _ = events.send(Event::Error("the scheduler has stopped".into()));
+        }
+        rx
+    }
+}

@@ -1,0 +1,45 @@
+//! What [`super::Scheduler::schedule`] hands on: the step that runs next, its pages already
+//! allocated.
+
+use maxc_kv::PreparedStep;
+use maxc_runtime::sampling::Distribution;
+
+/// One sequence's share of a step.
+pub(super) struct Planned {
+    /// Its index in the scheduler's running requests.
+    pub idx: usize,
+    /// Its own tokens in the step: a prefill chunk, or the pending token of a decode.
+    pub n: usize,
+    /// Draft tokens it may propose this step.
+    pub propose: usize,
+    /// The proposals, each with the distribution the draft drew it from.
+    pub drafts: Vec<(i64, Distribution)>,
+}
+
+impl Planned {
+    /// Running request `idx` with `n` tokens of its own and room for `propose` proposals.
+    pub fn new(idx: usize, n: usize, propose: usize) -> Self {
+        Planned {
+            idx,
+            n,
+            propose,
+            drafts: Vec::new(),
+        }
+    }
+
+    /// Token rows it has in the step.
+    pub fn rows(&self) -> usize {
+        self.n + self.drafts.len()
+    }
+}
+
+/// A step that fits: its sequences in replica order and its inputs, whose pages the KV cache
+/// has allocated (the step is committed or rolled back by `update`).
+pub(super) struct StepPlan {
+    /// The sequences, in the order of the step's rows.
+    pub rows: Vec<Planned>,
+    /// The inputs and the page table's open step.
+    pub step: PreparedStep,
+    /// Time spent planning it, in milliseconds.
+    pub creation_ms: f64,
+}

@@ -1,0 +1,485 @@
+//! The scheduler against a fake executor (no artifact): a model whose next token is a
+//! function of the whole context *as read back through the KV pages* of each step. The fake
+//! writes every token row into its page slots and reads every context from them, so a page
+//! shared, evicted, freed or truncated wrongly changes the tokens that come out. Every test
+//! checks the KV cache's invariants after every step.
+
+use maxc_kv::KvCache;
+use maxc_runtime::engine::{RoleInfo, StepExecutor};
+use maxc_runtime::schema::{StepDim, StepInputs, StepLimits};
+use maxc_runtime::{Logits, Result, RuntimeError};
+use maxc_serve::metrics::Metrics;
+use maxc_serve::scheduler::{
+    Event, FinishReason, Request, Scheduler, SchedulerConfig, Speculation,
+};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+const VOCAB: usize = 61;
+const PAGE: usize = 4;
+const MAX_SEQ: usize = 64;
+
+/// The fake model's next token after `context`.
+fn next_token(context: &[i64]) -> i64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &t in context {
+        h = (h ^ t as u64).wrapping_mul(0x100_0000_01b3);
+    }
+    // Token 0 (the end of sequence) is never chosen: runs end at their length.
+    1 + (h % (VOCAB as u64 - 1)) as i64
+}
+
+/// A draft that agrees with [`next_token`] on about two contexts in three.
+fn draft_token(context: &[i64]) -> i64 {
+    let t = next_token(context);
+    if context.len().is_multiple_of(3) {
+        1 + t % (VOCAB as i64 - 1)
+    } else {
+        t
+    }
+}
+
+/// What the test sees of a fake's steps.
+#[derive(Default)]
+struct Log {
+    /// Token rows of each step.
+    rows: Vec<usize>,
+    /// Steps to fail, by step number.
+    fail: Vec<usize>,
+}
+
+/// An executor of the fake model over its own KV memory.
+struct Fake {
+    info: RoleInfo,
+    model: fn(&[i64]) -> i64,
+    /// Token at each (page, slot).
+    memory: HashMap<(i32, usize), i64>,
+    log: Arc<Mutex<Log>>,
+}
+
+impl Fake {
+    fn new(pages: usize, step_tokens: usize, batch: usize, n_logits: usize) -> Self {
+        Fake {
+            info: RoleInfo {
+                vocab_size: VOCAB,
+                max_seq_len: MAX_SEQ,
+                max_step_tokens: step_tokens,
+                max_batch_size: batch,
+                page_size: PAGE,
+                total_pages: pages,
+                pages_per_seq: MAX_SEQ / PAGE,
+                all_logits: false,
+                max_return_n_logits: n_logits,
+                eos_token_ids: vec![0],
+                tokenizer_sha256: None,
+            },
+            model: next_token,
+            memory: HashMap::new(),
+            log: Arc::default(),
+        }
+    }
+
+    fn limits(&self) -> StepLimits {
+        let mut bounds = [0u64; StepDim::COUNT];
+        let i = &self.info;
+        bounds[StepDim::TotalSeqLen as usize] = i.max_step_tokens as u64;
+        bounds[StepDim::BatchSize as usize] = i.max_batch_size as u64;
+        bounds[StepDim::MaxNumPages as usize] = i.pages_per_seq as u64;
+        bounds[StepDim::TotalNumPages as usize] = i.total_pages as u64;
+        bounds[StepDim::InputRowOffsetsLen as usize] = i.max_batch_size as u64 + 1;
+        bounds[StepDim::LogitRows as usize] = (i.max_batch_size * i.max_return_n_logits) as u64;
+        StepLimits {
+            bounds,
+            vocab_size: VOCAB as u64,
+            page_size: PAGE as u64,
+            max_seq_len: MAX_SEQ as u64,
+        }
+    }
+}
+
+impl StepExecutor for Fake {
+    fn info(&self) -> &RoleInfo {
+        &self.info
+    }
+
+    fn execute(&mut self, s: &StepInputs) -> Result<Logits> {
+        {
+            let mut log = self.log.lock().unwrap();
+            let n = log.rows.len();
+            log.rows.push(s.tokens.len());
+            if log.fail.contains(&n) {
+                return Err(RuntimeError::Input(format!("step {n} fails on purpose")));
+            }
+        }
+        s.checked_dims(&self.limits())?;
+        let n = s.return_n_logits;
+        let mut out = Logits {
+            rows: s.batch_size() * n,
+            vocab: VOCAB,
+            data: vec![0.0; s.batch_size() * n * VOCAB],
+        };
+        for b in 0..s.batch_size() {
+            let page = |pos: usize| s.kv_lookup_table[b * s.pages_per_seq + pos / PAGE];
+            let (from, to) = (
+                s.input_row_offsets[b] as usize,
+                s.input_row_offsets[b + 1] as usize,
+            );
+            let cached = s.cache_lengths[b] as usize;
+            for (j, &t) in s.tokens[from..to].iter().enumerate() {
+                let pos = cached + j;
+                self.memory.insert((page(pos), pos % PAGE), t);
+            }
+            let rows = to - from;
+            for k in 0..n.min(rows) {
+                // Row `rows - 1 - k` of this sequence fills logit row `b·n + n - 1 - k`.
+                let end = cached + rows - k;
+                let context: Vec<i64> = (0..end)
+                    .map(|pos| {
+                        self.memory
+                            .get(&(page(pos), pos % PAGE))
+                            .copied()
+                            .unwrap_or(-1)
+                    })
+                    .collect();
+                let next = (self.model)(&context) as usize;
+                let row = b * n + n - 1 - k;
+                out.data[row * VOCAB + next] = 10.0;
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The tokens the fake model gives `prompt` alone.
+fn alone(prompt: &[i64], max: usize) -> Vec<i64> {
+    let mut ctx = prompt.to_vec();
+    let mut out = Vec::new();
+    while out.len() < max && ctx.len() < MAX_SEQ {
+        let t = next_token(&ctx);
+        ctx.push(t);
+        out.push(t);
+    }
+    out
+}
+
+fn config(batch: usize, budget: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        max_batch_size: batch,
+        max_batch_input_tokens: budget,
+        data_parallel_degree: 1,
+        enable_chunked_prefill: true,
+        prefix_caching: true,
+    }
+}
+
+fn submit(s: &mut Scheduler, prompt: Vec<i64>, max: usize) -> UnboundedReceiver<Event> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    s.submit(Request::greedy(prompt, max), tx);
+    rx
+}
+
+/// The tokens and the last event of a request, and the prompt tokens it found cached.
+#[derive(Debug, Default)]
+struct Outcome {
+    tokens: Vec<i64>,
+    cached: usize,
+    end: Option<Event>,
+}
+
+fn collect(rx: &mut UnboundedReceiver<Event>, o: &mut Outcome) {
+    while let Ok(e) = rx.try_recv() {
+        match e {
+            Event::Token { id, .. } => o.tokens.push(id),
+            Event::Admitted { cached_tokens } => o.cached = cached_tokens,
+            e => o.end = Some(e),
+        }
+    }
+}
+
+/// Steps until no work is left (at most `limit` steps), checking the KV cache after each;
+/// returns the outcomes and the preemptions.
+fn drain(
+    s: &mut Scheduler,
+    rx: &mut [UnboundedReceiver<Event>],
+    limit: usize,
+) -> (Vec<Outcome>, usize) {
+    let mut out: Vec<Outcome> = rx.iter().map(|_| Outcome::default()).collect();
+    let mut preempted = 0;
+    for _ in 0..limit {
+        if !s.has_work() {
+            break;
+        }
+        preempted += s.step().preempted;
+        assert_eq!(s.kv().audit(), Ok(()));
+        if let Some(spec) = s.speculation() {
+            assert_eq!(spec.kv().audit(), Ok(()));
+        }
+        for (r, o) in rx.iter_mut().zip(&mut out) {
+            collect(r, o);
+        }
+    }
+    assert!(
+        !s.has_work(),
+        "the scheduler did not finish in {limit} steps"
+    );
+    (out, preempted)
+}
+
+fn prompts(n: usize, len: usize) -> Vec<Vec<i64>> {
+    (0..n)
+        .map(|i| {
+            (0..len + i % 5)
+                .map(|j| 1 + ((i * 7 + j * 3) % 50) as i64)
+                .collect()
+        })
+        .collect()
+}
+
+fn idle(kv: &KvCache) -> bool {
+    let p = kv.pages();
+    p.free_pages() + kv.cached_only_pages() == p.total_pages() && p.is_empty()
+}
+
+#[test]
+fn batched_requests_get_exactly_their_tokens_alone() {
+    let mut s = Scheduler::new(
+        Fake::new(128, 64, 4, 1),
+        config(4, 32),
+        Arc::new(Metrics::new()),
+    );
+    let ps = prompts(9, 6);
+    let mut rx: Vec<_> = ps.iter().map(|p| submit(&mut s, p.clone(), 12)).collect();
+    let (out, preempted) = drain(&mut s, &mut rx, 500);
+    assert_eq!(preempted, 0);
+    for (p, o) in ps.iter().zip(&out) {
+        assert_eq!(o.tokens, alone(p, 12));
+        assert!(matches!(
+            o.end,
+            Some(Event::Finished {
+                reason: FinishReason::Length,
+                ..
+            })
+        ));
+    }
+    assert!(idle(s.kv()));
+}
+
+#[test]
+fn preemption_when_pages_run_out_recomputes_and_completes_every_request() {
+    // 12 pages of 4 tokens: not enough for six requests of 10 + 20 tokens at once.
+    let mut s = Scheduler::new(
+        Fake::new(12, 64, 6, 1),
+        config(6, 64),
+        Arc::new(Metrics::new()),
+    );
+    let ps = prompts(6, 10);
+    let mut rx: Vec<_> = ps.iter().map(|p| submit(&mut s, p.clone(), 20)).collect();
+    let (out, preempted) = drain(&mut s, &mut rx, 2000);
+    assert!(preempted > 0, "a cache this small preempts");
+    for (p, o) in ps.iter().zip(&out) {
+        assert_eq!(
+            o.tokens,
+            alone(p, 20),
+            "a preempted request's tokens are unchanged"
+        );
+    }
+    assert!(idle(s.kv()));
+}
+
+#[test]
+fn a_request_no_cache_can_hold_fails_alone_and_others_go_on() {
+    // 4 pages of 4 tokens: a 20-token prompt never fits.
+    let mut s = Scheduler::new(
+        Fake::new(4, 64, 4, 1),
+        config(4, 64),
+        Arc::new(Metrics::new()),
+    );
+    let mut rx = vec![
+        submit(&mut s, vec![5; 20], 4),
+        submit(&mut s, vec![6; 3], 4),
+    ];
+    let (out, _) = drain(&mut s, &mut rx, 100);
+    assert!(
+        matches!(&out[0].end, Some(Event::Error(m)) if m.contains("cannot hold")),
+        "{out:?}"
+    );
+    assert_eq!(out[1].tokens, alone(&[6; 3], 4));
+    assert!(idle(s.kv()));
+}
+
+#[test]
+fn prefix_sharing_serves_full_pages_and_gives_the_same_tokens() {
+    let mut s = Scheduler::new(
+        Fake::new(64, 64, 4, 1),
+        config(4, 64),
+        Arc::new(Metrics::new()),
+    );
+    let shared: Vec<i64> = (1..=13).collect();
+    let mut first = vec![submit(&mut s, shared.clone(), 6)];
+    let (out, _) = drain(&mut s, &mut first, 100);
+    assert_eq!(out[0].cached, 0);
+    assert!(
+        s.cached_only_pages() > 0,
+        "the finished request's full pages stay cached"
+    );
+    // Two more with the same 13-token start, running together: both share its three pages.
+    let mut a = shared.clone();
+    a.extend([40, 41]);
+    let mut b = shared.clone();
+    b.extend([50]);
+    let mut rx = vec![submit(&mut s, a.clone(), 8), submit(&mut s, b.clone(), 8)];
+    s.step();
+    assert_eq!(s.kv().audit(), Ok(()));
+    let pages = s.kv().pages();
+    let shared_pages = (0..pages.total_pages() as u32)
+        .filter(|&p| pages.ref_count(p) == 3)
+        .count();
+    assert_eq!(
+        shared_pages, 3,
+        "three full pages held by two sequences and the cache"
+    );
+    let (out, _) = drain(&mut s, &mut rx, 100);
+    assert_eq!(out[0].cached, 12);
+    assert_eq!(out[1].cached, 12);
+    assert_eq!(out[0].tokens, alone(&a, 8));
+    assert_eq!(out[1].tokens, alone(&b, 8));
+    assert!(idle(s.kv()));
+}
+
+#[test]
+fn eviction_makes_room_for_new_requests_and_never_serves_a_reused_page() {
+    // 10 pages: each request's pages stay cached after it finishes, so later ones must evict.
+    let mut s = Scheduler::new(
+        Fake::new(10, 64, 2, 1),
+        config(2, 64),
+        Arc::new(Metrics::new()),
+    );
+    for (i, p) in prompts(12, 9).into_iter().enumerate() {
+        let mut rx = vec![submit(&mut s, p.clone(), 7)];
+        let (out, _) = drain(&mut s, &mut rx, 100);
+        assert_eq!(out[0].tokens, alone(&p, 7), "request {i}");
+        // And the same prompt again, from whatever the cache kept.
+        let mut rx = vec![submit(&mut s, p.clone(), 7)];
+        let (again, _) = drain(&mut s, &mut rx, 100);
+        assert_eq!(again[0].tokens, alone(&p, 7), "request {i} again");
+        assert!(again[0].cached > 0, "request {i} again hits the cache");
+    }
+}
+
+#[test]
+fn chunked_prefill_stays_within_the_budget_and_without_it_prompts_run_whole() {
+    for chunked in [true, false] {
+        let fake = Fake::new(128, 64, 4, 1);
+        let log = fake.log.clone();
+        let mut cfg = config(4, 8);
+        cfg.enable_chunked_prefill = chunked;
+        let mut s = Scheduler::new(fake, cfg, Arc::new(Metrics::new()));
+        let ps = [vec![3; 30], vec![4; 5], vec![5; 7]];
+        let mut rx: Vec<_> = ps.iter().map(|p| submit(&mut s, p.clone(), 5)).collect();
+        let (out, _) = drain(&mut s, &mut rx, 200);
+        for (p, o) in ps.iter().zip(&out) {
+            assert_eq!(o.tokens, alone(p, 5), "chunked {chunked}");
+        }
+        let rows = log.lock().unwrap().rows.clone();
+        if chunked {
+            assert!(
+                rows.iter().all(|&r| r <= 8),
+                "steps {rows:?} within the budget of 8"
+            );
+            assert!(rows.iter().filter(|&&r| r == 8).count() >= 3, "{rows:?}");
+        } else {
+            // Each prompt runs whole: the 30-token one alone, the 7-token one landing on a
+            // budget two decode rows have partly used (the budget is soft by one prompt).
+            assert_eq!(rows[..3], [30, 1 + 5, 2 + 7], "{rows:?}");
+            assert!(rows[3..].iter().all(|&r| r <= 3), "{rows:?}");
+        }
+    }
+}
+
+#[test]
+fn a_cancelled_request_frees_its_pages_and_the_others_finish() {
+    let mut s = Scheduler::new(
+        Fake::new(64, 64, 4, 1),
+        config(4, 64),
+        Arc::new(Metrics::new()),
+    );
+    let ps = prompts(3, 9);
+    let mut rx: Vec<_> = ps.iter().map(|p| submit(&mut s, p.clone(), 30)).collect();
+    s.step();
+    s.step();
+    let held = s.kv().pages().free_pages();
+    drop(rx.remove(1));
+    let report = s.step();
+    assert_eq!(report.finished, 1, "the cancelled request ends");
+    assert_eq!(s.running(), 2);
+    assert!(s.kv().pages().free_pages() + s.cached_only_pages() > held);
+    let (out, _) = drain(&mut s, &mut rx, 200);
+    assert_eq!(out[0].tokens, alone(&ps[0], 30));
+    assert_eq!(out[1].tokens, alone(&ps[2], 30));
+    assert!(idle(s.kv()));
+}
+
+#[test]
+fn a_failed_step_fails_its_requests_and_rolls_its_pages_back() {
+    let fake = Fake::new(64, 64, 4, 1);
+    fake.log.lock().unwrap().fail = vec![3];
+    let mut s = Scheduler::new(fake, config(4, 64), Arc::new(Metrics::new()));
+    let ps = prompts(2, 6);
+    let mut rx: Vec<_> = ps.iter().map(|p| submit(&mut s, p.clone(), 8)).collect();
+    let (out, _) = drain(&mut s, &mut rx, 50);
+    for o in &out {
+        assert!(
+            matches!(&o.end, Some(Event::Error(m)) if m.contains("on purpose")),
+            "{o:?}"
+        );
+    }
+    assert!(idle(s.kv()));
+    // The scheduler goes on serving.
+    let mut rx = vec![submit(&mut s, ps[0].clone(), 8)];
+    let (out, _) = drain(&mut s, &mut rx, 50);
+    assert_eq!(out[0].tokens, alone(&ps[0], 8));
+}
+
+#[test]
+fn speculative_acceptance_gives_exactly_the_plain_tokens() {
+    // The decoder verifies up to three draft tokens per step.
+    let decoder = Fake::new(64, 64, 4, 4);
+    let mut draft = Fake::new(64, 64, 4, 1);
+    draft.model = draft_token;
+    let spec = Speculation::new(decoder.info(), draft, Some(3)).unwrap();
+    let decoder_log = decoder.log.clone();
+    let mut s =
+        Scheduler::new(decoder, config(4, 64), Arc::new(Metrics::new())).with_speculation(spec);
+    let ps = prompts(4, 7);
+    let mut rx: Vec<_> = ps.iter().map(|p| submit(&mut s, p.clone(), 24)).collect();
+    let (out, _) = drain(&mut s, &mut rx, 300);
+    for (p, o) in ps.iter().zip(&out) {
+        assert_eq!(o.tokens, alone(p, 24));
+    }
+    let st = s.speculation().unwrap().stats();
+    let proposed: u64 = st.positions.iter().map(|p| p.0).sum();
+    assert!(st.accepted > 0 && st.accepted < proposed, "{st:?}");
+    // Fewer decoder steps than tokens: accepted drafts saved steps.
+    let steps = decoder_log.lock().unwrap().rows.len();
+    assert!(steps < 4 * 24, "{steps} decoder steps");
+    assert!(idle(s.kv()));
+    assert!(s.speculation().unwrap().kv().pages().is_empty());
+}
+
+#[test]
+fn a_small_cache_with_speculation_preempts_and_still_gives_the_plain_tokens() {
+    let decoder = Fake::new(14, 64, 4, 3);
+    let mut draft = Fake::new(64, 64, 4, 1);
+    draft.model = draft_token;
+    let spec = Speculation::new(decoder.info(), draft, None).unwrap();
+    let mut s =
+        Scheduler::new(decoder, config(4, 64), Arc::new(Metrics::new())).with_speculation(spec);
+    let ps = prompts(5, 8);
+    let mut rx: Vec<_> = ps.iter().map(|p| submit(&mut s, p.clone(), 20)).collect();
+    let (out, preempted) = drain(&mut s, &mut rx, 2000);
+    assert!(preempted > 0);
+    for (p, o) in ps.iter().zip(&out) {
+        assert_eq!(o.tokens, alone(p, 20));
+    }
+}
