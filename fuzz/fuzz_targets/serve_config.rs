@@ -7,8 +7,8 @@ fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
-    let _ = maxc_runtime::config::parse(text, None);
-    if let Err(e) = maxc_runtime::config::parse(text, Some("serve")) {
+    let _ = maxc_serve::config::parse(text, None);
+    if let Err(e) = maxc_serve::config::parse(text, Some("serve")) {
         assert!(!e.is_empty());
     }
 });

@@ -2,7 +2,7 @@
 //! vocabulary, as the server streams text.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use maxc_runtime::tokenizer::Tokenizer;
+use maxc_serve::tokenizer::Tokenizer;
 use std::sync::OnceLock;
 
 fn tokenizer() -> &'static Tokenizer {
