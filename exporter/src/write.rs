@@ -2,10 +2,11 @@
 
 use crate::cuda;
 use maxc_graph::pipeline::{load_model, read_tokenizer, LoadOptions, WeightFormat};
-use maxc_graph::weights::{write_safetensors_to, StateDict};
+use maxc_graph::weights::{safetensors_data_offsets, write_safetensors_to, StateDict};
 use maxc_graph::{ModuleRuntime, Registry};
 use maxc_lowering::cpu::compile_kernel;
-use maxc_lowering::{lower_graph, LowerOptions};
+use maxc_lowering::passes::PassReport;
+use maxc_lowering::{lower_graph, LowerOptions, Lowered};
 use maxc_schema::sha256_hex;
 use maxc_schema::{
     bincode_config, CpuModule, CpuTarget, FileEntry, KernelBody, Manifest, RoleEntry,
@@ -83,6 +84,9 @@ pub struct CompileOptions {
     pub cpu: bool,
     /// Generate CUDA code for this SM (`sm_90`); needs NVRTC.
     pub cuda_arch: Option<String>,
+    /// Stop each role's fusion passes after this many rewrites (`None`: run them all), to
+    /// bisect a wrong lowering to one rewrite.
+    pub stop_after_rewrites: Option<usize>,
 }
 
 /// What a compile produced.
@@ -92,6 +96,8 @@ pub struct CompileSummary {
     pub dir: PathBuf,
     /// Kernels per role.
     pub kernels: BTreeMap<String, usize>,
+    /// The fusion passes' rewrites per role.
+    pub passes: BTreeMap<String, PassReport>,
     /// Total bytes written.
     pub bytes: u64,
 }
@@ -131,6 +137,8 @@ pub fn compile(
     let mut roles = BTreeMap::new();
     let mut weights = StateDict::new();
     let mut kernels = BTreeMap::new();
+    let mut programs = BTreeMap::new();
+    let mut reports = BTreeMap::new();
     for (role, rg) in &loaded.roles {
         let dims = opts
             .runtime
@@ -139,8 +147,10 @@ pub fn compile(
         let lower = LowerOptions {
             bounds: dims.clone(),
             max_seq_len: opts.runtime.batch.max_seq_len,
+            stop_after_rewrites: opts.stop_after_rewrites,
         };
-        let program = lower_graph(&rg.graph, &lower)?;
+        let Lowered { program, passes } = lower_graph(&rg.graph, &lower)?;
+        reports.insert(role.to_string(), passes);
         let program_file = format!("{role}/program.bin");
         files.insert(program_file.clone(), encode(&program)?);
         let cpu_code = match opts.cpu {
@@ -182,10 +192,12 @@ pub fn compile(
             },
         );
         kernels.insert(role.to_string(), program.kernels.len());
+        programs.insert(role.to_string(), program);
         for (key, w) in rg.weights.iter() {
             weights.insert(format!("{role}/{key}"), w.clone());
         }
     }
+    validate_programs(&programs, &roles, &weights, opts)?;
 
     let parent = out
         .parent()
@@ -243,8 +255,52 @@ pub fn compile(
     Ok(CompileSummary {
         dir: out.to_path_buf(),
         kernels,
+        passes: reports,
         bytes,
     })
+}
+
+/// Runs the runtime's own check ([`maxc_schema::Program::validate`]) on every role's program
+/// against the manifest entries and weights layout about to be written, so that a wrong
+/// lowering fails the compile instead of the load.
+fn validate_programs(
+    programs: &BTreeMap<String, maxc_schema::Program>,
+    roles: &BTreeMap<String, RoleEntry>,
+    weights: &StateDict,
+    opts: &CompileOptions,
+) -> Result<(), ExportError> {
+    let offsets = safetensors_data_offsets(weights, None)
+        .map_err(|e| ExportError::Other(format!("{WEIGHTS_FILE}: {e}")))?;
+    let infos: BTreeMap<String, maxc_schema::WeightInfo> = weights
+        .iter()
+        .map(|(k, t)| {
+            let info = maxc_schema::WeightInfo {
+                dtype: t.dtype,
+                elements: t.shape.iter().product::<usize>() as u64,
+                offset: offsets.get(k).copied().unwrap_or(0),
+            };
+            (k.clone(), info)
+        })
+        .collect();
+    for (role, program) in programs {
+        let Some(entry) = roles.get(role) else {
+            continue;
+        };
+        let env = maxc_schema::ProgramEnv {
+            dims: &entry.dims,
+            max_seq_len: opts.runtime.batch.max_seq_len as u64,
+            page_size: opts.runtime.kv.page_size as u64,
+            arena_bytes: entry.arena_bytes,
+            weights: &infos,
+        };
+        program.validate(&env).map_err(|e| {
+            ExportError::Other(format!(
+                "role {role}: the lowered program fails the runtime's validation ({e}); \
+                 nothing was written. This is a compiler bug: please report it with the model"
+            ))
+        })?;
+    }
+    Ok(())
 }
 
 /// Removes what earlier, interrupted compiles to the same destination left behind.

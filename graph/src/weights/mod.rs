@@ -6,7 +6,8 @@ pub mod quantize;
 mod safetensors_io;
 
 pub use safetensors_io::{
-    load_checkpoint_weights, read_safetensors_file, write_safetensors, write_safetensors_to,
+    load_checkpoint_weights, read_safetensors_file, safetensors_data_offsets, write_safetensors,
+    write_safetensors_to,
 };
 
 use crate::{DType, Error, Result};

@@ -133,15 +133,19 @@ pub fn write_safetensors(
         .map_err(|e| Error::checkpoint(path, format!("could not write safetensors: {e}")))
 }
 
-/// Streams `tensors` as a safetensors file into `out` (the bytes `safetensors::serialize`
-/// gives: tensors ordered by descending dtype, then key; the header built by the crate's
-/// `Metadata` and padded to 8 bytes), one tensor at a time, so a caller can hash while
-/// writing and nothing is held twice. Returns the bytes written.
-pub fn write_safetensors_to(
-    out: &mut impl std::io::Write,
+/// The layout of a safetensors file of `tensors` (the bytes `safetensors::serialize` gives:
+/// tensors ordered by descending dtype, then key; the header built by the crate's `Metadata`
+/// and padded to 8 bytes): the tensors in file order and the header's bytes.
+struct Layout<'a> {
+    order: Vec<(&'a String, &'a WeightTensor)>,
+    header: Vec<u8>,
+    data_bytes: u64,
+}
+
+fn layout(
     tensors: &StateDict,
     metadata: Option<BTreeMap<String, String>>,
-) -> std::result::Result<u64, String> {
+) -> std::result::Result<Layout<'_>, String> {
     use safetensors::tensor::{Metadata, TensorInfo};
     let mut order: Vec<(&String, &WeightTensor)> = tensors.iter().collect();
     order.sort_by(|(a, x), (b, y)| {
@@ -178,14 +182,46 @@ pub fn write_safetensors_to(
         .map_err(|e| e.to_string())?
         .into_bytes();
     header.resize(header.len().next_multiple_of(8), b' ');
+    Ok(Layout {
+        order,
+        header,
+        data_bytes: offset as u64,
+    })
+}
+
+/// Where each tensor's data starts in the safetensors file [`write_safetensors_to`] writes of
+/// `tensors`, in bytes from the file's start.
+pub fn safetensors_data_offsets(
+    tensors: &StateDict,
+    metadata: Option<BTreeMap<String, String>>,
+) -> std::result::Result<BTreeMap<String, u64>, String> {
+    let l = layout(tensors, metadata)?;
+    let mut at = 8 + l.header.len() as u64;
+    let mut out = BTreeMap::new();
+    for (key, t) in &l.order {
+        out.insert(key.to_string(), at);
+        at += t.byte_len() as u64;
+    }
+    Ok(out)
+}
+
+/// Streams `tensors` as a safetensors file into `out` (the bytes `safetensors::serialize`
+/// gives), one tensor at a time, so a caller can hash while writing and nothing is held twice.
+/// Returns the bytes written.
+pub fn write_safetensors_to(
+    out: &mut impl std::io::Write,
+    tensors: &StateDict,
+    metadata: Option<BTreeMap<String, String>>,
+) -> std::result::Result<u64, String> {
+    let l = layout(tensors, metadata)?;
     let io = |e: std::io::Error| e.to_string();
-    out.write_all(&(header.len() as u64).to_le_bytes())
+    out.write_all(&(l.header.len() as u64).to_le_bytes())
         .map_err(io)?;
-    out.write_all(&header).map_err(io)?;
-    for (key, t) in &order {
+    out.write_all(&l.header).map_err(io)?;
+    for (key, t) in &l.order {
         t.write_to(out).map_err(|e| format!("`{key}`: {e}"))?;
     }
-    Ok(8 + header.len() as u64 + offset as u64)
+    Ok(8 + l.header.len() as u64 + l.data_bytes)
 }
 
 #[cfg(test)]
@@ -212,6 +248,7 @@ mod tests {
         for metadata in [None, Some(meta)] {
             let mut ours = Vec::new();
             let n = write_safetensors_to(&mut ours, &sd, metadata.clone()).unwrap();
+            let offsets = safetensors_data_offsets(&sd, metadata.clone()).unwrap();
             let views: Vec<(&String, safetensors::tensor::TensorView)> = sd
                 .iter()
                 .map(|(k, t)| {
@@ -227,6 +264,12 @@ mod tests {
                 safetensors::serialize(views, metadata.map(|m| m.into_iter().collect())).unwrap();
             assert_eq!(ours, theirs);
             assert_eq!(n as usize, ours.len());
+            let parsed = safetensors::SafeTensors::deserialize(&ours).unwrap();
+            for (key, view) in parsed.tensors() {
+                let at = view.data().as_ptr() as usize - ours.as_ptr() as usize;
+                assert_eq!(offsets[&key], at as u64, "{key}");
+            }
+            assert_eq!(offsets.len(), sd.len());
         }
     }
 
