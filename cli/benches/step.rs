@@ -204,6 +204,7 @@ fn main() {
             force: true,
             cpu: true,
             cuda_arch: cuda_bench().then(|| "sm_90".to_string()),
+            stop_after_rewrites: None,
         };
         compile(&model, &out, &opts, &mut |_| {}).expect("compile");
         artifacts.push((label, out));
@@ -292,6 +293,7 @@ fn smollm2_bench(tmp: &Path) {
             force: true,
             cpu: true,
             cuda_arch: None,
+            stop_after_rewrites: None,
         };
         compile(&gguf, &dir, &opts, &mut |_| {}).expect("compile SmolLM2");
         let mut engine = RuntimeSession::open(&dir, "decoder").expect("artifact");

@@ -208,6 +208,7 @@ fn artifact_dir_at(model: &str, dtype: DType, all_logits: bool, degree: usize) -
             force: false,
             cpu: true,
             cuda_arch: cuda.then(|| "sm_90".to_string()),
+            stop_after_rewrites: None,
         };
         compile(&fixtures().join(model), &out, &opts, &mut |_| {}).expect("compiles");
     }
@@ -555,5 +556,45 @@ fn the_ep_init_program_matches_the_interpreter_on_every_rank() {
             e.contains(&format!("expert-parallel degree {degree}")) && e.contains("--device cpu"),
             "{e}"
         );
+    }
+}
+
+/// Every stopping point of the fusion passes (`maxc compile --stop-after-rewrites N`) lowers to
+/// a program that still gives the fixture's logits, from none of the rewrites to all of them,
+/// so that a wrong lowering bisects to the rewrite that broke it.
+#[test]
+fn every_stopping_point_of_the_fusion_passes_gives_the_fixtures_logits() {
+    let case = Case::new("tiny-qwen2", GraphRole::Decoder, "");
+    let root = tempfile::tempdir().unwrap();
+    // tiny-qwen2 has 12 bias fusions, then elementwise and residual fusions: stop before any,
+    // inside the first pass, at its end, inside the second pass and after the last.
+    for n in [0usize, 5, 12, 15, usize::MAX] {
+        let out = root.path().join(format!("stop-{n}.maxc"));
+        let opts = CompileOptions {
+            runtime: runtime(),
+            weights: DType::F32.into(),
+            all_logits: true,
+            cpu_matmul: CpuMatmul::Auto,
+            force: false,
+            cpu: true,
+            cuda_arch: None,
+            stop_after_rewrites: (n != usize::MAX).then_some(n),
+        };
+        let summary =
+            compile(&fixtures().join(case.model), &out, &opts, &mut |_| {}).expect("compiles");
+        let passes = &summary.passes["decoder"];
+        assert_eq!(passes.total(), n.min(passes.total()), "stop after {n}");
+        let mut b = Compiled {
+            engine: RuntimeSession::open(&out, "decoder").expect("artifact opens"),
+            seqs: vec![],
+        };
+        for i in case.prompts() {
+            b.reset();
+            let tokens = case.i64s(&format!("p{i}.tokens"));
+            let got = b.step(&[(i as u64, &tokens)]);
+            let want = case.f32s(&format!("p{i}.logits"));
+            let d = max_diff(&got, 0..tokens.len(), &want, 0, 1024);
+            assert!(d < TOL, "stop after {n}, prompt {i}: max |logit diff| {d}");
+        }
     }
 }

@@ -66,6 +66,7 @@ fn check_with(
         force: false,
         cpu: true,
         cuda_arch: None,
+        stop_after_rewrites: None,
     };
     compile(&dir, &out, &opts, &mut |_| {}).expect("compiles");
     let load = LoadOptions {

@@ -74,6 +74,7 @@ fn compiled(weights: WeightFormat) -> (tempfile::TempDir, PathBuf) {
             force: false,
             cpu: true,
             cuda_arch: None,
+            stop_after_rewrites: None,
         };
         compile(&gguf(), &out, &opts, &mut |_| {}).expect("SmolLM2 compiles");
         (tmp, out)

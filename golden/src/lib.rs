@@ -80,6 +80,7 @@ pub fn cases() -> Vec<Case> {
                     force: true,
                     cpu: true,
                     cuda_arch: None,
+                    stop_after_rewrites: None,
                 },
             });
         }
@@ -96,6 +97,7 @@ pub fn cases() -> Vec<Case> {
                 force: true,
                 cpu: false,
                 cuda_arch: Some("sm_90".into()),
+                stop_after_rewrites: None,
             },
         });
     }
@@ -117,6 +119,7 @@ pub fn cases() -> Vec<Case> {
                 force: true,
                 cpu: !cuda,
                 cuda_arch: cuda.then(|| "sm_90".into()),
+                stop_after_rewrites: None,
             },
         });
     }

@@ -10,4 +10,4 @@ pub mod program;
 pub mod select;
 
 pub use error::{LowerError, Result};
-pub use program::{lower_graph, LowerOptions};
+pub use program::{lower_graph, LowerOptions, Lowered};

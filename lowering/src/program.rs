@@ -3,7 +3,7 @@
 
 use crate::error::{LowerError, Result};
 use crate::kgraph::{KGraph, ValueKind};
-use crate::passes::{default_passes, plan_memory, run_passes};
+use crate::passes::{default_passes, plan_memory, run_passes, PassReport};
 use crate::select::select_kernels;
 use maxc_graph::Graph;
 use maxc_schema::{Buffer, Extent, Kernel, Launch, Program, StepDim, Storage};
@@ -16,12 +16,24 @@ pub struct LowerOptions {
     pub bounds: BTreeMap<String, usize>,
     /// Longest context: the rows of rotary tables.
     pub max_seq_len: usize,
+    /// Make no more than this many fusion rewrites (`None`: all of them), to bisect a wrong
+    /// lowering to the rewrite that broke it.
+    pub stop_after_rewrites: Option<usize>,
+}
+
+/// A role's lowered program and what the fusion passes did to it.
+#[derive(Clone, Debug)]
+pub struct Lowered {
+    /// The program.
+    pub program: Program,
+    /// The rewrites each pass made.
+    pub passes: PassReport,
 }
 
 /// Lowers `graph` to a program. Weight keys in the program are `{role}/{parameter}`.
-pub fn lower_graph(graph: &Graph, opts: &LowerOptions) -> Result<Program> {
+pub fn lower_graph(graph: &Graph, opts: &LowerOptions) -> Result<Lowered> {
     let mut k = select_kernels(graph, &format!("{}/", graph.role))?;
-    run_passes(&mut k, &default_passes())?;
+    let passes = run_passes(&mut k, &default_passes(), opts.stop_after_rewrites)?;
     let mut bounds = BTreeMap::new();
     for d in StepDim::ALL {
         if let Some(&b) = opts.bounds.get(d.name()) {
@@ -29,7 +41,8 @@ pub fn lower_graph(graph: &Graph, opts: &LowerOptions) -> Result<Program> {
         }
     }
     let plan = plan_memory(&k, &bounds)?;
-    emit(&k, &plan.offsets, plan.arena_bytes, opts.max_seq_len)
+    let program = emit(&k, &plan.offsets, plan.arena_bytes, opts.max_seq_len)?;
+    Ok(Lowered { program, passes })
 }
 
 fn emit(

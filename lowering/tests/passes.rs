@@ -43,7 +43,7 @@ fn fused(model: &str) -> (KGraph, KGraph) {
     let (g, _) = graph(model);
     let before = select_kernels(&g, "decoder/").unwrap();
     let mut after = before.clone();
-    run_passes(&mut after, &default_passes()).unwrap();
+    run_passes(&mut after, &default_passes(), None).unwrap();
     (before, after)
 }
 
@@ -74,6 +74,53 @@ fn llama_fusion_merges_swiglu_and_residual_adds_into_norms() {
 }
 
 #[test]
+fn the_pass_runner_counts_rewrites_and_stops_after_n() {
+    let (g, _) = graph("tiny-qwen2");
+    let before = select_kernels(&g, "decoder/").unwrap();
+    let mut all = before.clone();
+    let full = run_passes(&mut all, &default_passes(), None).unwrap();
+    // Every fusion rewrite replaces two kernels by one.
+    assert_eq!(full.total(), before.nodes.len() - all.nodes.len());
+    assert!(!full.stopped);
+    let names: Vec<&str> = full.rewrites.iter().map(|(p, _)| *p).collect();
+    assert_eq!(
+        names,
+        [
+            "fuse_matmul_bias",
+            "fuse_elementwise",
+            "fuse_residual_rms_norm"
+        ]
+    );
+    assert_eq!(full.rewrites[0].1, 3 * 4, "q, k and v biases in 4 layers");
+    for n in [
+        0,
+        1,
+        12,
+        13,
+        full.total() - 1,
+        full.total(),
+        full.total() + 5,
+    ] {
+        let mut k = before.clone();
+        let r = run_passes(&mut k, &default_passes(), Some(n)).unwrap();
+        let made = n.min(full.total());
+        assert_eq!(r.total(), made, "stop after {n}");
+        assert_eq!(k.nodes.len(), before.nodes.len() - made, "stop after {n}");
+        assert_eq!(r.stopped, n <= full.total(), "stop after {n}");
+        // The first rewrites are the pipeline's own, in order: a prefix of the full run.
+        let mut left = made;
+        for ((pass, got), (fpass, fmade)) in r.rewrites.iter().zip(&full.rewrites) {
+            assert_eq!(pass, fpass);
+            assert_eq!(*got, left.min(*fmade), "{pass} after {n}");
+            left -= got;
+        }
+    }
+    let mut k = before.clone();
+    run_passes(&mut k, &default_passes(), Some(0)).unwrap();
+    assert_eq!(kinds(&k), kinds(&before), "0 rewrites leaves the selection");
+}
+
+#[test]
 fn qwen2_biases_fuse_into_their_matmuls() {
     let (before, after) = fused("tiny-qwen2");
     assert_eq!(kinds(&before).get("matmul+bias"), None);
@@ -86,7 +133,7 @@ fn the_memory_plan_never_overlaps_live_values() {
     for model in ["tiny-llama", "tiny-mixtral"] {
         let (g, rt) = graph(model);
         let mut k = select_kernels(&g, "decoder/").unwrap();
-        run_passes(&mut k, &default_passes()).unwrap();
+        run_passes(&mut k, &default_passes(), None).unwrap();
         let dims = rt
             .max_dims(g.step_dims().iter().map(String::as_str))
             .unwrap();
@@ -158,9 +205,11 @@ fn programs_dedupe_kernels_and_reference_weights_by_role_key() {
         &LowerOptions {
             bounds: dims,
             max_seq_len: 256,
+            stop_after_rewrites: None,
         },
     )
-    .unwrap();
+    .unwrap()
+    .program;
     assert_eq!(p.launches.len(), 61);
     // Layers share their kernels: attention and KV store read a per-layer view of the cache.
     assert_eq!(

@@ -38,6 +38,10 @@ pub struct Args {
     /// to 16 rows, the library otherwise), `library` or `generated` (Cranelift, attention too).
     #[arg(long, default_value = "auto", value_parser = ["auto", "library", "generated"])]
     pub cpu_matmul: String,
+    /// Make no more than N fusion rewrites in each role (0: the kernels as selected, unfused), to
+    /// bisect a wrong lowering: the smallest N whose artifact is wrong names the rewrite.
+    #[arg(long, value_name = "N")]
+    pub stop_after_rewrites: Option<usize>,
     /// Replace an existing artifact.
     #[arg(long)]
     pub force: bool,
@@ -61,6 +65,7 @@ pub fn run(args: Args) -> Result<()> {
         force: args.force,
         cpu: args.target != "cuda",
         cuda_arch: (args.target != "cpu").then(|| args.cuda_arch.clone()),
+        stop_after_rewrites: args.stop_after_rewrites,
     };
     let start = Instant::now();
     let quiet = args.quiet;
@@ -74,7 +79,26 @@ pub fn run(args: Args) -> Result<()> {
         let kernels: Vec<String> = summary
             .kernels
             .iter()
-            .map(|(r, n)| format!("{r}: {n} kernels"))
+            .map(|(r, n)| {
+                let Some(passes) = summary.passes.get(r) else {
+                    return format!("{r}: {n} kernels");
+                };
+                let detail: Vec<String> = passes
+                    .rewrites
+                    .iter()
+                    .map(|(pass, n)| format!("{pass} {n}"))
+                    .collect();
+                let stopped = if passes.stopped {
+                    ", stopped there"
+                } else {
+                    ""
+                };
+                format!(
+                    "{r}: {n} kernels, {} rewrites ({}){stopped}",
+                    passes.total(),
+                    detail.join(", ")
+                )
+            })
             .collect();
         eprintln!(
             "compiled {} ({}) in {:.2}s",
