@@ -1,10 +1,11 @@
 //! Matrix multiplication by a transposed weight, `out = x · wᵀ (+ bias)`: a shared-memory tiled
 //! f32 kernel, or the tensor-core kernel of [`super::mma`] for bf16/f16 weights on sm_80+.
 
+use super::matmul_shape::Shape;
 use super::mma;
-use super::source::{self, fill, rows_expr, ull, Buf, Ctx};
+use super::source::{self, fill, rows_expr, ull, Ctx};
 use super::{CudaError, CudaTarget, Emitted};
-use maxc_schema::{CudaLaunch, DType, GridExtent, Rows};
+use maxc_schema::{CudaLaunch, DType, Rows};
 
 /// Output tile (rows × columns) of one block of the f32 kernel.
 const TILE: u64 = 64;
@@ -12,53 +13,6 @@ const TILE: u64 = 64;
 const TILE_K: u64 = 16;
 /// Threads of the f32 kernel: 16 × 16, each computing 4 × 4 outputs.
 const THREADS: u32 = 256;
-
-/// The checked shape of a matmul kernel.
-pub(crate) struct Shape {
-    /// Rows of `x`.
-    pub rows: Rows,
-    /// Output features.
-    pub n: u64,
-    /// Input features.
-    pub k: u64,
-    /// C type of `w` and `bias`.
-    pub w_ty: &'static str,
-    /// Whether a bias follows `w`.
-    pub bias: bool,
-}
-
-impl Shape {
-    /// The kernel's buffers: `x`, `w`, optionally `bias`, `out`.
-    pub fn bufs(&self) -> Vec<Buf> {
-        let mut bufs = vec![Buf::input("float", "x"), Buf::input(self.w_ty, "w")];
-        if self.bias {
-            bufs.push(Buf::input(self.w_ty, "bias"));
-        }
-        bufs.push(Buf::output("float", "out"));
-        bufs
-    }
-
-    /// The C expression added to an output in column `col`.
-    pub fn bias_expr(&self, col: &str) -> String {
-        if self.bias {
-            format!("maxc_ld(bias, {col})")
-        } else {
-            "0.0f".to_string()
-        }
-    }
-
-    /// A grid of `tile_n`-column tiles in x and `tile_rows`-row tiles in y.
-    pub fn grid(&self, tile_n: u64, tile_rows: u64) -> [GridExtent; 3] {
-        [
-            GridExtent::Fixed(self.n.div_ceil(tile_n)),
-            GridExtent::CeilDiv {
-                rows: self.rows,
-                by: tile_rows,
-            },
-            GridExtent::Fixed(1),
-        ]
-    }
-}
 
 /// Emits [`maxc_schema::KernelBody::Matmul`]: the tensor-core kernel for bf16/f16
 /// weights when the target has `mma.sync` (sm_80+), the tiled f32 kernel otherwise.

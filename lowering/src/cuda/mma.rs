@@ -1,7 +1,7 @@
 //! The tensor-core matmul for bf16/f16 weights (sm_80+): `mma.sync.aligned.m16n8k16` with f32
 //! accumulators; the f32 activations are rounded to the weight type as they enter the tile.
 
-use super::matmul::Shape;
+use super::matmul_shape::Shape;
 use super::source::{self, fill, rows_expr, ull, Ctx};
 use super::Emitted;
 use maxc_schema::CudaLaunch;

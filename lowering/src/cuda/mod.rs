@@ -16,6 +16,7 @@ mod error;
 mod gather;
 mod init;
 mod matmul;
+mod matmul_shape;
 mod mma;
 mod moe;
 mod norm;

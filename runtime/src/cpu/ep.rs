@@ -18,12 +18,15 @@
 //! expert order (the same sums in the same order as one rank). A count above
 //! `max_tokens_per_rank` fails the step before anything is written past a buffer.
 
-use super::executor::CpuExecutor;
 use crate::artifact::Artifact;
 use crate::error::{Result, RuntimeError};
 use crate::schema::ep_init as names;
 use std::collections::BTreeMap;
 use std::sync::Arc;
+
+/// The `ep_init` program's outputs: name to (address, bytes) in the memory of the executor
+/// that ran it.
+pub type InitOutputs = BTreeMap<String, (*mut u8, usize)>;
 
 /// The deployment the artifact records (`ep.degree`, `ep.max_tokens_per_rank`, ...).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -92,7 +95,7 @@ pub enum Group {
 #[allow(dead_code)] // each variant is held for the memory it owns, never read
 enum Memory {
     /// The arena of the executor that ran the `ep_init` program for this rank.
-    Program(Box<CpuExecutor>),
+    Program(Box<dyn std::any::Any + Send>),
     /// Host memory of the same layout (unit tests of the exchange without an artifact).
     #[cfg(test)]
     Host(Vec<Vec<u32>>),
@@ -173,7 +176,7 @@ impl RankState {
         plan: &EpPlan,
         rank: usize,
         memory: Memory,
-        outs: &BTreeMap<String, (*mut u8, usize)>,
+        outs: &InitOutputs,
     ) -> Result<Self> {
         let (d, width, recv) = (plan.degree, plan.slot_floats(), plan.max_tokens_per_rank);
         let mut bufs = [(std::ptr::null_mut(), 0); 7];
@@ -291,9 +294,14 @@ pub struct InProcessExchange {
 }
 
 impl InProcessExchange {
-    /// The exchange of `artifact`: runs its `ep_init` program once per rank (the rank's
-    /// index as `ep_rank`) and keeps each run's outputs as that rank's state.
-    pub fn from_artifact(artifact: &Arc<Artifact>, plan: EpPlan) -> Result<Self> {
+    /// The exchange of `artifact`: `run_init(r)` runs its `ep_init` program once for rank `r`
+    /// (the rank's index as `ep_rank`) and returns the executor that ran it (whose memory the
+    /// outputs live in) with its outputs, which become that rank's state.
+    pub fn from_artifact(
+        artifact: &Arc<Artifact>,
+        plan: EpPlan,
+        run_init: &mut dyn FnMut(usize) -> Result<(Box<dyn std::any::Any + Send>, InitOutputs)>,
+    ) -> Result<Self> {
         if !artifact.programs.contains_key(names::ROLE) {
             return Err(RuntimeError::artifact(
                 &artifact.dir,
@@ -306,9 +314,8 @@ impl InProcessExchange {
         }
         let mut ranks = Vec::with_capacity(plan.degree);
         for r in 0..plan.degree {
-            let mut exec = Box::new(CpuExecutor::new(artifact.clone(), names::ROLE)?);
-            let outs = exec.run_once(&[(names::RANK_INPUT, vec![r as i32])])?;
-            let state = RankState::new(&plan, r, Memory::Program(exec), &outs)?;
+            let (memory, outs) = run_init(r)?;
+            let state = RankState::new(&plan, r, Memory::Program(memory), &outs)?;
             ranks.push(state);
         }
         for rank in &mut ranks {

@@ -14,6 +14,7 @@ use crate::schema::{
 use half::{bf16, f16};
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use crate::schema::ep_init;
 
 /// f32 storage aligned to 64 bytes.
 struct Aligned {
@@ -324,7 +325,11 @@ impl CpuExecutor {
             .any(|k| matches!(k.body, KernelBody::MoeExperts { .. }));
         let ep = match super::ep::EpPlan::from_records(&artifact.manifest.export_records)? {
             Some(plan) if has_moe => {
-                let ex = super::ep::InProcessExchange::from_artifact(&artifact, plan)?;
+                let ex = super::ep::InProcessExchange::from_artifact(&artifact, plan, &mut |r| {
+                    let mut exec = Box::new(CpuExecutor::new(artifact.clone(), ep_init::ROLE)?);
+                    let outs = exec.run_once(&[(ep_init::RANK_INPUT, vec![r as i32])])?;
+                    Ok((exec as Box<dyn std::any::Any + Send>, outs))
+                })?;
                 Some(std::sync::Mutex::new(
                     Box::new(ex) as Box<dyn super::ep::Exchange>
                 ))
