@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The contract between compiler and runtime, and the runtime's layers, as dependency trees
-# (DESIGN.md): serve -> runtime -> kv -> schema, each arrow one way.
+# (DESIGN.md): serve -> runtime -> {kernels, kv} -> schema, each arrow one way.
 # - schema (the contract) pulls no other maxc crate and nothing that runs, serves or renders;
 # - kv (the page table and prefix cache) pulls schema alone of maxc, and no async or HTTP stack;
+# - kernels (the CPU library kernels) pulls schema alone of maxc, no async, HTTP, tokenizer,
+#   driver or artifact-reading stack;
 # - the runtime (artifact, executors, engine) pulls no HTTP, metrics, tracing-export, tokenizer,
 #   template or scheduler crate;
 # - serve pulls no compiler crate;
@@ -16,6 +18,15 @@ fail=0
 # dependencies only (tests may use anything).
 crates() { cargo tree --locked -e normal --prefix none "$@" | sed 's/ v[0-9].*//' | sort -u; }
 features_of() { cargo tree --locked -e normal,features --prefix none -i "$@" 2>/dev/null | sed -n 's/^[^ ]* feature "\([^"]*\)".*/\1/p' | sort -u; }
+need() { # $1: what, $2: list, rest: required names (the arrows that must exist)
+  local what=$1 list=$2; shift 2
+  for c in "$@"; do
+    if ! grep -qx "$c" <<<"$list"; then
+      echo "check-deps: $what does not depend on $c" >&2
+      fail=1
+    fi
+  done
+}
 refuse() { # $1: what, $2: list, rest: forbidden names
   local what=$1 list=$2; shift 2
   for c in "$@"; do
@@ -31,15 +42,22 @@ serving="axum hyper hyper-util http-body-util prometheus-client opentelemetry op
 
 # shellcheck disable=SC2086
 refuse "maxc-schema (the contract)" "$(crates -p maxc-schema)" \
-  maxc-kv maxc-runtime maxc-serve $compiler $serving tokio cudarc gemm memmap2
+  maxc-kv maxc-kernels maxc-runtime maxc-serve $compiler $serving tokio cudarc gemm memmap2
 # shellcheck disable=SC2086
 refuse "maxc-kv (KV bookkeeping)" "$(crates -p maxc-kv)" \
-  maxc-runtime maxc-serve $compiler $serving tokio cudarc gemm
+  maxc-kernels maxc-runtime maxc-serve $compiler $serving tokio cudarc gemm
+need "maxc-kv (KV bookkeeping)" "$(crates -p maxc-kv)" maxc-schema
+# shellcheck disable=SC2086
+refuse "maxc-kernels (CPU kernels)" "$(crates -p maxc-kernels)" \
+  maxc-kv maxc-runtime maxc-serve $compiler $serving tokio cudarc memmap2 libloading
+need "maxc-kernels (CPU kernels)" "$(crates -p maxc-kernels)" maxc-schema
 # shellcheck disable=SC2086
 refuse "maxc-runtime (executors, engine)" "$(crates -p maxc-runtime)" \
   maxc-serve $compiler $serving tokio
+need "maxc-runtime (executors, engine)" "$(crates -p maxc-runtime)" maxc-kernels maxc-kv maxc-schema
 # shellcheck disable=SC2086
 refuse "maxc-serve (scheduler, server)" "$(crates -p maxc-serve)" $compiler
+need "maxc-serve (scheduler, server)" "$(crates -p maxc-serve)" maxc-runtime
 
 for p in maxc-graph maxc-lowering maxc-exporter; do
   list=$(crates -p "$p")
@@ -58,6 +76,6 @@ if features_of cudarc -p maxc-cli --no-default-features | grep -qx nvrtc; then
   fail=1
 fi
 if [ "$fail" = 0 ]; then
-  echo "check-deps: serve -> runtime -> kv -> schema one way; compiler side free of executor and serving crates; lean maxc free of compiler crates"
+  echo "check-deps: serve -> runtime -> {kernels, kv} -> schema one way; compiler side free of executor and serving crates; lean maxc free of compiler crates"
 fi
 exit "$fail"

@@ -9,7 +9,7 @@ use maxc_graph::pipeline::{load_model, LoadOptions};
 use maxc_graph::{DType, KvCacheParams, ModuleRuntime, Registry};
 use maxc_lowering::cpu::{compile_kernel, CpuTarget};
 use maxc_runtime::cpu::code::ExecutableCode;
-use maxc_runtime::cpu::library;
+use maxc_runtime::kernels::gemm as library;
 use maxc_runtime::Session as RuntimeSession;
 use maxc_schema::{KernelBody, Rows, StepDim};
 use std::path::{Path, PathBuf};

@@ -57,13 +57,13 @@ pub struct ActivationArgs {
     /// integer dot products, as llama.cpp: faster on AVX2, logits further from the
     /// reference). Float weights, prefill and other CPUs keep f32.
     #[arg(long, default_value = "f32", value_name = "f32|q8")]
-    pub activations: maxc_runtime::cpu::weights::Activations,
+    pub activations: maxc_runtime::kernels::options::Activations,
 }
 
 impl ActivationArgs {
     /// Makes it this process's choice.
     pub fn apply(&self) {
-        maxc_runtime::cpu::weights::set_activations(self.activations);
+        maxc_runtime::kernels::options::set_activations(self.activations);
     }
 }
 

@@ -7,7 +7,7 @@
 //! expert's tokens and reads its weights once per step. Both in the same run, medians of
 //! interleaved repetitions; the ratio is before / after.
 
-use maxc_runtime::cpu::library::{moe_experts, swiglu_expert};
+use maxc_kernels::moe::{moe_experts, swiglu_expert};
 use std::time::Instant;
 
 fn values(n: usize, seed: u64) -> Vec<f32> {

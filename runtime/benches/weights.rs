@@ -3,11 +3,10 @@
 //! ratio to the memory-bandwidth probe of `maxc bench` measured in the same run, and each hand
 //! kernel's speed-up over the generic one.
 
+use maxc_kernels::isa::isa_name;
+use maxc_kernels::matmul::{matmul, set_block_tiles, set_hand_kernels, set_packed_min_rows};
+use maxc_kernels::options::{set_activations, Activations};
 use maxc_runtime::bench::bandwidth;
-use maxc_runtime::cpu::weights::{
-    isa_name, matmul, set_activations, set_block_tiles, set_hand_kernels, set_packed_min_rows,
-    Activations,
-};
 use maxc_runtime::schema::DType;
 use std::time::Instant;
 

@@ -90,14 +90,14 @@ pub fn bandwidth() -> f64 {
     };
     data.fill(1.0);
     let data: &[f32] = data;
-    let threads = crate::cpu::pool::threads();
+    let threads = maxc_kernels::pool::threads();
     let part = data.len().div_ceil(threads);
     let sums: Vec<std::sync::atomic::AtomicU32> =
         (0..threads).map(|_| Default::default()).collect();
     let reps = (0..5)
         .map(|_| {
             let t = Instant::now();
-            crate::cpu::pool::run(threads, &|c| {
+            maxc_kernels::pool::run(threads, &|c| {
                 let s =
                     lane_sum(&data[(c * part).min(data.len())..((c + 1) * part).min(data.len())]);
                 sums[c].store(s.to_bits(), std::sync::atomic::Ordering::Relaxed);
@@ -117,7 +117,7 @@ pub fn gemm_flops() -> f64 {
     let reps = (0..5)
         .map(|_| {
             let t = Instant::now();
-            crate::cpu::library::matmul(&a, &b, None, &mut c, n, n, n);
+            maxc_kernels::gemm::matmul(&a, &b, None, &mut c, n, n, n);
             t.elapsed().as_secs_f64()
         })
         .collect();
@@ -181,11 +181,11 @@ pub fn fma_peak() -> Option<f64> {
         } else {
             return None;
         };
-        let threads = crate::cpu::pool::threads();
+        let threads = maxc_kernels::pool::threads();
         let reps = (0..5)
             .map(|_| {
                 let t = Instant::now();
-                crate::cpu::pool::run(threads, &|_| {
+                maxc_kernels::pool::run(threads, &|_| {
                     // SAFETY: the features were detected above.
                     let r = unsafe {
                         if lanes == 16 {

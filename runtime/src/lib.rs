@@ -24,6 +24,7 @@ pub use artifact::Artifact;
 pub use engine::{Engine, RoleInfo, StepExecutor};
 pub use error::{Result, RuntimeError};
 pub use logits::Logits;
+pub use maxc_kernels as kernels;
 pub use maxc_kv as kv;
 pub use maxc_kv::PageTable;
 pub use maxc_schema as schema;

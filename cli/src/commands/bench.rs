@@ -221,8 +221,8 @@ pub fn run(args: Args) -> Result<()> {
     let report = json!({
         "artifact": args.artifact.display().to_string(),
         "role": args.role,
-        "threads": maxc_runtime::cpu::pool::threads(),
-        "weight_kernels": maxc_runtime::cpu::weights::isa_name(),
+        "threads": maxc_runtime::kernels::pool::threads(),
+        "weight_kernels": maxc_runtime::kernels::isa::isa_name(),
         "activations": args.activations.activations.name(),
         "load_s": median(loads.clone()),
         "rounds": rounds,

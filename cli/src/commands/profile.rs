@@ -118,7 +118,7 @@ pub fn run(args: Args) -> Result<()> {
         "machine probes: {:.2} GB/s streaming read, {:.1} GFLOP/s f32 GEMM (1024³), {} threads",
         probes.bytes_per_s / 1e9,
         probes.flops / 1e9,
-        maxc_runtime::cpu::pool::threads()
+        maxc_runtime::kernels::pool::threads()
     );
     report(
         &probes,

@@ -4,25 +4,8 @@
 use super::builder::{int_lanes, KernelBuilder};
 use cranelift_codegen::ir::{InstBuilder, Value};
 
-/// Inputs are clamped to `[EXP_MIN, EXP_MAX]`: `exp(EXP_MIN)` is still a normal f32 and
-/// `nearest(EXP_MAX · log2 e) = 127`, so `2^n` always has a biased exponent in `1..=254`.
-/// Below the range the result is ~1.3e-38 instead of 0; above it ~2.4e38 instead of inf.
-const EXP_MIN: f32 = -87.3;
-const EXP_MAX: f32 = 88.37;
+use maxc_schema::exp::{LN2_HI, LN2_LO, MAX as EXP_MAX, MIN as EXP_MIN, POLY};
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
-/// ln 2 split so that `n · LN2_HI` is exact for |n| < 2^9 (Cody–Waite reduction).
-const LN2_HI: f32 = 355.0 / 512.0;
-const LN2_LO: f32 = -2.121_944_4e-4;
-/// Minimax coefficients of `(e^r - 1 - r) / r²` on `[-ln2/2, ln2/2]` (Cephes `expf`),
-/// highest degree first.
-const POLY: [f32; 6] = [
-    1.987_569_1e-4,
-    1.398_199_9e-3,
-    8.333_452e-3,
-    4.166_579_6e-2,
-    0.166_666_65,
-    0.5,
-];
 /// 1.5 · 2^23: adding it to an integral float `n` (|n| < 2^22) puts `n` in the low mantissa
 /// bits.
 const ROUND_MAGIC: f32 = 12_582_912.0;

@@ -6,6 +6,7 @@
 
 pub mod blocks;
 pub mod dtype;
+pub mod exp;
 pub mod kernel;
 pub mod manifest;
 pub mod step;

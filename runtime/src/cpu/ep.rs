@@ -172,12 +172,7 @@ impl<'a> RankBuffers<'a> {
 impl RankState {
     /// Rank `rank`'s state from the `ep_init` program's outputs `outs` (address and bytes by
     /// name), checked against `plan`; `memory` owns them.
-    fn new(
-        plan: &EpPlan,
-        rank: usize,
-        memory: Memory,
-        outs: &InitOutputs,
-    ) -> Result<Self> {
+    fn new(plan: &EpPlan, rank: usize, memory: Memory, outs: &InitOutputs) -> Result<Self> {
         let (d, width, recv) = (plan.degree, plan.slot_floats(), plan.max_tokens_per_rank);
         let mut bufs = [(std::ptr::null_mut(), 0); 7];
         for (i, name) in names::OUTPUTS.iter().enumerate() {
@@ -493,7 +488,7 @@ pub fn moe_layer(
                 xs.extend_from_slice(&b.dispatch_recv[s * w..s * w + hidden]);
             }
             let (gate, up, down) = experts[e];
-            let y = super::library::swiglu_expert(&xs, gate, up, down, m, hidden, ffn);
+            let y = maxc_kernels::moe::swiglu_expert(&xs, gate, up, down, m, hidden, ffn);
             for (i, &s) in picked.iter().enumerate() {
                 b.combine_send[s * hidden..(s + 1) * hidden]
                     .copy_from_slice(&y[i * hidden..(i + 1) * hidden]);
@@ -534,7 +529,6 @@ pub fn moe_layer(
 #[cfg(test)]
 mod tests {
     use super::{moe_layer, EpPlan, InProcessExchange};
-    use crate::cpu::library;
 
     /// Deterministic values in [-1, 1).
     fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -587,7 +581,7 @@ mod tests {
             routing[t * experts + 1] = 0.4;
         }
         let mut want = vec![0.0; rows * hidden];
-        library::moe_experts(&x, &routing, &layer.refs(), &mut want, rows, hidden, ffn);
+        maxc_kernels::moe::moe_experts(&x, &routing, &layer.refs(), &mut want, rows, hidden, ffn);
         for degree in [2usize, 4] {
             let per = experts / degree;
             // The records' bound at these settings (max_batch_active_tokens = rows).
@@ -653,7 +647,7 @@ mod tests {
             routing[t * experts + (t * 3 + 1) % experts] += 0.3;
         }
         let mut want = vec![0.0; rows * hidden];
-        library::moe_experts(&x, &routing, &layer.refs(), &mut want, rows, hidden, ffn);
+        maxc_kernels::moe::moe_experts(&x, &routing, &layer.refs(), &mut want, rows, hidden, ffn);
         for degree in [1usize, 2, 4] {
             let mut ex = InProcessExchange::host(
                 EpPlan {

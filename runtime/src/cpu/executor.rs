@@ -2,19 +2,18 @@
 //! tables) once, at the bounds, and runs steps of ragged batches.
 
 use super::code::{ExecutableCode, KernelFn};
-use super::library;
-use super::weights;
 use crate::artifact::Artifact;
 use crate::error::{Result, RuntimeError};
 use crate::logits::Logits;
 use crate::profile::{LaunchTiming, StepProfile};
+use crate::schema::ep_init;
 use crate::schema::{
     DType, Extent, GatherIndex, KernelBody, Program, Rows, StepDim, StepInputs, StepLimits, Storage,
 };
 use half::{bf16, f16};
+use maxc_kernels::{attention, elementwise as ew, gemm, isa, matmul, moe, pool};
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use crate::schema::ep_init;
 
 /// f32 storage aligned to 64 bytes.
 struct Aligned {
@@ -223,7 +222,7 @@ impl CpuExecutor {
         // Auto: generated matmuls only where the library has no hand-vectorized kernels for
         // steps of a few rows on this CPU (AVX-512 register tiles, AVX2 row groups).
         let matmul_policy = module.generated_matmul_max_rows.map(|max| {
-            if weights::few_rows_kernels_available() {
+            if isa::few_rows_kernels_available() {
                 0
             } else {
                 max
@@ -350,7 +349,7 @@ impl CpuExecutor {
             limits,
             tokens,
             ints,
-            threads: super::pool::threads(),
+            threads: pool::threads(),
             matmul_policy,
             profile: None,
         })
@@ -596,11 +595,11 @@ impl CpuExecutor {
                     Some(p) => {
                         // SAFETY: the weight's mapped bytes, `len` of them.
                         let w = unsafe { std::slice::from_raw_parts(p.ptr, p.len) };
-                        weights::matmul(x, w, p.dtype, out, rows, n, k, self.threads);
+                        matmul::matmul(x, w, p.dtype, out, rows, n, k, self.threads);
                     }
                     None => {
                         let w = self.param_f32(buffers[1], args[1], n * k);
-                        library::matmul(x, w, None, out, rows, n, k);
+                        gemm::matmul(x, w, None, out, rows, n, k);
                     }
                 }
                 if let Some(b) = b {
@@ -649,7 +648,7 @@ impl CpuExecutor {
                         }
                     };
                     match src {
-                        Some(i) => weights::gather_row(table, *src_dtype, cols, i as usize, o),
+                        Some(i) => matmul::gather_row(table, *src_dtype, cols, i as usize, o),
                         None => o.fill(0.0),
                     }
                 }
@@ -686,7 +685,7 @@ impl CpuExecutor {
                         let mut ex = ep.lock().unwrap_or_else(|e| e.into_inner());
                         super::ep::moe_layer(&mut **ex, x, routing, &ws, out, rows, h, f)?;
                     }
-                    None => library::moe_experts(x, routing, &ws, out, rows, h, f),
+                    None => moe::moe_experts(x, routing, &ws, out, rows, h, f),
                 }
             }
             #[cfg(target_arch = "x86_64")]
@@ -704,13 +703,13 @@ impl CpuExecutor {
                 let ints = |i: usize, n: usize| unsafe {
                     std::slice::from_raw_parts(args[i].cast::<i32>().cast_const(), n)
                 };
-                let seqs = super::attend::Seqs {
+                let seqs = attention::Seqs {
                     lookup: ints(2, batch * pages_per_seq),
                     cache_lengths: ints(3, batch),
                     offsets: ints(4, batch + 1),
                     pages_per_seq,
                 };
-                let shape = super::attend::Shape {
+                let shape = attention::Shape {
                     layer: layer as usize,
                     num_layers: num_layers as usize,
                     heads: heads as usize,
@@ -723,7 +722,7 @@ impl CpuExecutor {
                 // (`checked_dims`): offsets, cache lengths and the pages they use lie inside
                 // the buffers and the cache.
                 unsafe {
-                    super::attend::attention(
+                    attention::attention(
                         args[0].cast::<f32>().cast_const(),
                         args[1].cast::<f32>().cast_const(),
                         args[5].cast::<f32>(),
@@ -741,30 +740,30 @@ impl CpuExecutor {
                 program,
             } if self.matmul_policy.is_some() && library_elementwise(body) => {
                 let (rows, cols) = (rows_of(rows), *cols as usize);
-                let mut ins = [super::ew::Input {
+                let mut ins = [ew::Input {
                     ptr: std::ptr::null(),
                     broadcast: false,
-                }; super::ew::MAX_INPUTS];
+                }; ew::MAX_INPUTS];
                 for (i, inp) in inputs.iter().enumerate() {
                     let n = if inp.broadcast { cols } else { rows * cols };
-                    ins[i] = super::ew::Input {
+                    ins[i] = ew::Input {
                         ptr: self.param_f32(buffers[i], args[i], n).as_ptr(),
                         broadcast: inp.broadcast,
                     };
                 }
                 let ins = &ins[..inputs.len()];
-                let out = weights::OutPtr(args[inputs.len()].cast::<f32>());
+                let out = pool::OutPtr(args[inputs.len()].cast::<f32>());
                 let chunks = if body.work(dims) >= 1 << 16 {
                     self.threads.min(rows).max(1)
                 } else {
                     1
                 };
-                super::pool::run(chunks, &|c| {
+                pool::run(chunks, &|c| {
                     let (r0, r1) = (rows * c / chunks, rows * (c + 1) / chunks);
                     // SAFETY: the tiles (AVX-512) run on this CPU; the program was validated
                     // and is short enough (`library_elementwise`); inputs and output hold the
                     // body's sizes at these dims; row ranges are disjoint.
-                    unsafe { super::ew::rows(ins, program, cols, r0, r1, out.get()) };
+                    unsafe { ew::rows(ins, program, cols, r0, r1, out.get()) };
                 });
             }
             other => unreachable!("{} is generated on the CPU", other.kind()),
@@ -792,7 +791,7 @@ fn fill<T: Copy + Default>(buf: &mut [T], values: &[T]) {
 /// Whether the library's blocked attention runs on this CPU (under the auto policy).
 fn attention_library() -> bool {
     #[cfg(target_arch = "x86_64")]
-    return super::attend::available();
+    return attention::available();
     #[cfg(not(target_arch = "x86_64"))]
     false
 }
@@ -805,9 +804,9 @@ fn library_elementwise(body: &KernelBody) -> bool {
         program, inputs, ..
     } = body
     {
-        return weights::tiles_available()
-            && program.len() <= super::ew::MAX_PROGRAM
-            && inputs.len() <= super::ew::MAX_INPUTS;
+        return isa::tiles_available()
+            && program.len() <= ew::MAX_PROGRAM
+            && inputs.len() <= ew::MAX_INPUTS;
     }
     let _ = body;
     false
@@ -836,7 +835,7 @@ fn run_generated(
         unsafe { f(p.0, p.1, 0, extent) };
         return;
     }
-    super::pool::run(chunks as usize, &|c| {
+    pool::run(chunks as usize, &|c| {
         let c = c as u64;
         let (start, end) = (extent * c / chunks, extent * (c + 1) / chunks);
         // SAFETY: as above; the slices [start, end) are disjoint.

@@ -1,116 +1,7 @@
-//! Library kernels of the CPU executor: matmuls on the `gemm` crate, and the MoE experts built
-//! on them. Weights reach them as f32.
+//! The MoE experts: SwiGLU experts on the f32 matmuls of [`crate::gemm`], each expert's tokens
+//! gathered so that its weights are read once per step.
 
-use gemm::Parallelism;
-
-/// Splits of a matmul of `macs` multiply-adds across the executor's threads: small ones run on
-/// the calling thread.
-fn splits(macs: usize) -> usize {
-    if macs < 1 << 21 {
-        1
-    } else {
-        super::pool::threads()
-    }
-}
-
-#[derive(Clone, Copy)]
-struct Ptr(*mut f32);
-// SAFETY: each split writes its own output columns.
-unsafe impl Send for Ptr {}
-unsafe impl Sync for Ptr {}
-impl Ptr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
-/// `out[rows, j0..j1] = x[rows, k] · w[j0..j1, k]ᵀ` with one `gemm` call on this thread.
-///
-/// # Safety
-/// `out` points to `rows × n` values; `x` holds `rows × k`, `w` at least `j1 × k`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn gemm_columns(
-    x: &[f32],
-    w: &[f32],
-    out: *mut f32,
-    rows: usize,
-    n: usize,
-    k: usize,
-    j0: usize,
-    j1: usize,
-) {
-    // SAFETY: as the caller guarantees; strides describe x row-major, wᵀ via w's rows, and
-    // the output columns j0..j1 of each row.
-    unsafe {
-        gemm::gemm::<f32>(
-            rows,
-            j1 - j0,
-            k,
-            out.add(j0),
-            1,
-            n as isize,
-            false,
-            x.as_ptr(),
-            1,
-            k as isize,
-            w.as_ptr().add(j0 * k),
-            k as isize,
-            1,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            Parallelism::None,
-        );
-    }
-}
-
-/// `out[rows, n] = x[rows, k] · w[n, k]ᵀ (+ bias)`, output columns split across the
-/// executor's threads.
-pub fn matmul(
-    x: &[f32],
-    w: &[f32],
-    bias: Option<&[f32]>,
-    out: &mut [f32],
-    rows: usize,
-    n: usize,
-    k: usize,
-) {
-    debug_assert!(x.len() >= rows * k && w.len() >= n * k && out.len() >= rows * n);
-    if rows == 0 {
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if super::weights::tiles_available() && rows >= 32 {
-        super::weights::packed_f32(x, w, out, rows, n, k, super::pool::threads());
-        if let Some(b) = bias {
-            for row in out[..rows * n].chunks_exact_mut(n) {
-                for (o, b) in row.iter_mut().zip(b) {
-                    *o += b;
-                }
-            }
-        }
-        return;
-    }
-    let chunks = splits(rows * n * k).min(n.div_ceil(16));
-    let o = Ptr(out.as_mut_ptr());
-    super::pool::run(chunks, &|c| {
-        // Column ranges on 16-column boundaries, disjoint across calls.
-        let (j0, j1) = ((n * c / chunks) & !15, (n * (c + 1) / chunks) & !15);
-        let j1 = if c + 1 == chunks { n } else { j1 };
-        // SAFETY: the slices hold rows·k, n·k and rows·n elements (checked above in debug
-        // builds and guaranteed by the program's buffer sizes).
-        unsafe { gemm_columns(x, w, o.get(), rows, n, k, j0, j1) };
-    });
-    if let Some(b) = bias {
-        for row in out[..rows * n].chunks_exact_mut(n) {
-            for (o, b) in row.iter_mut().zip(b) {
-                *o += b;
-            }
-        }
-    }
-}
+use crate::gemm::{matmul, splits};
 
 /// One SwiGLU expert over `m` rows `xs` (`m × hidden`): `down · (silu(gate · x) ⊙ (up · x))`,
 /// `m × hidden`.
@@ -179,8 +70,8 @@ pub fn moe_experts(
         // spread over the pool's threads without nesting jobs.
         let slots: Vec<std::sync::Mutex<Option<Vec<f32>>>> =
             (0..e_count).map(|_| std::sync::Mutex::new(None)).collect();
-        let chunks = super::pool::threads().min(used.len());
-        super::pool::run(chunks, &|c| {
+        let chunks = crate::pool::threads().min(used.len());
+        crate::pool::run(chunks, &|c| {
             for &e in used.iter().skip(c).step_by(chunks) {
                 let y = run(e);
                 *slots[e].lock().unwrap_or_else(|p| p.into_inner()) = y;

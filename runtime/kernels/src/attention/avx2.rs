@@ -1,4 +1,4 @@
-//! [`super::attend`]'s kernels on AVX2 + FMA (eight lanes, sixteen registers): the scores of
+//! [`super::attention`]'s kernels on AVX2 + FMA (eight lanes, sixteen registers): the scores of
 //! up to four queries against two keys at a time with their dot products' lanes summed once,
 //! the softmax with an eight-lane `exp`, and the weighted values with two queries' accumulators
 //! for 32 values of the head at a time in registers. A head size that is not a multiple of
@@ -7,46 +7,12 @@
 
 use std::arch::x86_64::*;
 
-use super::attend::{values_scalar, Kernels, EXP_LN2, EXP_MIN, EXP_POLY};
-use super::simd::hsum;
-use super::tile::F32Rows;
+use super::kernels::{values_scalar, Kernels};
+use crate::math::exp8;
+use crate::matmul::blocks::hsum;
+use crate::matmul::tile::F32Rows;
 
-pub(crate) struct Avx2;
-
-/// `e^x` in eight lanes, as [`super::attend::exp`] (Cephes' expf: `x = n·ln2 + r`, a degree-6
-/// polynomial in `r`, then `2^n` built in the exponent bits), within about one ulp; inputs are
-/// clamped to [-87.3, 88.3].
-#[inline(always)]
-pub(crate) unsafe fn exp(x: __m256) -> __m256 {
-    // SAFETY: the caller has AVX2 and FMA.
-    unsafe {
-        let x = _mm256_min_ps(
-            _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN)),
-            _mm256_set1_ps(88.3),
-        );
-        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
-        );
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2.0), x);
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2.1), r);
-        let mut p = _mm256_set1_ps(EXP_POLY[0]);
-        for c in &EXP_POLY[1..] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
-        }
-        let y = _mm256_fmadd_ps(
-            p,
-            _mm256_mul_ps(r, r),
-            _mm256_add_ps(r, _mm256_set1_ps(1.0)),
-        );
-        // 2^n for n in [-126, 127]: the biased exponent n + 127 in bits 23..31. (n = -126
-        // below -87.3 is clamped away; 127 is the largest n that 88.3 rounds to.)
-        let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-            _mm256_cvtps_epi32(n),
-            _mm256_set1_epi32(127),
-        ));
-        _mm256_mul_ps(y, _mm256_castsi256_ps(e))
-    }
-}
+pub(super) struct Avx2;
 
 /// Lanes `0..n` set (all for `n ≥ 8`).
 #[inline(always)]
@@ -234,7 +200,7 @@ impl Kernels for Avx2 {
                     _mm256_setzero_ps()
                 };
                 let v = _mm256_mul_ps(_mm256_loadu_ps(row.as_ptr().add(i)), sc);
-                let e = _mm256_and_ps(keep, exp(_mm256_sub_ps(v, mx)));
+                let e = _mm256_and_ps(keep, exp8(_mm256_sub_ps(v, mx)));
                 _mm256_storeu_ps(row.as_mut_ptr().add(i), e);
                 sum = _mm256_add_ps(sum, e);
                 i += 8;

@@ -11,16 +11,19 @@
 //! every thread has work.
 #![allow(clippy::needless_range_loop)]
 
-use std::arch::x86_64::*;
+mod avx2;
+mod avx512;
+mod kernels;
 
-use super::tile::{self, lane_mask, F32Rows};
+use crate::matmul::tile::{self, F32Rows};
+use kernels::Kernels;
 
 /// Query rows of one sequence per work item.
 const ROW_BLOCK: usize = 16;
 
 /// The shape of one attention launch.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Shape {
+pub struct Shape {
     pub layer: usize,
     pub num_layers: usize,
     pub heads: usize,
@@ -31,7 +34,7 @@ pub(crate) struct Shape {
 }
 
 /// The step's sequence bookkeeping (validated by `StepInputs::checked_dims`).
-pub(crate) struct Seqs<'a> {
+pub struct Seqs<'a> {
     /// `input_row_offsets [B + 1]`.
     pub offsets: &'a [i32],
     /// `cache_lengths [B]`.
@@ -88,7 +91,7 @@ thread_local! {
 /// [`tile::available`] holds; `q` and `out` hold `rows × heads × head_dim` values; `cache` is
 /// the whole cache, and every page the sequences use (checked by `StepInputs::checked_dims`)
 /// lies inside it.
-pub(crate) unsafe fn attention(
+pub unsafe fn attention(
     q: *const f32,
     cache: *const f32,
     out: *mut f32,
@@ -137,7 +140,7 @@ pub(crate) unsafe fn attention(
     let single_rows = items.iter().all(|it| it.rows == 1);
     let p = &Ptrs { q, cache, out };
     let items = &items;
-    super::pool::run(chunks, &|c| {
+    crate::pool::run(chunks, &|c| {
         SCRATCH.with(|s| {
             let mut s = s.borrow_mut();
             // (first item, stride, count) of this thread's share.
@@ -164,110 +167,23 @@ pub(crate) unsafe fn attention(
 }
 
 /// Whether [`attention`] runs on this CPU (AVX-512, or AVX2 + FMA).
-pub(crate) fn available() -> bool {
+pub fn available() -> bool {
     matches!(
-        super::weights::isa(),
-        super::weights::Isa::Avx512 | super::weights::Isa::Avx2
+        crate::isa::isa(),
+        crate::isa::Isa::Avx512 | crate::isa::Isa::Avx2
     )
-}
-
-/// What an instruction set gives [`attend`]: the scores matmul, the softmax of a row and the
-/// weighted sum of the values.
-pub(crate) trait Kernels {
-    /// `out[i·ld + j] = Σ_d q[i·hd + d] · k[j·stride + d]` for `i < nq`, `j < n`; `next` is
-    /// the next page's first key rows, to prefetch.
-    ///
-    /// # Safety
-    /// The instruction set is available; the operands hold what the indices reach.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn scores(
-        q: *const f32,
-        nq: usize,
-        hd: usize,
-        k: F32Rows,
-        n: usize,
-        out: *mut f32,
-        ld: usize,
-        next: (F32Rows, usize),
-    );
-    /// As [`softmax_row`].
-    ///
-    /// # Safety
-    /// The instruction set is available; `row.len()` is a multiple of 16.
-    unsafe fn softmax(row: &mut [f32], valid: usize, scale: f32) -> f32;
-    /// As [`weighted_values`].
-    ///
-    /// # Safety
-    /// The instruction set is available; as [`weighted_values`].
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn values(
-        scores: &[f32],
-        ld: usize,
-        nq: usize,
-        hd: usize,
-        keys: usize,
-        page_size: usize,
-        slot: usize,
-        values: &dyn Fn(usize) -> *const f32,
-        acc: &mut Vec<f32>,
-    );
-}
-
-struct Avx512;
-
-impl Kernels for Avx512 {
-    #[inline(always)]
-    unsafe fn scores(
-        q: *const f32,
-        nq: usize,
-        hd: usize,
-        k: F32Rows,
-        n: usize,
-        out: *mut f32,
-        ld: usize,
-        next: (F32Rows, usize),
-    ) {
-        // SAFETY: as the trait's contract. The matmul prefetches its own rows ahead; the next
-        // page's first ones here.
-        unsafe {
-            if next.1 > 0 {
-                tile::prefetch_strided(next.0, hd, 0, next.1);
-            }
-            tile::matmul(q, nq, hd, k, n, out, ld)
-        }
-    }
-    #[inline(always)]
-    unsafe fn softmax(row: &mut [f32], valid: usize, scale: f32) -> f32 {
-        // SAFETY: as the trait's contract.
-        unsafe { softmax_row(row, valid, scale) }
-    }
-    #[inline(always)]
-    unsafe fn values(
-        scores: &[f32],
-        ld: usize,
-        nq: usize,
-        hd: usize,
-        keys: usize,
-        page_size: usize,
-        slot: usize,
-        values: &dyn Fn(usize) -> *const f32,
-        acc: &mut Vec<f32>,
-    ) {
-        // SAFETY: as the trait's contract.
-        unsafe { weighted_values(scores, ld, nq, hd, keys, page_size, slot, values, acc) }
-    }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 unsafe fn attend_avx512(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scratch: &mut Scratch) {
     // SAFETY: this function's features; the caller's contract.
-    unsafe { attend::<Avx512>(p, seqs, shape, it, scratch) }
+    unsafe { attend::<avx512::Avx512>(p, seqs, shape, it, scratch) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_avx2(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scratch: &mut Scratch) {
     // SAFETY: this function's features; the caller's contract.
-    unsafe { attend::<super::attend_avx2::Avx2>(p, seqs, shape, it, scratch) }
+    unsafe { attend::<avx2::Avx2>(p, seqs, shape, it, scratch) }
 }
 
 #[inline(always)]
@@ -362,236 +278,6 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
                 for d in 0..hd {
                     *dst.add(d) = acc[qi * hd + d] * inv;
                 }
-            }
-        }
-    }
-}
-
-/// Scales `row[..valid]`, replaces it with `exp(s - max)` and zeroes `row[valid..]`; returns
-/// the sum of the exponentials.
-#[inline(always)]
-unsafe fn softmax_row(row: &mut [f32], valid: usize, scale: f32) -> f32 {
-    // SAFETY: the caller has AVX-512F; every access is within `row` (whole vectors up to
-    // `row.len()`, a multiple of 16, masked past `valid`).
-    unsafe {
-        let sc = _mm512_set1_ps(scale);
-        let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
-        let mut i = 0;
-        while i < valid {
-            let mask = lane_mask(valid - i);
-            let v = _mm512_mul_ps(_mm512_loadu_ps(row.as_ptr().add(i)), sc);
-            m = _mm512_mask_max_ps(m, mask, m, v);
-            i += 16;
-        }
-        let mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-        let mut sum = _mm512_setzero_ps();
-        let mut i = 0;
-        while i < row.len() {
-            let mask = if i < valid { lane_mask(valid - i) } else { 0 };
-            let v = _mm512_mul_ps(_mm512_loadu_ps(row.as_ptr().add(i)), sc);
-            let e = _mm512_maskz_mov_ps(mask, exp(_mm512_sub_ps(v, mx)));
-            _mm512_storeu_ps(row.as_mut_ptr().add(i), e);
-            sum = _mm512_add_ps(sum, e);
-            i += 16;
-        }
-        _mm512_reduce_add_ps(sum)
-    }
-}
-
-/// The smallest input of the vector `exp`s (smaller ones are clamped to it).
-pub(crate) const EXP_MIN: f32 = -87.336_55;
-/// `ln 2` in two parts, for `r = x − n·ln2` without cancellation.
-pub(crate) const EXP_LN2: (f32, f32) = (0.693_359_4, -2.121_944_4e-4);
-/// Cephes' expf polynomial in `r`, highest degree first (then `r²·p + r + 1`).
-pub(crate) const EXP_POLY: [f32; 6] = [
-    1.987_569_1e-4,
-    1.398_199_9e-3,
-    8.333_452e-3,
-    4.166_579_6e-2,
-    0.166_666_65,
-    0.5,
-];
-
-/// `e^x` in sixteen lanes (Cephes' expf: `x = n·ln2 + r`, a degree-6 polynomial in `r`, then
-/// `2^n` by `scalef`), within about one ulp; below -87.3 the input is clamped (a result of about
-/// 1e-38), above 88.7 the result is infinite.
-#[inline(always)]
-pub(crate) unsafe fn exp(x: __m512) -> __m512 {
-    // SAFETY: the caller has AVX-512F.
-    unsafe {
-        let x = _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN));
-        let n = _mm512_roundscale_ps(
-            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
-            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
-        );
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2.0), x);
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2.1), r);
-        let mut p = _mm512_set1_ps(EXP_POLY[0]);
-        for c in &EXP_POLY[1..] {
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
-        }
-        let y = _mm512_fmadd_ps(
-            p,
-            _mm512_mul_ps(r, r),
-            _mm512_add_ps(r, _mm512_set1_ps(1.0)),
-        );
-        _mm512_scalef_ps(y, n)
-    }
-}
-
-/// `acc[q, :] = Σ_t scores[q, t] · V[t, :]` for `q < nq`, `t < keys`, value rows of page `pg`
-/// at `values(pg)`, `slot` apart (AVX-512).
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn weighted_values(
-    scores: &[f32],
-    ld: usize,
-    nq: usize,
-    hd: usize,
-    keys: usize,
-    page_size: usize,
-    slot: usize,
-    values: &dyn Fn(usize) -> *const f32,
-    acc: &mut Vec<f32>,
-) {
-    acc.clear();
-    acc.resize(nq * hd, 0.0);
-    // SAFETY: the caller has AVX-512F; value rows hold `hd` values.
-    unsafe {
-        match hd {
-            64 => values_in_registers::<4, 6>(scores, ld, nq, keys, page_size, slot, values, acc),
-            128 => values_in_registers::<8, 3>(scores, ld, nq, keys, page_size, slot, values, acc),
-            _ => values_scalar(scores, ld, nq, hd, keys, page_size, slot, values, acc),
-        }
-    }
-}
-
-/// [`weighted_values`] one value at a time (head sizes the vector kernels do not cover), into
-/// `acc` zeroed.
-///
-/// # Safety
-/// As [`weighted_values`].
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-pub(crate) unsafe fn values_scalar(
-    scores: &[f32],
-    ld: usize,
-    nq: usize,
-    hd: usize,
-    keys: usize,
-    page_size: usize,
-    slot: usize,
-    values: &dyn Fn(usize) -> *const f32,
-    acc: &mut [f32],
-) {
-    for t in 0..keys {
-        // SAFETY: as the function's contract: value rows hold `hd` values.
-        let v = unsafe { values(t / page_size).add((t % page_size) * slot) };
-        for q in 0..nq {
-            let w = scores[q * ld + t];
-            if w != 0.0 {
-                for d in 0..hd {
-                    // SAFETY: as above.
-                    acc[q * hd + d] = w.mul_add(unsafe { *v.add(d) }, acc[q * hd + d]);
-                }
-            }
-        }
-    }
-}
-
-/// [`weighted_values`] for `head_dim = 16·D`, up to `Q` queries' accumulators in registers.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn values_in_registers<const D: usize, const Q: usize>(
-    scores: &[f32],
-    ld: usize,
-    nq: usize,
-    keys: usize,
-    page_size: usize,
-    slot: usize,
-    values: &dyn Fn(usize) -> *const f32,
-    acc: &mut [f32],
-) {
-    let mut q0 = 0;
-    while q0 < nq {
-        let qn = Q.min(nq - q0);
-        // One instance per query count, so that every accumulator is a register (a count
-        // known only at run time kept them on the stack).
-        let args = (scores, ld, q0, keys, page_size, slot, values);
-        // SAFETY: the caller's contract; rows `q0..q0 + qn` exist.
-        unsafe {
-            match qn {
-                1 => values_block::<D, 1>(args, acc),
-                2 => values_block::<D, 2>(args, acc),
-                3 => values_block::<D, 3>(args, acc),
-                4 => values_block::<D, 4>(args, acc),
-                5 => values_block::<D, 5>(args, acc),
-                _ => values_block::<D, 6>(args, acc),
-            }
-        }
-        q0 += qn;
-    }
-}
-
-/// Scores, their row length, the first query, keys, page size, value row stride, pages.
-type ValuesArgs<'a> = (
-    &'a [f32],
-    usize,
-    usize,
-    usize,
-    usize,
-    usize,
-    &'a dyn Fn(usize) -> *const f32,
-);
-
-/// Queries `q0..q0 + Q` of [`values_in_registers`].
-#[inline(always)]
-unsafe fn values_block<const D: usize, const Q: usize>(args: ValuesArgs, acc: &mut [f32]) {
-    let (scores, ld, q0, keys, page_size, slot, values) = args;
-    let hd = 16 * D;
-    // SAFETY: the caller has AVX-512F; rows `q0..q0 + Q` and keys `..keys` in bounds.
-    unsafe {
-        let mut a = [[_mm512_setzero_ps(); D]; Q];
-        let mut t0 = 0;
-        while t0 < keys {
-            let base = values(t0 / page_size);
-            let n = page_size.min(keys - t0);
-            let next = if t0 + n < keys {
-                values(t0 / page_size + 1)
-            } else {
-                std::ptr::null()
-            };
-            for s in 0..n {
-                let v = base.add(s * slot);
-                // Value rows are one KV head's among several (strided): prefetched a few
-                // dozen rows ahead, into the next page near the end of this one.
-                let ahead = s + tile::STRIDED_AHEAD;
-                let pv = if ahead < n {
-                    base.add(ahead * slot)
-                } else {
-                    next.wrapping_add((ahead - n) * slot)
-                };
-                if ahead < n || (!next.is_null() && t0 + ahead < keys) {
-                    for d in 0..D {
-                        _mm_prefetch::<_MM_HINT_T0>(pv.add(16 * d).cast());
-                    }
-                }
-                let mut vv = [_mm512_setzero_ps(); D];
-                for d in 0..D {
-                    vv[d] = _mm512_loadu_ps(v.add(16 * d));
-                }
-                for q in 0..Q {
-                    let w = _mm512_set1_ps(*scores.get_unchecked((q0 + q) * ld + t0 + s));
-                    for d in 0..D {
-                        a[q][d] = _mm512_fmadd_ps(w, vv[d], a[q][d]);
-                    }
-                }
-            }
-            t0 += n;
-        }
-        for q in 0..Q {
-            for d in 0..D {
-                _mm512_storeu_ps(acc.as_mut_ptr().add((q0 + q) * hd + 16 * d), a[q][d]);
             }
         }
     }

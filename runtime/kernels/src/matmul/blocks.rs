@@ -470,7 +470,7 @@ mod avx512 {
             let mut line = 0;
             for b in 0..nb {
                 for _ in 0..lines {
-                    crate::cpu::tile::prefetch_ahead(next, line);
+                    crate::matmul::tile::prefetch_ahead(next, line);
                     line += 1;
                 }
                 // (A loop, not `array::from_fn`: a closure does not inherit this function's
@@ -1513,10 +1513,10 @@ mod avx2 {
 
 /// The register-tile kernel on 32-value blocks for `dtype` on this CPU (steps below the
 /// packed kernel's row count), where there is one.
-pub fn block_tile_kernel(dtype: maxc_schema::DType, isa: super::weights::Isa) -> Option<StreamFn> {
+pub fn block_tile_kernel(dtype: maxc_schema::DType, isa: crate::isa::Isa) -> Option<StreamFn> {
     #[cfg(target_arch = "x86_64")]
     {
-        use super::weights::Isa;
+        use crate::isa::Isa;
         use maxc_schema::DType;
         return match (isa, dtype) {
             (Isa::Avx512, DType::Q8_0) => Some(avx512::tiles::<BlockQ8_0>),
@@ -1540,8 +1540,8 @@ pub fn block_tile_kernel(dtype: maxc_schema::DType, isa: super::weights::Isa) ->
 /// The kernel on 8-bit activations for `dtype` on this CPU (AVX2, which every AVX-512 CPU
 /// here has too), where there is one.
 #[cfg(target_arch = "x86_64")]
-pub fn q8_kernel(dtype: maxc_schema::DType, isa: super::weights::Isa) -> Option<int8::Q8Fn> {
-    use super::weights::Isa;
+pub fn q8_kernel(dtype: maxc_schema::DType, isa: crate::isa::Isa) -> Option<int8::Q8Fn> {
+    use crate::isa::Isa;
     match isa {
         Isa::Avx512 | Isa::Avx2 => int8::kernel(dtype),
         Isa::Baseline => None,
@@ -1552,10 +1552,10 @@ pub fn q8_kernel(dtype: maxc_schema::DType, isa: super::weights::Isa) -> Option<
 pub type PanelFn = unsafe fn(w: &[u8], k: usize, j0: usize, panel: &mut [f32]);
 
 /// The hand-vectorized dequantizer for `dtype` on this CPU, where there is one.
-pub fn panel_kernel(dtype: maxc_schema::DType, isa: super::weights::Isa) -> Option<PanelFn> {
+pub fn panel_kernel(dtype: maxc_schema::DType, isa: crate::isa::Isa) -> Option<PanelFn> {
     #[cfg(target_arch = "x86_64")]
     {
-        use super::weights::Isa;
+        use crate::isa::Isa;
         use maxc_schema::DType;
         return match (isa, dtype) {
             (Isa::Avx512, DType::Q8_0) => Some(avx512::dequant::<BlockQ8_0>),
@@ -1589,11 +1589,11 @@ pub fn panel_kernel(dtype: maxc_schema::DType, isa: super::weights::Isa) -> Opti
 pub fn stream_kernel(
     dtype: maxc_schema::DType,
     k: usize,
-    isa: super::weights::Isa,
+    isa: crate::isa::Isa,
 ) -> Option<StreamFn> {
     #[cfg(target_arch = "x86_64")]
     {
-        use super::weights::Isa;
+        use crate::isa::Isa;
         use maxc_schema::DType;
         return match (isa, dtype) {
             (Isa::Avx512, DType::BF16) if k.is_multiple_of(16) => Some(bf16_avx512::stream),
@@ -1621,7 +1621,7 @@ pub fn stream_kernel(
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
-    use crate::cpu::weights::Isa;
+    use crate::isa::Isa;
     use maxc_schema::DType;
 
     #[test]

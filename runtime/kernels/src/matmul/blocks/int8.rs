@@ -1,5 +1,5 @@
 //! Block-format matmuls with 8-bit activations (AVX2), for steps of a few rows when
-//! [`Activations::Q8`](crate::cpu::weights::Activations) asks for them: each 32 activations of a
+//! [`Activations::Q8`](crate::options::Activations) asks for them: each 32 activations of a
 //! row quantized to signed bytes with one f32 scale (`d = max|x| / 127`, `q = round(x / d)`),
 //! each weight group's integers multiplied with them in 16-bit pairs (`vpmaddubsw`) and summed
 //! to 32 bits (`vpmaddwd`), then scaled in f32: `Σ x̂·(s·q_w + o) = s·d·Σ q_w·q_x + o·d·Σ q_x`

@@ -10,13 +10,13 @@ use std::arch::x86_64::*;
 
 /// The longest program this kernel evaluates (a scratch chunk per instruction, 16 KiB in all);
 /// longer ones run as generated code.
-pub(crate) const MAX_PROGRAM: usize = 16;
+pub const MAX_PROGRAM: usize = 16;
 /// The most inputs this kernel takes (passed without allocating); more run as generated code.
-pub(crate) const MAX_INPUTS: usize = 8;
+pub const MAX_INPUTS: usize = 8;
 
 /// An input of the expression: `rows × cols` values, or one row of `cols` repeated.
 #[derive(Clone, Copy)]
-pub(crate) struct Input {
+pub struct Input {
     pub ptr: *const f32,
     pub broadcast: bool,
 }
@@ -36,7 +36,7 @@ const CHUNK: usize = 256;
 /// `program` is valid (operands refer to earlier instructions and to inputs that exist) and at
 /// most [`MAX_PROGRAM`] long.
 #[target_feature(enable = "avx512f,avx512dq,fma")]
-pub(crate) unsafe fn rows(
+pub unsafe fn rows(
     inputs: &[Input],
     program: &[EwInstr],
     cols: usize,
@@ -77,7 +77,7 @@ pub(crate) unsafe fn rows(
                             let xs = src(a);
                             lanes(len, |i, m| {
                                 let x = _mm512_maskz_loadu_ps(m, xs.add(i));
-                                let e = super::attend::exp(_mm512_sub_ps(_mm512_setzero_ps(), x));
+                                let e = crate::math::exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
                                 let y = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0), e));
                                 _mm512_mask_storeu_ps(dst.add(i), m, y);
                             });
@@ -103,7 +103,7 @@ pub(crate) unsafe fn rows(
 fn lanes(len: usize, mut f: impl FnMut(usize, __mmask16)) {
     let mut i = 0;
     while i < len {
-        f(i, super::tile::lane_mask(len - i));
+        f(i, crate::matmul::tile::lane_mask(len - i));
         i += 16;
     }
 }
@@ -136,7 +136,7 @@ mod tests {
 
     #[test]
     fn every_instruction_matches_scalar_f32_at_every_edge() {
-        if !super::super::weights::tiles_available() {
+        if !crate::isa::tiles_available() {
             eprintln!("skipped: no AVX-512 on this CPU");
             return;
         }

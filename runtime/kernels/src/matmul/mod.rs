@@ -16,6 +16,13 @@ use maxc_schema::blocks::{
 };
 use maxc_schema::DType;
 
+use crate::isa::{isa, tiles_available, Isa};
+use crate::options::{activations, Activations};
+
+pub(crate) mod blocks;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod tile;
+
 /// f32 lanes of the accumulators (one 512-bit or two 256-bit registers).
 const LANES: usize = 16;
 /// Steps up to this many rows run the row-streaming kernel; larger ones the panel kernel.
@@ -49,60 +56,6 @@ fn packed_min_rows(dtype: DType) -> usize {
         n => n,
     }
 }
-/// How activations meet block-format weights in steps of a few rows (decode).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Activations {
-    /// As f32, accumulated in f32: the interpreter's arithmetic in another order (the default).
-    #[default]
-    F32,
-    /// Quantized to 8 bits per 32 values (one f32 scale each) and multiplied with the weights'
-    /// integers in integer arithmetic: faster where the CPU has AVX2, at the cost of
-    /// fidelity (measured in the README). Other CPUs, float weights and steps of more than
-    /// [`STREAM_MAX_ROWS`] rows keep f32 activations.
-    Q8,
-}
-
-impl Activations {
-    /// The name the command line takes.
-    pub fn name(self) -> &'static str {
-        match self {
-            Activations::F32 => "f32",
-            Activations::Q8 => "q8",
-        }
-    }
-}
-
-impl std::str::FromStr for Activations {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "f32" => Ok(Activations::F32),
-            "q8" => Ok(Activations::Q8),
-            _ => Err(format!(
-                "unknown activation format {s:?}: expected f32 or q8"
-            )),
-        }
-    }
-}
-
-/// Whether block-format matmuls of a few rows take 8-bit activations (process-wide, like the
-/// instruction set the kernels use).
-static Q8_ACTIVATIONS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Sets how activations meet block-format weights from now on, in this process.
-pub fn set_activations(a: Activations) {
-    Q8_ACTIVATIONS.store(a == Activations::Q8, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// How activations meet block-format weights.
-pub fn activations() -> Activations {
-    if Q8_ACTIVATIONS.load(std::sync::atomic::Ordering::Relaxed) {
-        Activations::Q8
-    } else {
-        Activations::F32
-    }
-}
-
 /// Below this many weight bytes a matmul runs on the calling thread.
 const SPLIT_BYTES: usize = 1 << 16;
 
@@ -280,99 +233,6 @@ fn row_bytes<F: Format>(k: usize) -> usize {
     k / F::ELEMS * F::BYTES + (k % F::ELEMS) * (F::BYTES / F::ELEMS)
 }
 
-/// The instruction sets the inner loops are compiled for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Isa {
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    Baseline,
-}
-
-/// The best instruction set this CPU has for the library kernels, or a lower one that
-/// `MAXC_CPU_ISA` (`avx2` or `baseline`) asks for: the kernels a CPU without AVX-512 runs,
-/// measured on one with it. A value that names no lower set is ignored, with a warning.
-pub(crate) fn isa() -> Isa {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
-        *ISA.get_or_init(|| {
-            let best = if std::is_x86_feature_detected!("avx512f")
-                && std::is_x86_feature_detected!("avx512bw")
-                && std::is_x86_feature_detected!("avx512vl")
-                && std::is_x86_feature_detected!("f16c")
-            {
-                Isa::Avx512
-            } else if std::is_x86_feature_detected!("avx2")
-                && std::is_x86_feature_detected!("fma")
-                && std::is_x86_feature_detected!("f16c")
-            {
-                Isa::Avx2
-            } else {
-                Isa::Baseline
-            };
-            let rank = |i: Isa| match i {
-                Isa::Avx512 => 2,
-                Isa::Avx2 => 1,
-                Isa::Baseline => 0,
-            };
-            match std::env::var("MAXC_CPU_ISA").ok().as_deref() {
-                None => best,
-                Some(v) => {
-                    let asked = match v {
-                        "avx512" => Some(Isa::Avx512),
-                        "avx2" => Some(Isa::Avx2),
-                        "baseline" => Some(Isa::Baseline),
-                        _ => None,
-                    };
-                    match asked {
-                        Some(a) if rank(a) <= rank(best) => a,
-                        _ => {
-                            tracing::warn!(
-                                "MAXC_CPU_ISA={v} ignored: expected avx512, avx2 or baseline, \
-                                 at most what this CPU has ({best:?})"
-                            );
-                            best
-                        }
-                    }
-                }
-            }
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    Isa::Baseline
-}
-
-/// Whether matmuls run on register tiles (AVX-512) on this CPU, faster than generated code at
-/// every row count.
-pub fn tiles_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return super::tile::available();
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
-/// Whether steps of a few rows run hand-vectorized kernels for every weight format on this CPU
-/// (AVX-512 register tiles, or AVX2 row groups), faster than generated code at every row count.
-pub fn few_rows_kernels_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return matches!(isa(), Isa::Avx512 | Isa::Avx2);
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
-/// The name of the instruction set the weight kernels use on this CPU.
-pub fn isa_name() -> &'static str {
-    match isa() {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => "avx512",
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => "avx2+fma",
-        Isa::Baseline => "baseline",
-    }
-}
-
 macro_rules! multiversion {
     ($name:ident, $inner:ident, ($($arg:ident: $ty:ty),*)) => {
         fn $name<F: Format>($($arg: $ty),*) {
@@ -401,20 +261,7 @@ macro_rules! multiversion {
 multiversion!(stream_cols_mv, stream_cols, (x: &[f32], w: &[u8], out: &mut [f32], rows: usize, n: usize, k: usize, cols: std::ops::Range<usize>));
 multiversion!(dequant_rows_mv, dequant_rows, (w: &[u8], k: usize, j0: usize, panel: &mut [f32]));
 
-#[derive(Clone, Copy)]
-pub(crate) struct OutPtr(pub(crate) *mut f32);
-// SAFETY: threads write disjoint columns (or disjoint panels) of the output.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// The pointer (a method, so closures capture the `Send` wrapper, not its field).
-    pub(crate) fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
-/// Whether the hand-vectorized kernels of [`super::simd`] run where they exist (on by default;
+/// Whether the hand-vectorized kernels of [`blocks`] run where they exist (on by default;
 /// off to compare them with the generic ones).
 static HAND_KERNELS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
@@ -441,7 +288,7 @@ fn matmul_as<F: Format>(
     n: usize,
     k: usize,
     threads: usize,
-    fast: Option<super::simd::StreamFn>,
+    fast: Option<blocks::StreamFn>,
     dtype: DType,
 ) {
     let fast = fast.filter(|_| HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed));
@@ -459,18 +306,18 @@ fn matmul_as<F: Format>(
         });
         return;
     }
-    let panel_fast = super::simd::panel_kernel(dtype, isa())
+    let panel_fast = blocks::panel_kernel(dtype, isa())
         .filter(|_| HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed));
     let panels = n.div_ceil(PANEL);
     let chunks = threads.max(1).min(panels);
-    let optr = OutPtr(out.as_mut_ptr());
+    let optr = crate::pool::OutPtr(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
     let xt = if tiles && rows >= packed_min_rows(dtype) {
-        super::tile::pack_transposed(x, rows, k)
+        tile::pack_transposed(x, rows, k)
     } else {
         Vec::new()
     };
-    super::pool::run(chunks, &|c| {
+    crate::pool::run(chunks, &|c| {
         PANEL_SCRATCH.with(|scratch| {
             let mut scratch = scratch.borrow_mut();
             if scratch.len() < PANEL * k {
@@ -489,35 +336,25 @@ fn matmul_as<F: Format>(
                 if !xt.is_empty() {
                     // SAFETY: tile::available() held; `xt` packs x; as below.
                     unsafe {
-                        super::tile::matmul_packed(
-                            &xt,
-                            rows,
-                            k,
-                            panel.as_ptr(),
-                            m,
-                            optr.get().add(j0),
-                            n,
-                        )
+                        tile::matmul_packed(&xt, rows, k, panel.as_ptr(), m, optr.get().add(j0), n)
                     };
                     continue;
                 }
                 #[cfg(target_arch = "x86_64")]
                 if tiles {
-                    let rows_of = super::tile::F32Rows {
+                    let rows_of = tile::F32Rows {
                         ptr: panel.as_ptr(),
                         stride: k,
                     };
                     // SAFETY: tile::available() held; as below.
-                    unsafe {
-                        super::tile::matmul(x.as_ptr(), rows, k, rows_of, m, optr.get().add(j0), n)
-                    };
+                    unsafe { tile::matmul(x.as_ptr(), rows, k, rows_of, m, optr.get().add(j0), n) };
                     continue;
                 }
                 // SAFETY: out[rows, n] row-major; this call writes columns j0..j0+m of every
                 // row (disjoint across panels); the panel holds weight rows j0..j0+m, read as
                 // rows 0..m of an [m, k] weight.
                 unsafe {
-                    super::library::gemm_columns(x, panel, optr.get().add(j0), rows, n, k, 0, m)
+                    crate::gemm::gemm_columns(x, panel, optr.get().add(j0), rows, n, k, 0, m)
                 };
             }
         })
@@ -540,8 +377,8 @@ fn stream_split(
     } else {
         threads.max(1).min(n)
     };
-    let optr = OutPtr(out.as_mut_ptr());
-    super::pool::run(chunks, &|c| {
+    let optr = crate::pool::OutPtr(out.as_mut_ptr());
+    crate::pool::run(chunks, &|c| {
         let cols = n * c / chunks..n * (c + 1) / chunks;
         // SAFETY: `out` holds rows × n values; each call gets columns `cols` of each row,
         // which no other call's range holds. The slice starts at column `cols.start` and ends
@@ -557,7 +394,7 @@ fn stream_split(
 thread_local! {
     /// The calling thread's quantized activations (bytes, scales, sums), kept between calls.
     #[cfg(target_arch = "x86_64")]
-    static Q8_SCRATCH: std::cell::RefCell<super::simd::int8::Q8Buffers> =
+    static Q8_SCRATCH: std::cell::RefCell<blocks::int8::Q8Buffers> =
         std::cell::RefCell::new(Default::default());
     /// Each thread's dequantized panel, kept between calls.
     static PANEL_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -568,7 +405,7 @@ thread_local! {
 /// runs (returns true).
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-fn tiled<L: super::tile::Rows>(
+fn tiled<L: tile::Rows>(
     x: &[f32],
     out: &mut [f32],
     rows: usize,
@@ -583,14 +420,14 @@ fn tiled<L: super::tile::Rows>(
     } else {
         threads.max(1)
     };
-    let chunks = chunks.min(n.div_ceil(super::tile::NR));
-    let optr = OutPtr(out.as_mut_ptr());
-    super::pool::run(chunks, &|c| {
+    let chunks = chunks.min(n.div_ceil(tile::NR));
+    let optr = crate::pool::OutPtr(out.as_mut_ptr());
+    crate::pool::run(chunks, &|c| {
         let (j0, j1) = (n * c / chunks, n * (c + 1) / chunks);
         // SAFETY: tile::available() held; x holds rows·k values, the weight n rows of k, out
         // rows·n; this call writes columns j0..j1 only, which no other call writes.
         unsafe {
-            super::tile::matmul(
+            tile::matmul(
                 x.as_ptr(),
                 rows,
                 k,
@@ -602,39 +439,6 @@ fn tiled<L: super::tile::Rows>(
         };
     });
     true
-}
-
-/// `out[rows, n] = x[rows, k] · wᵀ` for f32 weights and many rows: the activations packed
-/// once, output columns split across threads.
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn packed_f32(
-    x: &[f32],
-    w: &[f32],
-    out: &mut [f32],
-    rows: usize,
-    n: usize,
-    k: usize,
-    threads: usize,
-) {
-    let xt = super::tile::pack_transposed(x, rows, k);
-    let chunks = threads.max(1).min(n.div_ceil(PANEL));
-    let optr = OutPtr(out.as_mut_ptr());
-    super::pool::run(chunks, &|c| {
-        let (j0, j1) = (n * c / chunks, n * (c + 1) / chunks);
-        // SAFETY: tile::available() held; `xt` packs x; w holds n rows of k; this call writes
-        // columns j0..j1 of out, which no other call writes.
-        unsafe {
-            super::tile::matmul_packed(
-                &xt,
-                rows,
-                k,
-                w.as_ptr().add(j0 * k),
-                j1 - j0,
-                optr.get().add(j0),
-                n,
-            )
-        };
-    });
 }
 
 /// `out[rows, n] = x[rows, k] · wᵀ`, `w` the bytes of an `[n, k]` weight of `dtype` (f32,
@@ -660,12 +464,12 @@ pub fn matmul(
         && activations() == Activations::Q8
         && HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed)
     {
-        if let Some(f) = super::simd::q8_kernel(dtype, isa()) {
+        if let Some(f) = blocks::q8_kernel(dtype, isa()) {
             Q8_SCRATCH.with(|scratch| {
                 let buf = &mut *scratch.borrow_mut();
                 // SAFETY: `q8_kernel` gives a kernel only where the CPU has AVX2, FMA and
                 // F16C; block rows are whole 32-value groups.
-                unsafe { super::simd::int8::quantize(x, rows, k, buf) };
+                unsafe { blocks::int8::quantize(x, rows, k, buf) };
                 let xq = buf.rows();
                 // SAFETY: as above; `xq` holds the step's rows.
                 stream_split(w.len(), out, rows, n, threads, &|o, cols| unsafe {
@@ -676,15 +480,15 @@ pub fn matmul(
         }
     }
     #[cfg(target_arch = "x86_64")]
-    if super::tile::available() && HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed) {
-        use super::tile::{Bf16Rows, F16Rows, F32Rows};
+    if tile::available() && HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed) {
+        use tile::{Bf16Rows, F16Rows, F32Rows};
         // SAFETY (the casts): f32 weights are 4-aligned and f16/bf16 weights 2-aligned
         // (validated at load); each holds n·k values.
         let done = match dtype {
             DType::F32 if rows >= packed_min_rows(dtype) => {
                 // SAFETY: f32 weights are 4-aligned (validated) and hold n·k values.
                 let wf = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), n * k) };
-                packed_f32(x, wf, out, rows, n, k, threads);
+                tile::packed_f32(x, wf, out, rows, n, k, threads);
                 true
             }
             // Other formats go through f32 panels (below).
@@ -701,7 +505,7 @@ pub fn matmul(
             | DType::Q6K
                 if BLOCK_TILES.load(std::sync::atomic::Ordering::Relaxed) =>
             {
-                match super::simd::block_tile_kernel(dtype, isa()) {
+                match blocks::block_tile_kernel(dtype, isa()) {
                     Some(f) => {
                         // SAFETY: `block_tile_kernel` chose it for this CPU's features and
                         // this format.
@@ -718,11 +522,11 @@ pub fn matmul(
                 stride: k,
             }),
             DType::BF16 => tiled(x, out, rows, n, k, threads, w.len(), |j| Bf16Rows {
-                ptr: unsafe { w.as_ptr().cast::<super::tile::Bf16>().add(j * k) },
+                ptr: unsafe { w.as_ptr().cast::<tile::Bf16>().add(j * k) },
                 stride: k,
             }),
             DType::F16 => tiled(x, out, rows, n, k, threads, w.len(), |j| F16Rows {
-                ptr: unsafe { w.as_ptr().cast::<super::tile::F16>().add(j * k) },
+                ptr: unsafe { w.as_ptr().cast::<tile::F16>().add(j * k) },
                 stride: k,
             }),
             _ => false,
@@ -731,12 +535,12 @@ pub fn matmul(
             return;
         }
     }
-    let fast = super::simd::stream_kernel(dtype, k, isa());
+    let fast = blocks::stream_kernel(dtype, k, isa());
     match dtype {
         DType::F32 if rows > STREAM_MAX_ROWS => {
             // SAFETY: f32 weights are 4-aligned (validated) and hold n·k values.
             let wf = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), n * k) };
-            super::library::matmul(x, wf, None, out, rows, n, k);
+            crate::gemm::matmul(x, wf, None, out, rows, n, k);
         }
         DType::F32 => matmul_as::<F32s>(x, w, out, rows, n, k, threads, fast, dtype),
         DType::F16 => matmul_as::<F16s>(x, w, out, rows, n, k, threads, None, dtype),

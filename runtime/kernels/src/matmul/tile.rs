@@ -446,9 +446,9 @@ const PACKED_COL_BLOCK: usize = 48;
 pub(crate) fn pack_transposed(x: &[f32], rows: usize, k: usize) -> Vec<f32> {
     let panels = rows.div_ceil(MP);
     let mut xt = vec![0.0f32; panels * k * MP];
-    let chunks = super::pool::threads().min(panels).max(1);
-    let base = super::weights::OutPtr(xt.as_mut_ptr());
-    super::pool::run(chunks, &|c| {
+    let chunks = crate::pool::threads().min(panels).max(1);
+    let base = crate::pool::OutPtr(xt.as_mut_ptr());
+    crate::pool::run(chunks, &|c| {
         for p in (c..panels).step_by(chunks) {
             // SAFETY: panel p's `k × MP` values, written by this call only.
             let panel =
@@ -573,7 +573,42 @@ pub(crate) unsafe fn matmul_packed(
 
 /// Whether this CPU runs the tiles.
 pub(crate) fn available() -> bool {
-    matches!(super::weights::isa(), super::weights::Isa::Avx512)
+    crate::isa::tiles_available()
+}
+
+/// Output columns per chunk of [`packed_f32`]'s split.
+const PACK_PANEL: usize = 48;
+
+/// `out[rows, n] = x[rows, k] · wᵀ` for f32 weights and many rows: the activations packed
+/// once, output columns split across threads.
+pub fn packed_f32(
+    x: &[f32],
+    w: &[f32],
+    out: &mut [f32],
+    rows: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+) {
+    let xt = pack_transposed(x, rows, k);
+    let chunks = threads.max(1).min(n.div_ceil(PACK_PANEL));
+    let optr = crate::pool::OutPtr(out.as_mut_ptr());
+    crate::pool::run(chunks, &|c| {
+        let (j0, j1) = (n * c / chunks, n * (c + 1) / chunks);
+        // SAFETY: tile::available() held; `xt` packs x; w holds n rows of k; this call writes
+        // columns j0..j1 of out, which no other call writes.
+        unsafe {
+            matmul_packed(
+                &xt,
+                rows,
+                k,
+                w.as_ptr().add(j0 * k),
+                j1 - j0,
+                optr.get().add(j0),
+                n,
+            )
+        };
+    });
 }
 
 #[cfg(test)]

@@ -170,6 +170,20 @@ pub fn run<'a>(chunks: usize, f: &'a (dyn Fn(usize) + Sync + 'a)) {
     }
 }
 
+/// An output pointer that threads of [`run`] write disjoint parts of.
+#[derive(Clone, Copy)]
+pub struct OutPtr(pub *mut f32);
+// SAFETY: threads write disjoint columns (or disjoint panels) of the output.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The pointer (a method, so closures capture the `Send` wrapper, not its field).
+    pub fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

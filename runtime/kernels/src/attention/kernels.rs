@@ -1,0 +1,80 @@
+//! What an instruction set gives the attention loop, and the scalar weighted sum the vector
+//! versions fall back on for head sizes they do not cover.
+#![allow(clippy::needless_range_loop)]
+
+use crate::matmul::tile::F32Rows;
+
+/// What an instruction set gives [`super::attention`]'s loop: the scores matmul, the softmax of a row and the
+/// weighted sum of the values.
+pub(super) trait Kernels {
+    /// `out[i·ld + j] = Σ_d q[i·hd + d] · k[j·stride + d]` for `i < nq`, `j < n`; `next` is
+    /// the next page's first key rows, to prefetch.
+    ///
+    /// # Safety
+    /// The instruction set is available; the operands hold what the indices reach.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn scores(
+        q: *const f32,
+        nq: usize,
+        hd: usize,
+        k: F32Rows,
+        n: usize,
+        out: *mut f32,
+        ld: usize,
+        next: (F32Rows, usize),
+    );
+    /// As [`softmax_row`].
+    ///
+    /// # Safety
+    /// The instruction set is available; `row.len()` is a multiple of 16.
+    unsafe fn softmax(row: &mut [f32], valid: usize, scale: f32) -> f32;
+    /// As [`weighted_values`].
+    ///
+    /// # Safety
+    /// The instruction set is available; as [`weighted_values`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn values(
+        scores: &[f32],
+        ld: usize,
+        nq: usize,
+        hd: usize,
+        keys: usize,
+        page_size: usize,
+        slot: usize,
+        values: &dyn Fn(usize) -> *const f32,
+        acc: &mut Vec<f32>,
+    );
+}
+
+/// [`weighted_values`] one value at a time (head sizes the vector kernels do not cover), into
+/// `acc` zeroed.
+///
+/// # Safety
+/// As [`weighted_values`].
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) unsafe fn values_scalar(
+    scores: &[f32],
+    ld: usize,
+    nq: usize,
+    hd: usize,
+    keys: usize,
+    page_size: usize,
+    slot: usize,
+    values: &dyn Fn(usize) -> *const f32,
+    acc: &mut [f32],
+) {
+    for t in 0..keys {
+        // SAFETY: as the function's contract: value rows hold `hd` values.
+        let v = unsafe { values(t / page_size).add((t % page_size) * slot) };
+        for q in 0..nq {
+            let w = scores[q * ld + t];
+            if w != 0.0 {
+                for d in 0..hd {
+                    // SAFETY: as above.
+                    acc[q * hd + d] = w.mul_add(unsafe { *v.add(d) }, acc[q * hd + d]);
+                }
+            }
+        }
+    }
+}
