@@ -61,9 +61,12 @@ pub struct ActivationArgs {
 }
 
 impl ActivationArgs {
-    /// Makes it this process's choice.
-    pub fn apply(&self) {
-        maxc_runtime::kernels::options::set_activations(self.activations);
+    /// The kernel choices these arguments make (the defaults otherwise).
+    pub fn kernels(&self) -> maxc_runtime::kernels::options::KernelOptions {
+        maxc_runtime::kernels::options::KernelOptions {
+            activations: self.activations,
+            ..Default::default()
+        }
     }
 }
 

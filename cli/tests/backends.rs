@@ -506,7 +506,8 @@ fn the_ep_init_program_matches_the_interpreter_on_every_rank() {
         .expect("the EP init graph builds");
         let graph = &loaded.roles[&GraphRole::EpInit].graph;
         for rank in 0..degree {
-            let mut exec = CpuExecutor::new(artifact.clone(), ep_init::ROLE).unwrap();
+            let mut exec =
+                CpuExecutor::new(artifact.clone(), ep_init::ROLE, Default::default()).unwrap();
             // What the arena held before is irrelevant: fill it with garbage first.
             let outs = exec
                 .run_once(&[(ep_init::RANK_INPUT, vec![rank as i32])])

@@ -4,8 +4,8 @@
 //! kernel's speed-up over the generic one.
 
 use maxc_kernels::isa::isa_name;
-use maxc_kernels::matmul::{matmul, set_block_tiles, set_hand_kernels, set_packed_min_rows};
-use maxc_kernels::options::{set_activations, Activations};
+use maxc_kernels::matmul::matmul;
+use maxc_kernels::options::{Activations, KernelOptions};
 use maxc_runtime::bench::bandwidth;
 use maxc_runtime::schema::DType;
 use std::time::Instant;
@@ -82,13 +82,22 @@ fn main() {
             let x: Vec<f32> = (0..rows * k).map(|i| (i % 17) as f32 * 0.01).collect();
             let mut out = vec![0.0f32; rows * n];
             let calls = if rows >= 128 { 24 } else { 240 };
-            let mut time = |hand: bool| {
-                set_hand_kernels(hand);
+            let mut time = |opts: KernelOptions| {
                 let reps: Vec<f64> = (0..5)
                     .map(|_| {
                         let t = Instant::now();
                         for c in 0..calls {
-                            matmul(&x, ws[c % copies], dtype, &mut out, rows, n, k, threads);
+                            matmul(
+                                &x,
+                                ws[c % copies],
+                                dtype,
+                                &mut out,
+                                rows,
+                                n,
+                                k,
+                                threads,
+                                &opts,
+                            );
                         }
                         t.elapsed().as_secs_f64() / calls as f64
                     })
@@ -98,23 +107,32 @@ fn main() {
             // Interleaved, so that the machine's drift hits every variant alike.
             let (mut ss, mut gs, mut ps, mut ts, mut ks) = (vec![], vec![], vec![], vec![], vec![]);
             let mut qs = vec![];
+            let best = KernelOptions::default();
             for _ in 0..3 {
-                ss.push(time(true));
-                gs.push(time(false));
+                ss.push(time(best));
+                gs.push(time(KernelOptions {
+                    hand_kernels: false,
+                    ..best
+                }));
                 // Tiles straight on blocks against dequantized panels, where both run.
-                set_block_tiles(false);
-                ps.push(time(true));
-                set_block_tiles(true);
+                ps.push(time(KernelOptions {
+                    block_tiles: false,
+                    ..best
+                }));
                 // Register tiles against the packed kernel, whichever the default picks.
-                set_packed_min_rows(usize::MAX);
-                ts.push(time(true));
-                set_packed_min_rows(1);
-                ks.push(time(true));
-                set_packed_min_rows(0);
+                ts.push(time(KernelOptions {
+                    packed_min_rows: Some(usize::MAX),
+                    ..best
+                }));
+                ks.push(time(KernelOptions {
+                    packed_min_rows: Some(1),
+                    ..best
+                }));
                 // 8-bit activations (block formats of a few rows; the others as before).
-                set_activations(Activations::Q8);
-                qs.push(time(true));
-                set_activations(Activations::F32);
+                qs.push(time(KernelOptions {
+                    activations: Activations::Q8,
+                    ..best
+                }));
             }
             let (s, generic, panels) = (median(ss), median(gs), median(ps));
             let (tiles, packed, q8) = (median(ts), median(ks), median(qs));

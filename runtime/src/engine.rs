@@ -11,6 +11,7 @@ use crate::kv::PageTable;
 use crate::logits::Logits;
 use crate::profile::{GpuProfiling, StepProfile};
 use crate::schema::{Program, StepDim, StepInputs, TOKENIZER_FILE};
+use maxc_kernels::options::KernelOptions;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -154,6 +155,7 @@ pub trait StepExecutor: Send {
 pub struct Engine {
     exec: Executor,
     info: RoleInfo,
+    kernels: KernelOptions,
 }
 
 impl Engine {
@@ -164,26 +166,40 @@ impl Engine {
 
     /// Opens the artifact at `dir` and prepares `role` on `device`.
     pub fn open_on(dir: &Path, role: &str, device: Device) -> Result<Self> {
-        Engine::open_verified(dir, role, device, None)
+        Engine::open_verified(dir, role, device, None, KernelOptions::default())
     }
 
     /// [`Engine::open_on`], refusing an artifact whose manifest is not signed by `key` where
-    /// one is given ([`Artifact::open_verified`]).
+    /// one is given ([`Artifact::open_verified`]), the CPU's library kernels chosen by
+    /// `kernels`.
     pub fn open_verified(
         dir: &Path,
         role: &str,
         device: Device,
         key: Option<&ed25519_dalek::VerifyingKey>,
+        kernels: KernelOptions,
     ) -> Result<Self> {
-        Engine::new(
+        Engine::with_kernels(
             Arc::new(Artifact::open_verified(dir, key, device.weight_memory())?),
             role,
             device,
+            kernels,
         )
     }
 
     /// Prepares `role` of an opened artifact on `device`.
     pub fn new(artifact: Arc<Artifact>, role: &str, device: Device) -> Result<Self> {
+        Engine::with_kernels(artifact, role, device, KernelOptions::default())
+    }
+
+    /// [`Engine::new`], the CPU's library kernels chosen by `kernels` (the CUDA executor has
+    /// no choices to make).
+    pub fn with_kernels(
+        artifact: Arc<Artifact>,
+        role: &str,
+        device: Device,
+        kernels: KernelOptions,
+    ) -> Result<Self> {
         if role == crate::schema::ep_init::ROLE {
             return Err(RuntimeError::Input(format!(
                 "role `{role}` runs once at load, on each expert-parallel rank, to set up the exchange; it runs no steps (run the `decoder` role)"
@@ -201,7 +217,7 @@ impl Engine {
             }
         }
         let exec = match device {
-            Device::Cpu => Executor::Cpu(CpuExecutor::new(artifact.clone(), role)?),
+            Device::Cpu => Executor::Cpu(CpuExecutor::new(artifact.clone(), role, kernels)?),
             Device::Cuda => Executor::Cuda(CudaExecutor::new(artifact.clone(), role)?),
         };
         let bounds = *exec.bounds();
@@ -230,12 +246,21 @@ impl Engine {
             eos_token_ids: m.eos_token_ids.clone(),
             tokenizer_sha256: m.files.get(TOKENIZER_FILE).map(|f| f.sha256.clone()),
         };
-        Ok(Engine { exec, info })
+        Ok(Engine {
+            exec,
+            info,
+            kernels,
+        })
     }
 
     /// The artifact.
     pub fn artifact(&self) -> &Arc<Artifact> {
         self.exec.artifact()
+    }
+
+    /// The CPU library kernels' choices this engine was made with.
+    pub fn kernels(&self) -> KernelOptions {
+        self.kernels
     }
 
     /// The role's bounds and tokens.

@@ -10,8 +10,9 @@
 
 use anyhow::Result;
 use maxc_runtime::bench::{bandwidth, fma_peak, gemm_flops, peak_rss, reset_peak_rss};
+use maxc_runtime::engine::Device;
 use maxc_runtime::profile::kernel_cost;
-use maxc_runtime::Session;
+use maxc_runtime::{Engine, Session};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -95,16 +96,27 @@ impl Probes {
 
 /// Runs the benchmark and prints it.
 pub fn run(args: Args) -> Result<()> {
-    args.activations.apply();
     // Load time with the files in the page cache (the first open warms it).
     let mut loads = Vec::new();
     for _ in 0..4 {
         let t = Instant::now();
-        drop(Session::open(&args.artifact, &args.role)?);
+        drop(Session::new(Engine::open_verified(
+            &args.artifact,
+            &args.role,
+            Device::Cpu,
+            None,
+            args.activations.kernels(),
+        )?));
         loads.push(t.elapsed().as_secs_f64());
     }
     loads.remove(0);
-    let mut engine = Session::open(&args.artifact, &args.role)?;
+    let mut engine = Session::new(Engine::open_verified(
+        &args.artifact,
+        &args.role,
+        Device::Cpu,
+        None,
+        args.activations.kernels(),
+    )?);
     engine.engine_mut().set_profiling(true)?;
     let vocab = engine.engine().vocab_size() as i64;
     let rounds = args.rounds as usize;

@@ -65,7 +65,6 @@ pub struct Args {
 
 /// Generates, streaming text (or ids) to stdout.
 pub fn run(args: Args) -> Result<()> {
-    args.activations.apply();
     let valid = args.temperature >= 0.0 && args.top_p > 0.0 && args.top_p <= 1.0;
     if !valid {
         bail!(
@@ -82,7 +81,13 @@ pub fn run(args: Args) -> Result<()> {
             args.role
         );
     }
-    let engine = Engine::open_verified(&args.artifact, &args.role, args.device, key.as_ref())?;
+    let engine = Engine::open_verified(
+        &args.artifact,
+        &args.role,
+        args.device,
+        key.as_ref(),
+        args.activations.kernels(),
+    )?;
     args.expert_parallel.check(&engine)?;
     let artifact = engine.artifact().clone();
     let tokenizer = maxc_serve::tokenizer::Tokenizer::of_artifact(&artifact)?;

@@ -51,7 +51,6 @@ pub fn prompt_logits(engine: &mut Session, tokens: &[i64]) -> Result<Vec<f32>> {
 
 /// Runs the prompt and prints the last position's top tokens.
 pub fn run(args: Args) -> Result<()> {
-    args.activations.apply();
     let tokens = parse_tokens(&args.tokens)?;
     let key = args.signature.key()?;
     let mut engine = Session::new(Engine::open_verified(
@@ -59,6 +58,7 @@ pub fn run(args: Args) -> Result<()> {
         &args.role,
         args.device,
         key.as_ref(),
+        args.activations.kernels(),
     )?);
     args.expert_parallel.check(engine.engine())?;
     if tokens.len() > engine.engine().max_seq_len() {

@@ -176,7 +176,6 @@ fn seconds(flag: &str, s: f64) -> Result<Duration> {
 /// environment gave (they win over the config file).
 pub fn run(mut args: Args, matches: Option<&clap::ArgMatches>) -> Result<()> {
     let profiling = apply_config_file(&mut args, matches)?;
-    args.activations.apply();
     if !args.artifact.join("manifest.json").is_file() {
         anyhow::bail!(
             "{}: not a maxc artifact (no manifest.json); compile one with `maxc compile`",
@@ -202,6 +201,7 @@ pub fn run(mut args: Args, matches: Option<&clap::ArgMatches>) -> Result<()> {
         served_model_name: args.served_model_name,
         prefix_caching: !args.no_prefix_caching,
         device: args.device,
+        kernels: args.activations.kernels(),
         max_request_bytes: args.max_request_bytes,
         max_queue_size: args.max_queue_size,
         shutdown_timeout: seconds(

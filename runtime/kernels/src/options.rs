@@ -10,7 +10,7 @@ pub enum Activations {
     /// Quantized to 8 bits per 32 values (one f32 scale each) and multiplied with the weights'
     /// integers in integer arithmetic: faster where the CPU has AVX2, at the cost of
     /// fidelity (measured in the README). Other CPUs, float weights and steps of more than
-    /// [`STREAM_MAX_ROWS`] rows keep f32 activations.
+    /// [`STREAM_MAX_ROWS`](crate::matmul::STREAM_MAX_ROWS) rows keep f32 activations.
     Q8,
 }
 
@@ -37,20 +37,29 @@ impl std::str::FromStr for Activations {
     }
 }
 
-/// Whether block-format matmuls of a few rows take 8-bit activations (process-wide, like the
-/// instruction set the kernels use).
-static Q8_ACTIVATIONS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Sets how activations meet block-format weights from now on, in this process.
-pub fn set_activations(a: Activations) {
-    Q8_ACTIVATIONS.store(a == Activations::Q8, std::sync::atomic::Ordering::Relaxed);
+/// The kernel choices of one executor, made when it is set up (the defaults are the fastest
+/// measured on this CPU family; the others are for comparisons and benchmarks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelOptions {
+    /// How activations meet block-format weights in steps of a few rows.
+    pub activations: Activations,
+    /// Whether the hand-vectorized kernels run where they exist (off: the generic ones).
+    pub hand_kernels: bool,
+    /// Whether steps of a few rows run register tiles straight on 32-value blocks rather than
+    /// on dequantized panels.
+    pub block_tiles: bool,
+    /// Steps of at least this many rows run the packed kernel, whatever the dtype
+    /// (`usize::MAX`: never); `None`: the measured threshold of each dtype.
+    pub packed_min_rows: Option<usize>,
 }
 
-/// How activations meet block-format weights.
-pub fn activations() -> Activations {
-    if Q8_ACTIVATIONS.load(std::sync::atomic::Ordering::Relaxed) {
-        Activations::Q8
-    } else {
-        Activations::F32
+impl Default for KernelOptions {
+    fn default() -> Self {
+        KernelOptions {
+            activations: Activations::F32,
+            hand_kernels: true,
+            block_tiles: true,
+            packed_min_rows: None,
+        }
     }
 }

@@ -11,6 +11,7 @@ use crate::schema::{
     DType, Extent, GatherIndex, KernelBody, Program, Rows, StepDim, StepInputs, StepLimits, Storage,
 };
 use half::{bf16, f16};
+use maxc_kernels::options::KernelOptions;
 use maxc_kernels::{attention, elementwise as ew, gemm, isa, matmul, moe, pool};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -145,6 +146,8 @@ pub struct CpuExecutor {
     ints: BTreeMap<String, Vec<i32>>,
     threads: usize,
     matmul_policy: Option<u64>,
+    /// The library kernels' choices, made at load.
+    kernels: KernelOptions,
     /// Where set, each step's launches are timed into it.
     profile: Option<StepProfile>,
     /// Expert parallelism over in-process ranks, where the artifact records a degree above 1.
@@ -179,7 +182,7 @@ fn to_f32(dtype: DType, bytes: &[u8]) -> Option<Vec<f32>> {
 impl CpuExecutor {
     /// Prepares `role` of `artifact`: checks the CPU target against this machine, loads the
     /// native code, binds weights, and allocates the arena and KV cache at the bounds.
-    pub fn new(artifact: Arc<Artifact>, role: &str) -> Result<Self> {
+    pub fn new(artifact: Arc<Artifact>, role: &str, kernels: KernelOptions) -> Result<Self> {
         let program = artifact.programs.get(role).cloned().ok_or_else(|| {
             RuntimeError::Input(format!(
                 "the artifact has no role `{role}`; it has {:?}",
@@ -325,7 +328,8 @@ impl CpuExecutor {
         let ep = match super::ep::EpPlan::from_records(&artifact.manifest.export_records)? {
             Some(plan) if has_moe => {
                 let ex = super::ep::InProcessExchange::from_artifact(&artifact, plan, &mut |r| {
-                    let mut exec = Box::new(CpuExecutor::new(artifact.clone(), ep_init::ROLE)?);
+                    let mut exec =
+                        Box::new(CpuExecutor::new(artifact.clone(), ep_init::ROLE, kernels)?);
                     let outs = exec.run_once(&[(ep_init::RANK_INPUT, vec![r as i32])])?;
                     Ok((exec as Box<dyn std::any::Any + Send>, outs))
                 })?;
@@ -351,6 +355,7 @@ impl CpuExecutor {
             ints,
             threads: pool::threads(),
             matmul_policy,
+            kernels,
             profile: None,
         })
     }
@@ -595,7 +600,7 @@ impl CpuExecutor {
                     Some(p) => {
                         // SAFETY: the weight's mapped bytes, `len` of them.
                         let w = unsafe { std::slice::from_raw_parts(p.ptr, p.len) };
-                        matmul::matmul(x, w, p.dtype, out, rows, n, k, self.threads);
+                        matmul::matmul(x, w, p.dtype, out, rows, n, k, self.threads, &self.kernels);
                     }
                     None => {
                         let w = self.param_f32(buffers[1], args[1], n * k);

@@ -17,7 +17,7 @@ use maxc_schema::blocks::{
 use maxc_schema::DType;
 
 use crate::isa::{isa, tiles_available, Isa};
-use crate::options::{activations, Activations};
+use crate::options::{Activations, KernelOptions};
 
 pub(crate) mod blocks;
 #[cfg(target_arch = "x86_64")]
@@ -40,20 +40,12 @@ const PACKED_MIN_ROWS: usize = 32;
 /// even at 20-22).
 const BLOCK_PACKED_MIN_ROWS: usize = 22;
 
-/// Where non-zero, the packed kernel's threshold for every dtype (benchmarks).
-static PACKED_MIN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// Steps of at least `rows` rows run the packed kernel, whatever the dtype (for benchmarks;
-/// `usize::MAX`: never; 0: the defaults again).
-pub fn set_packed_min_rows(rows: usize) {
-    PACKED_MIN.store(rows, std::sync::atomic::Ordering::Relaxed);
-}
-
-fn packed_min_rows(dtype: DType) -> usize {
-    match PACKED_MIN.load(std::sync::atomic::Ordering::Relaxed) {
-        0 if dtype.is_quantized() => BLOCK_PACKED_MIN_ROWS,
-        0 => PACKED_MIN_ROWS,
-        n => n,
+/// The fewest rows that run the packed kernel for `dtype` under `opts`.
+fn packed_min_rows(dtype: DType, opts: &KernelOptions) -> usize {
+    match opts.packed_min_rows {
+        None if dtype.is_quantized() => BLOCK_PACKED_MIN_ROWS,
+        None => PACKED_MIN_ROWS,
+        Some(n) => n,
     }
 }
 /// Below this many weight bytes a matmul runs on the calling thread.
@@ -261,24 +253,6 @@ macro_rules! multiversion {
 multiversion!(stream_cols_mv, stream_cols, (x: &[f32], w: &[u8], out: &mut [f32], rows: usize, n: usize, k: usize, cols: std::ops::Range<usize>));
 multiversion!(dequant_rows_mv, dequant_rows, (w: &[u8], k: usize, j0: usize, panel: &mut [f32]));
 
-/// Whether the hand-vectorized kernels of [`blocks`] run where they exist (on by default;
-/// off to compare them with the generic ones).
-static HAND_KERNELS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Whether steps of a few rows run register tiles straight on 32-value blocks (on by
-/// default) rather than on dequantized panels.
-static BLOCK_TILES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Chooses tiles on blocks or on dequantized panels for steps of a few rows (for benchmarks).
-pub fn set_block_tiles(on: bool) {
-    BLOCK_TILES.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Turns the hand-vectorized kernels on or off (for benchmarks).
-pub fn set_hand_kernels(on: bool) {
-    HAND_KERNELS.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
 #[allow(clippy::too_many_arguments)]
 fn matmul_as<F: Format>(
     x: &[f32],
@@ -290,9 +264,10 @@ fn matmul_as<F: Format>(
     threads: usize,
     fast: Option<blocks::StreamFn>,
     dtype: DType,
+    opts: &KernelOptions,
 ) {
-    let fast = fast.filter(|_| HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed));
-    let tiles = tiles_available() && HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed);
+    let fast = fast.filter(|_| opts.hand_kernels);
+    let tiles = tiles_available() && opts.hand_kernels;
     let stream_max = if tiles {
         TILE_MIN_ROWS - 1
     } else {
@@ -306,13 +281,12 @@ fn matmul_as<F: Format>(
         });
         return;
     }
-    let panel_fast = blocks::panel_kernel(dtype, isa())
-        .filter(|_| HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed));
+    let panel_fast = blocks::panel_kernel(dtype, isa()).filter(|_| opts.hand_kernels);
     let panels = n.div_ceil(PANEL);
     let chunks = threads.max(1).min(panels);
     let optr = crate::pool::OutPtr(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
-    let xt = if tiles && rows >= packed_min_rows(dtype) {
+    let xt = if tiles && rows >= packed_min_rows(dtype, opts) {
         tile::pack_transposed(x, rows, k)
     } else {
         Vec::new()
@@ -442,7 +416,8 @@ fn tiled<L: tile::Rows>(
 }
 
 /// `out[rows, n] = x[rows, k] · wᵀ`, `w` the bytes of an `[n, k]` weight of `dtype` (f32,
-/// f16, bf16 or a block type; `k` whole blocks). `threads` is how many ways to split the work.
+/// f16, bf16 or a block type; `k` whole blocks). `threads` is how many ways to split the work;
+/// `opts` chooses among the kernels where more than one would do.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     x: &[f32],
@@ -453,6 +428,7 @@ pub fn matmul(
     n: usize,
     k: usize,
     threads: usize,
+    opts: &KernelOptions,
 ) {
     if rows == 0 || n == 0 {
         return;
@@ -460,10 +436,7 @@ pub fn matmul(
     debug_assert!(x.len() >= rows * k && out.len() >= rows * n);
     debug_assert_eq!(dtype.bytes_for((n * k) as u64), Some(w.len() as u64));
     #[cfg(target_arch = "x86_64")]
-    if rows <= STREAM_MAX_ROWS
-        && activations() == Activations::Q8
-        && HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed)
-    {
+    if rows <= STREAM_MAX_ROWS && opts.activations == Activations::Q8 && opts.hand_kernels {
         if let Some(f) = blocks::q8_kernel(dtype, isa()) {
             Q8_SCRATCH.with(|scratch| {
                 let buf = &mut *scratch.borrow_mut();
@@ -480,19 +453,19 @@ pub fn matmul(
         }
     }
     #[cfg(target_arch = "x86_64")]
-    if tile::available() && HAND_KERNELS.load(std::sync::atomic::Ordering::Relaxed) {
+    if tile::available() && opts.hand_kernels {
         use tile::{Bf16Rows, F16Rows, F32Rows};
         // SAFETY (the casts): f32 weights are 4-aligned and f16/bf16 weights 2-aligned
         // (validated at load); each holds n·k values.
         let done = match dtype {
-            DType::F32 if rows >= packed_min_rows(dtype) => {
+            DType::F32 if rows >= packed_min_rows(dtype, opts) => {
                 // SAFETY: f32 weights are 4-aligned (validated) and hold n·k values.
                 let wf = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), n * k) };
                 tile::packed_f32(x, wf, out, rows, n, k, threads);
                 true
             }
             // Other formats go through f32 panels (below).
-            _ if rows >= packed_min_rows(dtype) => false,
+            _ if rows >= packed_min_rows(dtype, opts) => false,
             // Steps of a few rows on blocks: each 32 values dequantized once into registers
             // for up to eight rows.
             DType::Q8_0
@@ -503,7 +476,7 @@ pub fn matmul(
             | DType::Q4K
             | DType::Q5K
             | DType::Q6K
-                if BLOCK_TILES.load(std::sync::atomic::Ordering::Relaxed) =>
+                if opts.block_tiles =>
             {
                 match blocks::block_tile_kernel(dtype, isa()) {
                     Some(f) => {
@@ -542,17 +515,33 @@ pub fn matmul(
             let wf = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), n * k) };
             crate::gemm::matmul(x, wf, None, out, rows, n, k);
         }
-        DType::F32 => matmul_as::<F32s>(x, w, out, rows, n, k, threads, fast, dtype),
-        DType::F16 => matmul_as::<F16s>(x, w, out, rows, n, k, threads, None, dtype),
-        DType::BF16 => matmul_as::<Bf16s>(x, w, out, rows, n, k, threads, fast, dtype),
-        DType::Q8_0 => matmul_as::<Blocks<BlockQ8_0>>(x, w, out, rows, n, k, threads, fast, dtype),
-        DType::Q4_0 => matmul_as::<Blocks<BlockQ4_0>>(x, w, out, rows, n, k, threads, fast, dtype),
-        DType::Q4_1 => matmul_as::<Blocks<BlockQ4_1>>(x, w, out, rows, n, k, threads, fast, dtype),
-        DType::Q5_0 => matmul_as::<Blocks<BlockQ5_0>>(x, w, out, rows, n, k, threads, fast, dtype),
-        DType::Q5_1 => matmul_as::<Blocks<BlockQ5_1>>(x, w, out, rows, n, k, threads, fast, dtype),
-        DType::Q4K => matmul_as::<Blocks<BlockQ4K>>(x, w, out, rows, n, k, threads, fast, dtype),
-        DType::Q5K => matmul_as::<Blocks<BlockQ5K>>(x, w, out, rows, n, k, threads, fast, dtype),
-        DType::Q6K => matmul_as::<Blocks<BlockQ6K>>(x, w, out, rows, n, k, threads, fast, dtype),
+        DType::F32 => matmul_as::<F32s>(x, w, out, rows, n, k, threads, fast, dtype, opts),
+        DType::F16 => matmul_as::<F16s>(x, w, out, rows, n, k, threads, None, dtype, opts),
+        DType::BF16 => matmul_as::<Bf16s>(x, w, out, rows, n, k, threads, fast, dtype, opts),
+        DType::Q8_0 => {
+            matmul_as::<Blocks<BlockQ8_0>>(x, w, out, rows, n, k, threads, fast, dtype, opts)
+        }
+        DType::Q4_0 => {
+            matmul_as::<Blocks<BlockQ4_0>>(x, w, out, rows, n, k, threads, fast, dtype, opts)
+        }
+        DType::Q4_1 => {
+            matmul_as::<Blocks<BlockQ4_1>>(x, w, out, rows, n, k, threads, fast, dtype, opts)
+        }
+        DType::Q5_0 => {
+            matmul_as::<Blocks<BlockQ5_0>>(x, w, out, rows, n, k, threads, fast, dtype, opts)
+        }
+        DType::Q5_1 => {
+            matmul_as::<Blocks<BlockQ5_1>>(x, w, out, rows, n, k, threads, fast, dtype, opts)
+        }
+        DType::Q4K => {
+            matmul_as::<Blocks<BlockQ4K>>(x, w, out, rows, n, k, threads, fast, dtype, opts)
+        }
+        DType::Q5K => {
+            matmul_as::<Blocks<BlockQ5K>>(x, w, out, rows, n, k, threads, fast, dtype, opts)
+        }
+        DType::Q6K => {
+            matmul_as::<Blocks<BlockQ6K>>(x, w, out, rows, n, k, threads, fast, dtype, opts)
+        }
         DType::I32 | DType::I64 => unreachable!("validated: matmul weights are real"),
     }
 }
@@ -648,7 +637,17 @@ mod tests {
                 let want = reference(&x, &wf, rows, n, k);
                 for threads in [1, 2] {
                     let mut out = vec![f32::NAN; rows * n];
-                    matmul(&x, &w, dtype, &mut out, rows, n, k, threads);
+                    matmul(
+                        &x,
+                        &w,
+                        dtype,
+                        &mut out,
+                        rows,
+                        n,
+                        k,
+                        threads,
+                        &KernelOptions::default(),
+                    );
                     for (i, (a, b)) in out.iter().zip(&want).enumerate() {
                         assert!(
                             (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
@@ -671,7 +670,17 @@ mod tests {
             .collect();
         for rows in [1, 20] {
             let mut out = vec![0.0; rows * n];
-            matmul(&x, &w, DType::BF16, &mut out, rows, n, k, 2);
+            matmul(
+                &x,
+                &w,
+                DType::BF16,
+                &mut out,
+                rows,
+                n,
+                k,
+                2,
+                &KernelOptions::default(),
+            );
             assert_eq!(out, reference(&x, &wf, rows, n, k));
         }
     }

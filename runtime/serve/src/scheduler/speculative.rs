@@ -127,8 +127,8 @@ impl Speculation {
         })
     }
 
-    /// Opens the draft `opts` names for `decoder` on `device` (a separate artifact is
-    /// checked against `key` where one is given).
+    /// Opens the draft `opts` names for `decoder` on `device`, with the decoder's kernel
+    /// choices (a separate artifact is checked against `key` where one is given).
     pub fn open(
         decoder: &Engine,
         opts: &SpeculationOptions,
@@ -136,7 +136,7 @@ impl Speculation {
         key: Option<&ed25519_dalek::VerifyingKey>,
     ) -> Result<Self> {
         let draft = match &opts.draft {
-            Some(dir) => Engine::open_verified(dir, "decoder", device, key)?,
+            Some(dir) => Engine::open_verified(dir, "decoder", device, key, decoder.kernels())?,
             None => {
                 let artifact = decoder.artifact().clone();
                 if !artifact.manifest.roles.contains_key("draft") {
@@ -145,7 +145,7 @@ impl Speculation {
                         artifact.dir.display()
                     )));
                 }
-                Engine::new(artifact, "draft", device)?
+                Engine::with_kernels(artifact, "draft", device, decoder.kernels())?
             }
         };
         Speculation::new(decoder.info(), draft, opts.depth)

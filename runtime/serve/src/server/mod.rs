@@ -56,6 +56,8 @@ pub struct ServeOptions {
     pub prefix_caching: bool,
     /// Where to run.
     pub device: Device,
+    /// The CPU library kernels' choices.
+    pub kernels: maxc_runtime::kernels::options::KernelOptions,
     /// Largest request body, in bytes.
     pub max_request_bytes: usize,
     /// Requests that may wait beyond the running ones before new ones get 429.
@@ -223,8 +225,8 @@ fn load(opts: &ServeOptions, metrics: &Arc<Metrics>, tracer: Tracer) -> Result<L
     };
     record("artifact", t.elapsed());
     let t = Instant::now();
-    let engine =
-        Engine::new(artifact.clone(), "decoder", opts.device).map_err(|e| e.to_string())?;
+    let engine = Engine::with_kernels(artifact.clone(), "decoder", opts.device, opts.kernels)
+        .map_err(|e| e.to_string())?;
     record("engine", t.elapsed());
     if let Some(n) = opts.expert_parallel_degree {
         engine
