@@ -118,40 +118,11 @@ fn emit_body(kb: &mut KernelBuilder, body: &KernelBody) -> Result<(), CpuError> 
             ..
         } => elementwise::emit(kb, *cols, inputs, program),
         KernelBody::Rope { heads, head_dim } => rope::emit(kb, *heads, *head_dim),
-        KernelBody::KvStore {
-            layer,
-            num_layers,
-            kv_heads,
-            head_dim,
-            page_size,
-        } => paged::emit_kv_store(
-            kb,
-            &paged::CacheLayout::new(
-                kb.kind(),
-                *layer,
-                *num_layers,
-                *kv_heads,
-                *head_dim,
-                *page_size,
-            )?,
-        ),
-        KernelBody::Attention {
-            layer,
-            num_layers,
-            heads,
-            kv_heads,
-            head_dim,
-            page_size,
-            scale,
-        } => {
-            let cache = paged::CacheLayout::new(
-                kb.kind(),
-                *layer,
-                *num_layers,
-                *kv_heads,
-                *head_dim,
-                *page_size,
-            )?;
+        KernelBody::KvStore { .. } => {
+            paged::emit_kv_store(kb, &paged::CacheLayout::of(kb.kind(), body)?)
+        }
+        KernelBody::Attention { heads, scale, .. } => {
+            let cache = paged::CacheLayout::of(kb.kind(), body)?;
             attention::emit(kb, &cache, *heads, *scale)
         }
         KernelBody::Softmax { cols, .. } => softmax::emit(kb, *cols),

@@ -6,72 +6,60 @@ use super::CpuError;
 use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::types::I64;
 use cranelift_codegen::ir::{BlockArg, InstBuilder, Value};
-use maxc_schema::StepDim;
+use maxc_schema::{KernelBody, KvView, StepDim};
 
-/// One layer's view of the paged cache `[pages, num_layers, 2, page_size, kv_heads, head_dim]`.
-pub(crate) struct CacheLayout {
-    /// The layer's slot.
-    pub layer: u64,
-    /// Layers in the cache.
-    pub num_layers: u64,
-    /// KV heads.
-    pub kv_heads: u64,
-    /// Elements per head.
-    pub head_dim: u64,
-    /// Tokens per page.
-    pub page_size: u64,
+/// One layer's view of the paged cache ([`KvView`]), checked for this backend, with the
+/// Cranelift address arithmetic.
+pub(crate) struct CacheLayout(KvView);
+
+impl std::ops::Deref for CacheLayout {
+    type Target = KvView;
+    fn deref(&self) -> &KvView {
+        &self.0
+    }
 }
 
 impl CacheLayout {
-    /// Checks the fields of a KV store or attention kernel `kind`.
-    pub fn new(
-        kind: &'static str,
-        layer: u64,
-        num_layers: u64,
-        kv_heads: u64,
-        head_dim: u64,
-        page_size: u64,
-    ) -> Result<Self, CpuError> {
-        let num_layers = check_size(kind, "num_layers", num_layers)?;
-        let kv_heads = check_size(kind, "kv_heads", kv_heads)?;
-        let head_dim = check_size(kind, "head_dim", head_dim)?;
-        let page_size = check_size(kind, "page_size", page_size)?;
-        if layer >= num_layers {
-            return Err(CpuError::Invalid {
-                kind,
-                what: format!("`layer` is {layer}, expected below `num_layers` = {num_layers}"),
-            });
+    /// The checked view of a KV store or attention kernel `kind`'s `body`: the contract's
+    /// checks, then this backend's size limits.
+    pub fn of(kind: &'static str, body: &KernelBody) -> Result<Self, CpuError> {
+        let invalid = |what: String| CpuError::Invalid { kind, what };
+        let view = body
+            .kv_view()
+            .ok_or_else(|| invalid("not a KV cache kernel".to_string()))?;
+        view.check().map_err(invalid)?;
+        for (field, v) in [
+            ("num_layers", view.num_layers),
+            ("kv_heads", view.kv_heads),
+            ("head_dim", view.head_dim),
+            ("page_size", view.page_size),
+        ] {
+            check_size(kind, field, v)?;
         }
         check_product(
             kind,
             "bytes per cache page (num_layers × 2 × page_size × kv_heads × head_dim × 4)",
-            &[num_layers, 2, page_size, kv_heads, head_dim, 4],
+            &[
+                view.num_layers,
+                2,
+                view.page_size,
+                view.kv_heads,
+                view.head_dim,
+                4,
+            ],
         )?;
-        Ok(CacheLayout {
-            layer,
-            num_layers,
-            kv_heads,
-            head_dim,
-            page_size,
-        })
-    }
-
-    /// f32 values per token slot (all KV heads).
-    pub fn slot_floats(&self) -> u64 {
-        self.kv_heads * self.head_dim
+        Ok(CacheLayout(view))
     }
 
     /// Address of the keys (`which = 0`) or values (`which = 1`) of this layer in `page`.
     pub fn block(&self, kb: &mut KernelBuilder, cache: Value, page: Value, which: u64) -> Value {
-        let block_bytes = self.page_size * self.slot_floats() * 4;
-        let page_bytes = self.num_layers * 2 * block_bytes;
-        let page_base = kb.addr(cache, page, page_bytes);
-        kb.offset(page_base, (self.layer * 2 + which) * block_bytes)
+        let page_base = kb.addr(cache, page, self.page_elems() * 4);
+        kb.offset(page_base, self.block_offset(which) * 4)
     }
 
     /// Address of `slot` in a key or value block.
     pub fn slot(&self, kb: &mut KernelBuilder, block: Value, slot: Value) -> Value {
-        kb.addr(block, slot, self.slot_floats() * 4)
+        kb.addr(block, slot, self.slot_elems() * 4)
     }
 
     /// `(p / page_size, p % page_size)` for a non-negative position `p`.
@@ -182,7 +170,7 @@ pub(crate) fn emit_kv_store(kb: &mut KernelBuilder, cache: &CacheLayout) -> Resu
         cache_lengths: kb.buf(4),
         offsets: kb.buf(5),
     };
-    let floats = cache.slot_floats();
+    let floats = cache.slot_elems();
     let (start, end) = (kb.start(), kb.end());
     kb.for_range(start, end, 1, |kb, r| {
         let (b, p) = seqs.locate(kb, r);

@@ -91,29 +91,9 @@ pub fn emit_kernel(
             program,
         } => elementwise::emit(cx, *rows, *cols, inputs, program)?,
         KernelBody::Rope { heads, head_dim } => rope::emit(cx, *heads, *head_dim)?,
-        KernelBody::KvStore {
-            layer,
-            num_layers,
-            kv_heads,
-            head_dim,
-            page_size,
-        } => {
-            let cache =
-                paged::CacheLayout::new(cx, *layer, *num_layers, *kv_heads, *head_dim, *page_size)?;
-            paged::emit_kv_store(cx, &cache)?
-        }
-        KernelBody::Attention {
-            layer,
-            num_layers,
-            heads,
-            kv_heads,
-            head_dim,
-            page_size,
-            scale,
-        } => {
-            let cache =
-                paged::CacheLayout::new(cx, *layer, *num_layers, *kv_heads, *head_dim, *page_size)?;
-            attention::emit(cx, &cache, *heads, *scale)?
+        KernelBody::KvStore { .. } => paged::emit_kv_store(cx, &paged::CacheLayout::of(cx, body)?)?,
+        KernelBody::Attention { heads, scale, .. } => {
+            attention::emit(cx, &paged::CacheLayout::of(cx, body)?, *heads, *scale)?
         }
         KernelBody::Softmax { rows, cols } => softmax::emit(cx, *rows, *cols)?,
         KernelBody::TopK {

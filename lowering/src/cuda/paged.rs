@@ -3,57 +3,38 @@
 
 use super::source::{self, fill, ull, Buf, Ctx};
 use super::{CudaError, Emitted};
-use maxc_schema::{CudaLaunch, GridExtent, Rows, StepDim};
+use maxc_schema::{CudaLaunch, GridExtent, KernelBody, KvView, Rows, StepDim};
 
-/// One layer's view of the paged cache `[pages, num_layers, 2, page_size, kv_heads, head_dim]`.
-pub(crate) struct CacheLayout {
-    /// The layer's slot.
-    pub layer: u64,
-    /// Layers in the cache.
-    pub num_layers: u64,
-    /// KV heads.
-    pub kv_heads: u64,
-    /// Elements per head.
-    pub head_dim: u64,
-    /// Tokens per page.
-    pub page_size: u64,
+/// One layer's view of the paged cache ([`KvView`]), checked for this backend, with the C
+/// address expressions.
+pub(crate) struct CacheLayout(KvView);
+
+impl std::ops::Deref for CacheLayout {
+    type Target = KvView;
+    fn deref(&self) -> &KvView {
+        &self.0
+    }
 }
 
 impl CacheLayout {
-    /// Checks the fields of a KV store or attention kernel.
-    pub fn new(
-        cx: Ctx,
-        layer: u64,
-        num_layers: u64,
-        kv_heads: u64,
-        head_dim: u64,
-        page_size: u64,
-    ) -> Result<Self, CudaError> {
-        let num_layers = cx.size("num_layers", num_layers)?;
-        let kv_heads = cx.size("kv_heads", kv_heads)?;
-        let head_dim = cx.size("head_dim", head_dim)?;
-        let page_size = cx.size("page_size", page_size)?;
-        if layer >= num_layers {
-            return Err(cx.invalid(format!(
-                "`layer` is {layer}, expected below `num_layers` = {num_layers}"
-            )));
-        }
+    /// The checked view of a KV store or attention kernel's `body`: the contract's checks,
+    /// then this backend's index range.
+    pub fn of(cx: Ctx, body: &KernelBody) -> Result<Self, CudaError> {
+        let view = body
+            .kv_view()
+            .ok_or_else(|| cx.invalid("not a KV cache kernel".to_string()))?;
+        view.check().map_err(|what| cx.invalid(what))?;
         cx.product(
             "floats per cache page (num_layers × 2 × page_size × kv_heads × head_dim)",
-            &[num_layers, 2, page_size, kv_heads, head_dim],
+            &[
+                view.num_layers,
+                2,
+                view.page_size,
+                view.kv_heads,
+                view.head_dim,
+            ],
         )?;
-        Ok(CacheLayout {
-            layer,
-            num_layers,
-            kv_heads,
-            head_dim,
-            page_size,
-        })
-    }
-
-    /// f32 values per token slot (all KV heads).
-    pub fn slot_floats(&self) -> u64 {
-        self.kv_heads * self.head_dim
+        Ok(CacheLayout(view))
     }
 
     /// The C expression of the first float of `slot` in the keys (`which` = 0) or values (1)
@@ -64,7 +45,7 @@ impl CacheLayout {
             nl = ull(self.num_layers),
             layer = ull(self.layer),
             ps = ull(self.page_size),
-            sf = ull(self.slot_floats()),
+            sf = ull(self.slot_elems()),
         )
     }
 }
@@ -135,7 +116,7 @@ pub(crate) fn emit_positions(cx: Ctx) -> Result<Emitted, CudaError> {
 /// `kv_lookup_table`, skipped when out of bounds) and slot, and threads copy the row's keys
 /// and values (all KV heads) there.
 pub(crate) fn emit_kv_store(cx: Ctx, cache: &CacheLayout) -> Result<Emitted, CudaError> {
-    let floats = cache.slot_floats();
+    let floats = cache.slot_elems();
     let threads = source::row_threads(floats, 256);
     let body = fill(
         r#"

@@ -290,7 +290,113 @@ pub enum KernelBody {
     },
 }
 
+/// One layer's view of the paged KV cache `[pages, num_layers, 2, page_size, kv_heads,
+/// head_dim]` (f32): what a [`KernelBody::KvStore`] or [`KernelBody::Attention`] reads of its
+/// body ([`KernelBody::kv_view`]), the one definition of the cache's addressing that both
+/// backends, the validator and the executors use. Offsets are in elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvView {
+    /// The layer's slot in the cache.
+    pub layer: u64,
+    /// Layers in the cache.
+    pub num_layers: u64,
+    /// KV heads.
+    pub kv_heads: u64,
+    /// Elements per head.
+    pub head_dim: u64,
+    /// Tokens per page.
+    pub page_size: u64,
+}
+
+impl KvView {
+    /// Checks that every size is non-zero, the layer lies in the cache and a page's bytes fit
+    /// in a `u64`; the message names the field.
+    pub fn check(&self) -> Result<(), String> {
+        for (name, v) in [
+            ("num_layers", self.num_layers),
+            ("kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
+            ("page_size", self.page_size),
+        ] {
+            if v == 0 {
+                return Err(format!("`{name}` is 0, expected at least 1"));
+            }
+        }
+        if self.layer >= self.num_layers {
+            return Err(format!(
+                "`layer` is {}, expected below `num_layers` = {}",
+                self.layer, self.num_layers
+            ));
+        }
+        [self.num_layers, 2, self.page_size, self.kv_heads, self.head_dim, 4]
+            .iter()
+            .try_fold(1u64, |acc, &v| acc.checked_mul(v))
+            .map(|_| ())
+            .ok_or_else(|| {
+                "bytes per cache page (num_layers × 2 × page_size × kv_heads × head_dim × 4) overflow u64"
+                    .to_string()
+            })
+    }
+
+    /// Elements of one token's slot (every KV head).
+    pub fn slot_elems(&self) -> u64 {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Elements of one layer's keys (or values) in a page.
+    pub fn block_elems(&self) -> u64 {
+        self.page_size * self.slot_elems()
+    }
+
+    /// Elements of one page (every layer's keys and values).
+    pub fn page_elems(&self) -> u64 {
+        self.num_layers * 2 * self.block_elems()
+    }
+
+    /// Offset in a page of this layer's keys (`which = 0`) or values (`which = 1`).
+    pub fn block_offset(&self, which: u64) -> u64 {
+        (self.layer * 2 + which) * self.block_elems()
+    }
+
+    /// Offset in the cache of the keys (`which = 0`) or values (`which = 1`) of KV head `kvh`
+    /// at token `pos` of `page` (`pos < page_size`).
+    pub fn offset(&self, page: u64, which: u64, pos: u64, kvh: u64) -> u64 {
+        page * self.page_elems()
+            + self.block_offset(which)
+            + pos * self.slot_elems()
+            + kvh * self.head_dim
+    }
+}
+
 impl KernelBody {
+    /// The KV cache view of a KV store or attention kernel (`None` for the others).
+    pub fn kv_view(&self) -> Option<KvView> {
+        match *self {
+            KernelBody::KvStore {
+                layer,
+                num_layers,
+                kv_heads,
+                head_dim,
+                page_size,
+            }
+            | KernelBody::Attention {
+                layer,
+                num_layers,
+                kv_heads,
+                head_dim,
+                page_size,
+                ..
+            } => Some(KvView {
+                layer,
+                num_layers,
+                kv_heads,
+                head_dim,
+                page_size,
+            }),
+            _ => None,
+        }
+    }
+
     /// The kernel kind's short name.
     pub fn kind(&self) -> &'static str {
         match self {

@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 pub use kernel::{
-    CudaLaunch, EwInput, EwInstr, GatherIndex, GridExtent, KernelBody, Rows, StepDim,
+    CudaLaunch, EwInput, EwInstr, GatherIndex, GridExtent, KernelBody, KvView, Rows, StepDim,
 };
 pub use manifest::{
     FileEntry, Manifest, RoleEntry, RuntimeSettings, Targets, MANIFEST_FILE, TOKENIZER_FILE,

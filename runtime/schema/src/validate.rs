@@ -24,7 +24,7 @@
 //! The native code's agreement with the kernel bodies is checked with the code modules (their
 //! per-kernel digests, [`crate::CpuModule::validate`], [`crate::CudaModule::validate`]).
 
-use crate::kernel::{EwInstr, GatherIndex, GridExtent, KernelBody, Rows, StepDim};
+use crate::kernel::{EwInstr, GatherIndex, GridExtent, KernelBody, KvView, Rows, StepDim};
 use crate::{CpuModule, CudaModule, DType, Extent, Program, Storage};
 use std::collections::BTreeMap;
 
@@ -826,10 +826,17 @@ fn operand_uses(body: &KernelBody, cx: &Ctx, what: &str) -> Result<Vec<Use>, Val
 
 /// The parameters of one kernel body, on their own and against the program's KV layout.
 fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(), ValidationError> {
-    let paged = |layer: u64, num_layers: u64, kv_heads: u64, head_dim: u64, page_size: u64| {
+    if let Some(view) = body.kv_view() {
         let Some(kv) = &p.kv else {
             return err("a KV cache kernel in a program without a KV cache");
         };
+        let KvView {
+            num_layers,
+            kv_heads,
+            head_dim,
+            page_size,
+            ..
+        } = view;
         if (num_layers, kv_heads, head_dim, page_size)
             != (kv.num_layers, kv.kv_heads, kv.head_dim, kv.page_size)
         {
@@ -838,11 +845,8 @@ fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(),
                 kv.num_layers, kv.kv_heads, kv.head_dim, kv.page_size
             ));
         }
-        if layer >= num_layers {
-            return err(format!("layer {layer} of {num_layers}"));
-        }
-        Ok(())
-    };
+        view.check().map_err(ValidationError)?;
+    }
     match body {
         KernelBody::Gather { src_dtype, .. } => real(*src_dtype, "src_dtype"),
         KernelBody::Positions => Ok(()),
@@ -885,23 +889,13 @@ fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(),
             }
             Ok(())
         }
-        KernelBody::KvStore {
-            layer,
-            num_layers,
-            kv_heads,
-            head_dim,
-            page_size,
-        } => paged(*layer, *num_layers, *kv_heads, *head_dim, *page_size),
+        KernelBody::KvStore { .. } => Ok(()),
         KernelBody::Attention {
-            layer,
-            num_layers,
             heads,
             kv_heads,
-            head_dim,
-            page_size,
             scale,
+            ..
         } => {
-            paged(*layer, *num_layers, *kv_heads, *head_dim, *page_size)?;
             if *heads == 0 || heads % kv_heads != 0 {
                 return err(format!(
                     "heads {heads} is not a multiple of kv_heads {kv_heads}"

@@ -694,15 +694,9 @@ impl CpuExecutor {
                 }
             }
             #[cfg(target_arch = "x86_64")]
-            &KernelBody::Attention {
-                layer,
-                num_layers,
-                heads,
-                kv_heads,
-                head_dim,
-                page_size,
-                scale,
-            } if attention_library() && self.matmul_policy.is_some() => {
+            &KernelBody::Attention { heads, scale, .. }
+                if attention_library() && self.matmul_policy.is_some() =>
+            {
                 let batch = dims[StepDim::BatchSize as usize] as usize;
                 let pages_per_seq = dims[StepDim::MaxNumPages as usize] as usize;
                 let ints = |i: usize, n: usize| unsafe {
@@ -715,12 +709,8 @@ impl CpuExecutor {
                     pages_per_seq,
                 };
                 let shape = attention::Shape {
-                    layer: layer as usize,
-                    num_layers: num_layers as usize,
+                    cache: body.kv_view().expect("an attention kernel has a KV view"),
                     heads: heads as usize,
-                    kv_heads: kv_heads as usize,
-                    head_dim: head_dim as usize,
-                    page_size: page_size as usize,
                     scale,
                 };
                 // SAFETY: attention runs on this CPU; the step inputs were checked

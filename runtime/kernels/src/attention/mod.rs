@@ -17,6 +17,7 @@ mod kernels;
 
 use crate::matmul::tile::{self, F32Rows};
 use kernels::Kernels;
+use maxc_schema::KvView;
 
 /// Query rows of one sequence per work item.
 const ROW_BLOCK: usize = 16;
@@ -24,13 +25,27 @@ const ROW_BLOCK: usize = 16;
 /// The shape of one attention launch.
 #[derive(Clone, Copy, Debug)]
 pub struct Shape {
-    pub layer: usize,
-    pub num_layers: usize,
+    /// The layer's view of the cache.
+    pub cache: KvView,
+    /// Query heads (a multiple of the cache's KV heads).
     pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub page_size: usize,
+    /// Score scale.
     pub scale: f32,
+}
+
+impl Shape {
+    /// Elements per head.
+    fn head_dim(&self) -> usize {
+        self.cache.head_dim as usize
+    }
+    /// KV heads.
+    fn kv_heads(&self) -> usize {
+        self.cache.kv_heads as usize
+    }
+    /// Tokens per page.
+    fn page_size(&self) -> usize {
+        self.cache.page_size as usize
+    }
 }
 
 /// The step's sequence bookkeeping (validated by `StepInputs::checked_dims`).
@@ -99,14 +114,14 @@ pub unsafe fn attention(
     shape: Shape,
     threads: usize,
 ) {
-    let group = shape.heads / shape.kv_heads;
+    let group = shape.heads / shape.kv_heads();
     let mut items = Vec::new();
     for b in 0..seqs.cache_lengths.len() {
         let (r0, r1) = (seqs.offsets[b] as usize, seqs.offsets[b + 1] as usize);
         let mut r = r0;
         while r < r1 {
             let rows = ROW_BLOCK.min(r1 - r);
-            for kvh in 0..shape.kv_heads {
+            for kvh in 0..shape.kv_heads() {
                 items.push(Item {
                     seq: b,
                     row: r,
@@ -188,12 +203,10 @@ unsafe fn attend_avx2(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scratch: &mu
 
 #[inline(always)]
 unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scratch: &mut Scratch) {
-    let hd = shape.head_dim;
+    let hd = shape.head_dim();
     let hstride = shape.heads * hd;
-    let slot = shape.kv_heads * hd;
-    let block = shape.page_size * slot;
-    let page_floats = shape.num_layers * 2 * block;
-    let kvh = it.head / (shape.heads / shape.kv_heads);
+    let slot = shape.cache.slot_elems() as usize;
+    let kvh = it.head / (shape.heads / shape.kv_heads());
     let first_pos = seqs.cache_lengths[it.seq] as usize + it.row - seqs.offsets[it.seq] as usize;
     let keys = first_pos + it.rows;
     let nq = it.rows * it.group;
@@ -221,16 +234,16 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
         let page_ptr = |pg: usize, which: usize| {
             let page = seqs.lookup[it.seq * seqs.pages_per_seq + pg] as usize;
             p.cache
-                .add(page * page_floats + (shape.layer * 2 + which) * block + kvh * hd)
+                .add(shape.cache.offset(page as u64, which as u64, 0, kvh as u64) as usize)
         };
-        let pages = keys.div_ceil(shape.page_size);
+        let pages = keys.div_ceil(shape.page_size());
         let rows_of = |pg: usize, which: usize| F32Rows {
             ptr: page_ptr(pg, which),
             stride: slot,
         };
         for pg in 0..pages {
-            let t0 = pg * shape.page_size;
-            let n = shape.page_size.min(keys - t0);
+            let t0 = pg * shape.page_size();
+            let n = shape.page_size().min(keys - t0);
             let next = if pg + 1 < pages {
                 let first = tile::STRIDED_AHEAD.min(keys - t0 - n);
                 (rows_of(pg + 1, 0), first)
@@ -265,7 +278,7 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
             nq,
             hd,
             keys,
-            shape.page_size,
+            shape.page_size(),
             slot,
             &values,
             acc,
@@ -289,22 +302,22 @@ mod tests {
 
     /// Plain attention over the same paged cache, in f64.
     fn reference(q: &[f32], cache: &[f32], seqs: &Seqs, shape: Shape, rows: usize) -> Vec<f32> {
-        let (hd, h) = (shape.head_dim, shape.heads);
-        let slot = shape.kv_heads * hd;
-        let block = shape.page_size * slot;
-        let page_floats = shape.num_layers * 2 * block;
+        let (hd, h) = (shape.head_dim(), shape.heads);
+        let slot = shape.kv_heads() * hd;
+        let block = shape.page_size() * slot;
+        let page_floats = (shape.cache.num_layers as usize) * 2 * block;
         let mut out = vec![0.0; rows * h * hd];
         for b in 0..seqs.cache_lengths.len() {
             for r in seqs.offsets[b] as usize..seqs.offsets[b + 1] as usize {
                 let pos = seqs.cache_lengths[b] as usize + r - seqs.offsets[b] as usize;
                 for head in 0..h {
-                    let kvh = head / (h / shape.kv_heads);
+                    let kvh = head / (h / shape.kv_heads());
                     let at = |t: usize, which: usize| {
                         let page =
-                            seqs.lookup[b * seqs.pages_per_seq + t / shape.page_size] as usize;
+                            seqs.lookup[b * seqs.pages_per_seq + t / shape.page_size()] as usize;
                         page * page_floats
-                            + (shape.layer * 2 + which) * block
-                            + (t % shape.page_size) * slot
+                            + ((shape.cache.layer as usize) * 2 + which) * block
+                            + (t % shape.page_size()) * slot
                             + kvh * hd
                     };
                     let qv = &q[(r * h + head) * hd..][..hd];
@@ -337,12 +350,14 @@ mod tests {
         // (head_dim, heads, kv_heads): the register paths (64, 128) and the generic one.
         for (hd, heads, kv_heads) in [(64, 9, 3), (128, 4, 4), (24, 6, 2)] {
             let shape = Shape {
-                layer: 1,
-                num_layers: 2,
+                cache: KvView {
+                    layer: 1,
+                    num_layers: 2,
+                    kv_heads: kv_heads as u64,
+                    head_dim: hd as u64,
+                    page_size: 16,
+                },
                 heads,
-                kv_heads,
-                head_dim: hd,
-                page_size: 16,
                 scale: 1.0 / (hd as f32).sqrt(),
             };
             // Three sequences: a 40-row prefill after 5 cached tokens, one decode row after
@@ -358,7 +373,8 @@ mod tests {
                 pages_per_seq,
             };
             let rows = 58;
-            let page_floats = shape.num_layers * 2 * shape.page_size * kv_heads * hd;
+            let page_floats =
+                (shape.cache.num_layers as usize) * 2 * shape.page_size() * kv_heads * hd;
             let cache: Vec<f32> = (0..10 * page_floats)
                 .map(|i| (((i * 2654435761usize) >> 7) % 2001) as f32 / 1000.0 - 1.0)
                 .collect();
