@@ -281,10 +281,12 @@ const COMMON: [&str; 21] = [
     "return_tokens_as_token_ids",
 ];
 
-/// The top-level fields a request body may have.
+/// The top-level fields a request body may have, and those every endpoint shares.
 pub trait Fields {
     /// Every accepted field name.
     fn fields() -> Vec<&'static str>;
+    /// The fields every endpoint shares.
+    fn common(&self) -> &Common;
 }
 
 impl Fields for CompletionRequest {
@@ -293,6 +295,9 @@ impl Fields for CompletionRequest {
         v.extend(["prompt", "echo"]);
         v
     }
+    fn common(&self) -> &Common {
+        &self.common
+    }
 }
 
 impl Fields for ChatRequest {
@@ -300,5 +305,8 @@ impl Fields for ChatRequest {
         let mut v = COMMON.to_vec();
         v.extend(["messages", "top_logprobs"]);
         v
+    }
+    fn common(&self) -> &Common {
+        &self.common
     }
 }

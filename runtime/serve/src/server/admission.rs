@@ -1,0 +1,287 @@
+//! What every generation endpoint does before its own planning and after it: the request
+//! counted while it awaits admission, its body read and parsed, the model awaited, the fields
+//! every endpoint shares checked ([`generation`]); and the checks that turn a prompt and those
+//! fields into a scheduler [`Request`].
+
+use super::observe::Traced;
+use super::openai::{self, ApiError, Common, Fields};
+use super::respond::respond;
+use super::{App, Loaded, Shared};
+use crate::metrics::Metrics;
+use crate::scheduler::Request;
+use crate::tokenizer::Tokenizer;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::http::StatusCode;
+use axum::response::Response;
+use maxc_runtime::sampling::SamplingParams;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+/// A generation endpoint: reads the common checks' request `R`, then `plan`s its jobs (the
+/// endpoint's own validation and tokenization), then answers them ([`respond`]).
+pub(super) async fn generation<R: serde::de::DeserializeOwned + Fields>(
+    app: Shared,
+    traced: Traced,
+    body: Result<Bytes, BytesRejection>,
+    plan: impl FnOnce(&App, &Loaded, R) -> Result<Plan, ApiError>,
+) -> Response {
+    let arrival = Instant::now();
+    let awaiting = Awaiting::new(&app.metrics);
+    let result = (|| {
+        let body = body_bytes(body)?;
+        let req: R = openai::parse(&body)?;
+        let l = app.ready()?;
+        check_common(&app, req.common())?;
+        plan(&app, l, req)
+    })();
+    respond(app, result, arrival, awaiting, traced).await
+}
+
+pub(super) fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|e| {
+        let status = e.status();
+        if status == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::status(status, format!("the request body is too large: {e}"))
+        } else {
+            ApiError::status(status, format!("cannot read the request body: {e}"))
+        }
+    })
+}
+
+/// Counts a request awaiting admission (received, not yet handed to the scheduler) while alive.
+pub(super) struct Awaiting(Arc<Metrics>);
+
+impl Awaiting {
+    pub(super) fn new(m: &Arc<Metrics>) -> Self {
+        m.num_requests_awaiting_admission.inc();
+        m.requests_awaiting_admission
+            .observe(m.num_requests_awaiting_admission.get().max(0) as f64);
+        Awaiting(m.clone())
+    }
+}
+
+impl Drop for Awaiting {
+    fn drop(&mut self) {
+        self.0.num_requests_awaiting_admission.dec();
+    }
+}
+
+/// Counts a generation request in flight for the queue limit while alive.
+/// (The request's span rides along so that it ends when the response does.)
+pub(super) struct InFlight(pub(super) Shared, #[allow(dead_code)] pub(super) Traced);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.inflight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// One prompt ready for the scheduler.
+pub(super) struct Job {
+    pub(super) request: Request,
+    pub(super) echo: Option<String>,
+}
+
+/// What both endpoints share once their prompts are tokenized.
+pub(super) struct Plan {
+    pub(super) token_ids: bool,
+    pub(super) jobs: Vec<Job>,
+    pub(super) stops: Vec<String>,
+    pub(super) stream: bool,
+    pub(super) include_usage: bool,
+    pub(super) chat: bool,
+    pub(super) logprobs: bool,
+}
+
+impl Plan {
+    pub(super) fn new(c: &Common, jobs: Vec<Job>, chat: bool, logprobs: bool) -> Self {
+        Plan {
+            token_ids: c.return_tokens_as_token_ids.unwrap_or(false),
+            jobs,
+            stops: c.stop.as_ref().map(|s| s.strings()).unwrap_or_default(),
+            stream: c.stream.unwrap_or(false),
+            include_usage: c
+                .stream_options
+                .as_ref()
+                .and_then(|o| o.include_usage)
+                .unwrap_or(false),
+            chat,
+            logprobs,
+        }
+    }
+}
+
+pub(super) fn check_range(
+    param: &str,
+    v: Option<f32>,
+    lo: f32,
+    hi: f32,
+    lo_open: bool,
+) -> Result<(), ApiError> {
+    if let Some(x) = v {
+        let ok = x.is_finite() && x <= hi && if lo_open { x > lo } else { x >= lo };
+        if !ok {
+            let lo_b = if lo_open { "(" } else { "[" };
+            return Err(ApiError::invalid(
+                param,
+                format!("`{param}` is {x}; expected a value in {lo_b}{lo}, {hi}]"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Validates the common fields and builds the request for `prompt`.
+pub(super) fn request_for(
+    l: &Loaded,
+    c: &Common,
+    prompt: Vec<i64>,
+    prompt_param: &str,
+) -> Result<Request, ApiError> {
+    if prompt.is_empty() {
+        return Err(ApiError::invalid(prompt_param, "the prompt is empty"));
+    }
+    if let Some(t) = prompt.iter().find(|&&t| t < 0 || t as usize >= l.vocab) {
+        return Err(ApiError::invalid(
+            prompt_param,
+            format!("token id {t} is outside the vocabulary (0..{})", l.vocab),
+        ));
+    }
+    let room = l.max_model_len.saturating_sub(prompt.len());
+    if prompt.len() > l.max_model_len {
+        return Err(ApiError::invalid(
+            prompt_param,
+            format!(
+                "the prompt has {} tokens; the model's context is {}",
+                prompt.len(),
+                l.max_model_len
+            ),
+        ));
+    }
+    let (param, max) = match (c.max_completion_tokens, c.max_tokens) {
+        (Some(m), _) => ("max_completion_tokens", Some(m)),
+        (None, m) => ("max_tokens", m),
+    };
+    let max_tokens = match max {
+        Some(m) if m < 0 => {
+            return Err(ApiError::invalid(param, format!("`{param}` is {m}; it must be 0 or more")))
+        }
+        Some(m) if m as usize > room => {
+            return Err(ApiError::invalid(
+                param,
+                format!(
+                    "the prompt ({} tokens) plus `{param}` ({m}) exceeds the model's context of {} tokens",
+                    prompt.len(),
+                    l.max_model_len
+                ),
+            ))
+        }
+        Some(m) => m as usize,
+        None => room,
+    };
+    let min_tokens = match c.min_tokens {
+        Some(m) if m < 0 => {
+            return Err(ApiError::invalid(
+                "min_tokens",
+                "`min_tokens` must be 0 or more",
+            ))
+        }
+        Some(m) => (m as usize).min(max_tokens),
+        None => 0,
+    };
+    let top_k = match c.top_k {
+        Some(k) if k < -1 => {
+            return Err(ApiError::invalid(
+                "top_k",
+                "`top_k` must be -1, 0 or positive",
+            ))
+        }
+        Some(k) if k > 0 => k as usize,
+        _ => 0,
+    };
+    if let Some(ids) = &c.stop_token_ids {
+        if let Some(t) = ids.iter().find(|&&t| t < 0 || t as usize >= l.vocab) {
+            return Err(ApiError::invalid(
+                "stop_token_ids",
+                format!("token id {t} is outside the vocabulary (0..{})", l.vocab),
+            ));
+        }
+    }
+    Ok(Request {
+        prompt,
+        max_tokens,
+        min_tokens,
+        sampling: SamplingParams {
+            temperature: c.temperature.unwrap_or(1.0),
+            top_p: c.top_p.unwrap_or(1.0),
+            seed: c.seed.map_or_else(rand_seed, |s| s as u64),
+            top_k,
+            min_p: c.min_p.unwrap_or(0.0),
+            repetition_penalty: c.repetition_penalty.unwrap_or(1.0),
+            frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
+            presence_penalty: c.presence_penalty.unwrap_or(0.0),
+        },
+        stop_token_ids: c.stop_token_ids.clone().unwrap_or_default(),
+        ignore_eos: c.ignore_eos.unwrap_or(false),
+        logprobs: None,
+        prompt_logprobs: false,
+        trace: None,
+    })
+}
+
+pub(super) fn rand_seed() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// Checks the fields every endpoint shares that do not depend on the prompt.
+pub(super) fn check_common(app: &App, c: &Common) -> Result<(), ApiError> {
+    if let Some(m) = &c.model {
+        if *m != app.model {
+            return Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                message: format!(
+                    "the model `{m}` does not exist; this server serves `{}`",
+                    app.model
+                ),
+                param: Some("model".into()),
+            });
+        }
+    }
+    if let Some(n) = c.n {
+        if n != 1 {
+            return Err(ApiError::invalid(
+                "n",
+                format!("`n` is {n}; this server returns one choice per prompt (n = 1)"),
+            ));
+        }
+    }
+    check_range("temperature", c.temperature, 0.0, 2.0, false)?;
+    check_range("top_p", c.top_p, 0.0, 1.0, true)?;
+    check_range("min_p", c.min_p, 0.0, 1.0, false)?;
+    check_range("frequency_penalty", c.frequency_penalty, -2.0, 2.0, false)?;
+    check_range("presence_penalty", c.presence_penalty, -2.0, 2.0, false)?;
+    if let Some(r) = c.repetition_penalty {
+        if !(r.is_finite() && r > 0.0) {
+            return Err(ApiError::invalid(
+                "repetition_penalty",
+                format!("`repetition_penalty` is {r}; it must be above 0"),
+            ));
+        }
+    }
+    if c.stream_options.is_some() && c.stream != Some(true) {
+        return Err(ApiError::invalid(
+            "stream_options",
+            "`stream_options` needs `stream: true`",
+        ));
+    }
+    Ok(())
+}
+
+pub(super) fn tokenizer(l: &Loaded, param: &str) -> Result<&'static Tokenizer, ApiError> {
+    l.tokenizer
+        .ok_or_else(|| ApiError::invalid(param, "the artifact has no tokenizer: send token ids"))
+}
