@@ -37,25 +37,37 @@ pub type StreamFn = unsafe fn(
     cols: std::ops::Range<usize>,
 );
 
-/// Calls `$columns::<[$gen,] R>($args.., row0, n, k, cols)` over the rows in groups of at most
-/// four (`R` = 4, then the remainder), so that each group's accumulators stay in registers.
+/// Calls `$columns::<[$gen,] R[, C]>($args.., row0, n, k, cols)` over the rows in groups, so
+/// that each group's accumulators stay in registers: the arms list each group size `R` (with
+/// the column count `C` its registers leave room for), the last one the largest, which every
+/// longer remainder takes; with `min M`, it stops where fewer than `M` rows are left. Returns
+/// the first row it left.
 macro_rules! row_groups {
-    ($rows:expr, $n:expr, $k:expr, $cols:expr, $columns:ident [$($gen:ty,)*] ($($arg:expr),*)) => {{
+    ($rows:expr, $n:expr, $k:expr, $cols:expr, $columns:ident $gens:tt $args:tt
+     [$($r:literal $(: $c:literal)?),* ; $max:literal $(: $cmax:literal)?]) => {
+        row_groups!($rows, $n, $k, $cols, $columns $gens $args
+            [$($r $(: $c)?),* ; $max $(: $cmax)?], min 1)
+    };
+    ($rows:expr, $n:expr, $k:expr, $cols:expr, $columns:ident $gens:tt $args:tt
+     [$($r:literal $(: $c:literal)?),* ; $max:literal $(: $cmax:literal)?], min $min:literal) => {{
+        let rows: usize = $rows;
         let mut r = 0;
-        while r < $rows {
-            let left = $rows - r;
+        while rows - r >= $min {
+            let left = rows - r;
             // SAFETY: the enclosing function's features; rows r..r + R exist.
             unsafe {
                 match left {
-                    1 => $columns::<$($gen,)* 1>($($arg),*, r, $n, $k, $cols.clone()),
-                    2 => $columns::<$($gen,)* 2>($($arg),*, r, $n, $k, $cols.clone()),
-                    3 => $columns::<$($gen,)* 3>($($arg),*, r, $n, $k, $cols.clone()),
-                    _ => $columns::<$($gen,)* 4>($($arg),*, r, $n, $k, $cols.clone()),
+                    $($r => row_groups!(@call $columns $gens $args ($r $(, $c)?) r, $n, $k, $cols),)*
+                    _ => row_groups!(@call $columns $gens $args ($max $(, $cmax)?) r, $n, $k, $cols),
                 }
             }
-            r += left.min(4);
+            r += left.min($max);
         }
+        r
     }};
+    (@call $columns:ident [$($gen:ty,)*] ($($arg:expr),*) ($($consts:tt)*) $row:ident, $n:expr, $k:expr, $cols:expr) => {
+        $columns::<$($gen,)* $($consts)*>($($arg),*, $row, $n, $k, $cols.clone())
+    };
 }
 
 /// Per row of `x` and per 32-value block, the sum of the block's values.
@@ -567,25 +579,7 @@ mod avx512 {
         cols: std::ops::Range<usize>,
     ) {
         let Some(w) = as_blocks::<B>(w) else { return };
-        let mut r = 0;
-        while r < rows {
-            let left = rows - r;
-            let c = cols.clone();
-            // SAFETY: this function's features; rows r..r + R exist.
-            unsafe {
-                match left {
-                    1 => columns::<B, 1, 4>(x, w, out, r, n, k, c),
-                    2 => columns::<B, 2, 4>(x, w, out, r, n, k, c),
-                    3 => columns::<B, 3, 4>(x, w, out, r, n, k, c),
-                    4 => columns::<B, 4, 4>(x, w, out, r, n, k, c),
-                    5 => columns::<B, 5, 3>(x, w, out, r, n, k, c),
-                    6 => columns::<B, 6, 3>(x, w, out, r, n, k, c),
-                    7 => columns::<B, 7, 2>(x, w, out, r, n, k, c),
-                    _ => columns::<B, 8, 2>(x, w, out, r, n, k, c),
-                }
-            }
-            r += left.min(8);
-        }
+        row_groups!(rows, n, k, cols, columns [B,] (x, w, out) [1: 4, 2: 4, 3: 4, 4: 4, 5: 3, 6: 3, 7: 2; 8: 2]);
     }
 
     /// Weight rows `j0..j0 + panel.len() / k` as f32 into `panel`: the values of
@@ -662,7 +656,7 @@ mod bf16_avx512 {
         k: usize,
         cols: std::ops::Range<usize>,
     ) {
-        row_groups!(rows, n, k, cols, columns [] (x, w, out));
+        row_groups!(rows, n, k, cols, columns [] (x, w, out) [1, 2, 3; 4]);
     }
 }
 
@@ -757,7 +751,7 @@ mod q4k_avx512 {
             return;
         };
         let xs = block_sums(x, rows, k);
-        row_groups!(rows, n, k, cols, columns [] (x, &xs, w, out));
+        row_groups!(rows, n, k, cols, columns [] (x, &xs, w, out) [1, 2, 3; 4]);
     }
 }
 
@@ -1312,21 +1306,7 @@ mod avx2 {
     ) {
         let Some(w) = as_blocks::<B>(w) else { return };
         // Groups of five to eight rows share each dequantized group ...
-        let mut r = 0;
-        while rows - r >= 5 {
-            let left = rows - r;
-            let c = cols.clone();
-            // SAFETY: this function's features; rows r..r + R exist.
-            unsafe {
-                match left {
-                    5 => columns_wide::<B, 5>(x, w, out, r, n, k, c),
-                    6 => columns_wide::<B, 6>(x, w, out, r, n, k, c),
-                    7 => columns_wide::<B, 7>(x, w, out, r, n, k, c),
-                    _ => columns_wide::<B, 8>(x, w, out, r, n, k, c),
-                }
-            }
-            r += left.min(8);
-        }
+        let r = row_groups!(rows, n, k, cols, columns_wide [B,] (x, w, out) [5, 6, 7; 8], min 5);
         if r == rows {
             return;
         }
@@ -1334,7 +1314,7 @@ mod avx2 {
         let rest = rows - r;
         let xs = block_sums(&x[r * k..], rest, k);
         let o = &mut out[r * n..];
-        row_groups!(rest, n, k, cols, columns [B,] (&x[r * k..], &xs, w, o));
+        row_groups!(rest, n, k, cols, columns [B,] (&x[r * k..], &xs, w, o) [1, 2, 3; 4]);
     }
 
     /// A float format of weight rows, eight values at a time as f32.
@@ -1460,25 +1440,7 @@ mod avx2 {
         k: usize,
         cols: std::ops::Range<usize>,
     ) {
-        let mut r = 0;
-        while r < rows {
-            let left = rows - r;
-            let c = cols.clone();
-            // SAFETY: this function's features; rows r..r + R exist.
-            unsafe {
-                match left {
-                    1 => float_columns::<E, 1, 4>(x, w, out, r, n, k, c),
-                    2 => float_columns::<E, 2, 4>(x, w, out, r, n, k, c),
-                    3 => float_columns::<E, 3, 2>(x, w, out, r, n, k, c),
-                    4 => float_columns::<E, 4, 2>(x, w, out, r, n, k, c),
-                    5 => float_columns::<E, 5, 1>(x, w, out, r, n, k, c),
-                    6 => float_columns::<E, 6, 1>(x, w, out, r, n, k, c),
-                    7 => float_columns::<E, 7, 1>(x, w, out, r, n, k, c),
-                    _ => float_columns::<E, 8, 1>(x, w, out, r, n, k, c),
-                }
-            }
-            r += left.min(8);
-        }
+        row_groups!(rows, n, k, cols, float_columns [E,] (x, w, out) [1: 4, 2: 4, 3: 2, 4: 2, 5: 1, 6: 1, 7: 1; 8: 1]);
     }
 
     /// Weight rows `j0..j0 + panel.len() / k` as f32 into `panel` (`scale·q + offset`).

@@ -378,25 +378,7 @@ pub(super) unsafe fn stream<B: Bytes>(
     cols: std::ops::Range<usize>,
 ) {
     let Some(w) = as_blocks::<B>(w) else { return };
-    let mut r = 0;
-    while r < rows {
-        let left = rows - r;
-        let c = cols.clone();
-        // SAFETY: this function's features; rows r..r + R exist.
-        unsafe {
-            match left {
-                1 => columns::<B, 1>(x, w, out, r, n, k, c),
-                2 => columns::<B, 2>(x, w, out, r, n, k, c),
-                3 => columns::<B, 3>(x, w, out, r, n, k, c),
-                4 => columns::<B, 4>(x, w, out, r, n, k, c),
-                5 => columns::<B, 5>(x, w, out, r, n, k, c),
-                6 => columns::<B, 6>(x, w, out, r, n, k, c),
-                7 => columns::<B, 7>(x, w, out, r, n, k, c),
-                _ => columns::<B, 8>(x, w, out, r, n, k, c),
-            }
-        }
-        r += left.min(8);
-    }
+    row_groups!(rows, n, k, cols, columns [B,] (x, w, out) [1, 2, 3, 4, 5, 6, 7; 8]);
 }
 
 /// The 8-bit-activation kernel for `dtype`.
