@@ -44,7 +44,7 @@ fn h(b: [u8; 2]) -> f32 {
 }
 
 /// A quantized block: `ELEMS` values in `size_of::<Self>()` bytes.
-pub trait Block: Copy + 'static {
+pub trait Block: Copy + Sync + 'static {
     /// Values per block.
     const ELEMS: usize;
     /// Writes the block's values to `out[..ELEMS]`.
@@ -363,21 +363,43 @@ fn dequantize_as<B: Block>(bytes: &[u8], out: &mut [f32]) -> Option<()> {
     Some(())
 }
 
+/// Something done with a block format's type: [`with_block`] calls it with the type of a
+/// dtype.
+pub trait BlockFn {
+    /// What it gives.
+    type Out;
+    /// Does it with block type `B`.
+    fn call<B: Block>(self) -> Self::Out;
+}
+
+/// `f` called with the block type of `dtype`, or `None` where `dtype` is not a block format:
+/// the one list of the block formats, which every dispatch on them goes through.
+pub fn with_block<F: BlockFn>(dtype: crate::DType, f: F) -> Option<F::Out> {
+    use crate::DType;
+    Some(match dtype {
+        DType::Q8_0 => f.call::<BlockQ8_0>(),
+        DType::Q4_0 => f.call::<BlockQ4_0>(),
+        DType::Q4_1 => f.call::<BlockQ4_1>(),
+        DType::Q5_0 => f.call::<BlockQ5_0>(),
+        DType::Q5_1 => f.call::<BlockQ5_1>(),
+        DType::Q4K => f.call::<BlockQ4K>(),
+        DType::Q5K => f.call::<BlockQ5K>(),
+        DType::Q6K => f.call::<BlockQ6K>(),
+        DType::F32 | DType::F16 | DType::BF16 | DType::I32 | DType::I64 => return None,
+    })
+}
+
 /// Dequantizes `bytes` of block type `dtype` into `out` (which must hold exactly their values);
 /// `None` where `dtype` is not a block type or the sizes disagree.
 pub fn dequantize_into(dtype: crate::DType, bytes: &[u8], out: &mut [f32]) -> Option<()> {
-    use crate::DType;
-    match dtype {
-        DType::Q8_0 => dequantize_as::<BlockQ8_0>(bytes, out),
-        DType::Q4_0 => dequantize_as::<BlockQ4_0>(bytes, out),
-        DType::Q4_1 => dequantize_as::<BlockQ4_1>(bytes, out),
-        DType::Q5_0 => dequantize_as::<BlockQ5_0>(bytes, out),
-        DType::Q5_1 => dequantize_as::<BlockQ5_1>(bytes, out),
-        DType::Q4K => dequantize_as::<BlockQ4K>(bytes, out),
-        DType::Q5K => dequantize_as::<BlockQ5K>(bytes, out),
-        DType::Q6K => dequantize_as::<BlockQ6K>(bytes, out),
-        _ => None,
+    struct Into<'a>(&'a [u8], &'a mut [f32]);
+    impl BlockFn for Into<'_> {
+        type Out = Option<()>;
+        fn call<B: Block>(self) -> Option<()> {
+            dequantize_as::<B>(self.0, self.1)
+        }
     }
+    with_block(dtype, Into(bytes, out)).flatten()
 }
 
 /// The values of `bytes` of block type `dtype`; `None` as [`dequantize_into`].

@@ -71,19 +71,19 @@ impl DType {
     /// (elements, bytes) of the storage unit: one element for scalar types, one block for
     /// the GGUF block types.
     pub fn block(self) -> (usize, usize) {
-        use crate::blocks::*;
+        use crate::blocks::{with_block, Block, BlockFn};
+        struct Unit;
+        impl BlockFn for Unit {
+            type Out = (usize, usize);
+            fn call<B: Block>(self) -> (usize, usize) {
+                (B::ELEMS, std::mem::size_of::<B>())
+            }
+        }
         match self {
             DType::F32 | DType::I32 => (1, 4),
             DType::F16 | DType::BF16 => (1, 2),
             DType::I64 => (1, 8),
-            DType::Q8_0 => (QK, std::mem::size_of::<BlockQ8_0>()),
-            DType::Q4_0 => (QK, std::mem::size_of::<BlockQ4_0>()),
-            DType::Q4_1 => (QK, std::mem::size_of::<BlockQ4_1>()),
-            DType::Q5_0 => (QK, std::mem::size_of::<BlockQ5_0>()),
-            DType::Q5_1 => (QK, std::mem::size_of::<BlockQ5_1>()),
-            DType::Q4K => (QK_K, std::mem::size_of::<BlockQ4K>()),
-            DType::Q5K => (QK_K, std::mem::size_of::<BlockQ5K>()),
-            DType::Q6K => (QK_K, std::mem::size_of::<BlockQ6K>()),
+            _ => with_block(self, Unit).unwrap_or((1, 1)),
         }
     }
 

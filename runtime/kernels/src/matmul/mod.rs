@@ -10,10 +10,7 @@
 //! The inner loops are plain Rust, compiled three times (AVX-512, AVX2 + FMA, and the
 //! baseline), and the best the CPU supports is chosen at run time.
 
-use maxc_schema::blocks::{
-    f16_to_f32, Block, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K,
-    BlockQ8_0,
-};
+use maxc_schema::blocks::{f16_to_f32, with_block, Block, BlockFn};
 use maxc_schema::DType;
 
 use crate::isa::{isa, tiles_available, Isa};
@@ -114,7 +111,7 @@ impl Format for F16s {
     }
 }
 
-impl<B: Block + Sync> Format for Blocks<B> {
+impl<B: Block> Format for Blocks<B> {
     const ELEMS: usize = B::ELEMS;
     const BYTES: usize = std::mem::size_of::<B>();
     #[inline(always)]
@@ -518,31 +515,23 @@ pub fn matmul(
         DType::F32 => matmul_as::<F32s>(x, w, out, rows, n, k, threads, fast, dtype, opts),
         DType::F16 => matmul_as::<F16s>(x, w, out, rows, n, k, threads, None, dtype, opts),
         DType::BF16 => matmul_as::<Bf16s>(x, w, out, rows, n, k, threads, fast, dtype, opts),
-        DType::Q8_0 => {
-            matmul_as::<Blocks<BlockQ8_0>>(x, w, out, rows, n, k, threads, fast, dtype, opts)
+        _ => {
+            let call = BlockMatmul {
+                x,
+                w,
+                out,
+                rows,
+                n,
+                k,
+                threads,
+                fast,
+                dtype,
+                opts,
+            };
+            if with_block(dtype, call).is_none() {
+                unreachable!("validated: matmul weights are real")
+            }
         }
-        DType::Q4_0 => {
-            matmul_as::<Blocks<BlockQ4_0>>(x, w, out, rows, n, k, threads, fast, dtype, opts)
-        }
-        DType::Q4_1 => {
-            matmul_as::<Blocks<BlockQ4_1>>(x, w, out, rows, n, k, threads, fast, dtype, opts)
-        }
-        DType::Q5_0 => {
-            matmul_as::<Blocks<BlockQ5_0>>(x, w, out, rows, n, k, threads, fast, dtype, opts)
-        }
-        DType::Q5_1 => {
-            matmul_as::<Blocks<BlockQ5_1>>(x, w, out, rows, n, k, threads, fast, dtype, opts)
-        }
-        DType::Q4K => {
-            matmul_as::<Blocks<BlockQ4K>>(x, w, out, rows, n, k, threads, fast, dtype, opts)
-        }
-        DType::Q5K => {
-            matmul_as::<Blocks<BlockQ5K>>(x, w, out, rows, n, k, threads, fast, dtype, opts)
-        }
-        DType::Q6K => {
-            matmul_as::<Blocks<BlockQ6K>>(x, w, out, rows, n, k, threads, fast, dtype, opts)
-        }
-        DType::I32 | DType::I64 => unreachable!("validated: matmul weights are real"),
     }
 }
 
@@ -556,15 +545,51 @@ pub fn gather_row(w: &[u8], dtype: DType, k: usize, row: usize, out: &mut [f32])
         DType::F32 => gather_as::<F32s>(w, k, row, out),
         DType::F16 => gather_as::<F16s>(w, k, row, out),
         DType::BF16 => gather_as::<Bf16s>(w, k, row, out),
-        DType::Q8_0 => gather_as::<Blocks<BlockQ8_0>>(w, k, row, out),
-        DType::Q4_0 => gather_as::<Blocks<BlockQ4_0>>(w, k, row, out),
-        DType::Q4_1 => gather_as::<Blocks<BlockQ4_1>>(w, k, row, out),
-        DType::Q5_0 => gather_as::<Blocks<BlockQ5_0>>(w, k, row, out),
-        DType::Q5_1 => gather_as::<Blocks<BlockQ5_1>>(w, k, row, out),
-        DType::Q4K => gather_as::<Blocks<BlockQ4K>>(w, k, row, out),
-        DType::Q5K => gather_as::<Blocks<BlockQ5K>>(w, k, row, out),
-        DType::Q6K => gather_as::<Blocks<BlockQ6K>>(w, k, row, out),
-        DType::I32 | DType::I64 => unreachable!("validated: gathered tables are real"),
+        _ => {
+            struct Gather<'a>(&'a [u8], usize, usize, &'a mut [f32]);
+            impl BlockFn for Gather<'_> {
+                type Out = ();
+                fn call<B: Block>(self) {
+                    gather_as::<Blocks<B>>(self.0, self.1, self.2, self.3)
+                }
+            }
+            if with_block(dtype, Gather(w, k, row, out)).is_none() {
+                unreachable!("validated: gathered tables are real")
+            }
+        }
+    }
+}
+
+/// [`matmul_as`] on a block format's rows, through [`with_block`].
+struct BlockMatmul<'a> {
+    x: &'a [f32],
+    w: &'a [u8],
+    out: &'a mut [f32],
+    rows: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+    fast: Option<blocks::StreamFn>,
+    dtype: DType,
+    opts: &'a KernelOptions,
+}
+
+impl BlockFn for BlockMatmul<'_> {
+    type Out = ();
+    fn call<B: Block>(self) {
+        let BlockMatmul {
+            x,
+            w,
+            out,
+            rows,
+            n,
+            k,
+            threads,
+            fast,
+            dtype,
+            opts,
+        } = self;
+        matmul_as::<Blocks<B>>(x, w, out, rows, n, k, threads, fast, dtype, opts)
     }
 }
 
