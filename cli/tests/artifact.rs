@@ -569,6 +569,28 @@ fn profile_times_every_launch_and_writes_a_valid_trace() {
     for kind in ["matmul_", "attention_", "rms_norm_", "kv_store_", "gather_"] {
         assert!(out.contains(kind), "{kind} missing:\n{out}");
     }
+    // What runs each kernel, chosen at load: one line per kernel of the program.
+    assert!(
+        out.contains("library kernels: ") && out.contains("f32 activations"),
+        "{out}"
+    );
+    let program = maxc_runtime::Artifact::open(&a).unwrap().programs["decoder"].clone();
+    let choices: Vec<&str> = out
+        .lines()
+        .skip_while(|l| !l.starts_with("kernels on this CPU (chosen at load):"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .collect();
+    assert_eq!(choices.len(), program.kernels.len(), "{out}");
+    for (line, k) in choices.iter().zip(&program.kernels) {
+        assert!(line.trim_start().starts_with(&k.name), "{line} for {}", k.name);
+        assert!(
+            line.ends_with("generated")
+                || line.ends_with("library")
+                || line.ends_with("library otherwise"),
+            "{line}"
+        );
+    }
     let manifest: Manifest =
         serde_json::from_slice(&std::fs::read(a.join("manifest.json")).unwrap()).unwrap();
     let launches = manifest.roles["decoder"].launches as usize;

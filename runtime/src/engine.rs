@@ -347,6 +347,15 @@ impl Engine {
         Ok(())
     }
 
+    /// What runs each kernel of the program on the CPU (chosen at load, in kernel order);
+    /// `None` on another device.
+    pub fn cpu_kernel_choices(&self) -> Option<&[crate::cpu::KernelChoice]> {
+        match &self.exec {
+            Executor::Cpu(e) => Some(e.kernel_choices()),
+            Executor::Cuda(_) => None,
+        }
+    }
+
     /// The per-launch timings of the last step, while profiling.
     pub fn last_profile(&self) -> Option<&StepProfile> {
         match &self.exec {

@@ -115,6 +115,13 @@ pub fn run(args: Args) -> Result<()> {
         next = (0..args.batch).map(|b| argmax(l.row(b)) as i64).collect();
     }
     let program = engine.engine().program().clone();
+    println!("library kernels: {}", engine.engine().kernels().describe());
+    if let Some(choices) = engine.engine().cpu_kernel_choices() {
+        println!("kernels on this CPU (chosen at load):");
+        for (k, c) in program.kernels.iter().zip(choices) {
+            println!("  {:<32} {:<12} {}", k.name, k.body.kind(), c.describe());
+        }
+    }
     // The machine's probes, measured now: a streaming read and an f32 GEMM on every core.
     let probes = Probes {
         bytes_per_s: maxc_runtime::bench::bandwidth(),

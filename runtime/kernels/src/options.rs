@@ -63,3 +63,23 @@ impl Default for KernelOptions {
         }
     }
 }
+
+impl KernelOptions {
+    /// The options in words, with the instruction set they run in, as `maxc profile` prints
+    /// them.
+    pub fn describe(&self) -> String {
+        let on = |b: bool| if b { "on" } else { "off" };
+        format!(
+            "{} instruction set, hand kernels {}, block tiles {}, {} activations on block weights, packed kernel from {}",
+            crate::isa::isa_name(),
+            on(self.hand_kernels),
+            on(self.block_tiles),
+            self.activations.name(),
+            match self.packed_min_rows {
+                None => "each format's measured threshold".to_string(),
+                Some(usize::MAX) => "never".to_string(),
+                Some(n) => format!("{n} rows"),
+            }
+        )
+    }
+}

@@ -146,6 +146,8 @@ pub struct CpuExecutor {
     ints: BTreeMap<String, Vec<i32>>,
     threads: usize,
     matmul_policy: Option<u64>,
+    /// What runs each kernel, chosen at load.
+    choices: Vec<KernelChoice>,
     /// The library kernels' choices, made at load.
     kernels: KernelOptions,
     /// Where set, each step's launches are timed into it.
@@ -231,6 +233,12 @@ impl CpuExecutor {
                 max
             }
         });
+        let choices: Vec<KernelChoice> = program
+            .kernels
+            .iter()
+            .zip(&fns)
+            .map(|(k, f)| KernelChoice::of(&k.body, f.is_some(), matmul_policy))
+            .collect();
         for l in &program.launches {
             let body = &program.kernels[l.kernel as usize].body;
             let read_as_stored: &[usize] = match body {
@@ -355,6 +363,7 @@ impl CpuExecutor {
             ints,
             threads: pool::threads(),
             matmul_policy,
+            choices,
             kernels,
             profile: None,
         })
@@ -474,7 +483,7 @@ impl CpuExecutor {
             args.extend(launch.buffers.iter().map(|&b| ptrs[b as usize]));
             let t = std::time::Instant::now();
             let generated = match self.fns[launch.kernel as usize] {
-                Some(f) if self.generated_fits(&kernel.body, dims) => {
+                Some(f) if self.generated_fits(launch.kernel as usize, &kernel.body, dims) => {
                     run_generated(f, &kernel.body, &args, dims, self.threads);
                     true
                 }
@@ -554,23 +563,37 @@ impl CpuExecutor {
         self.profile.as_ref()
     }
 
-    /// Whether a kernel with generated code runs it at these dims (matmuls may prefer gemm).
-    fn generated_fits(&self, body: &KernelBody, dims: &[u64; StepDim::COUNT]) -> bool {
-        match (body, self.matmul_policy) {
-            // Under the auto policy, the library's blocked attention where the register tiles
-            // run.
-            (KernelBody::Attention { .. }, Some(_)) => !attention_library(),
-            // And its sixteen-lane elementwise kernel.
-            (KernelBody::Elementwise { .. }, Some(_)) => !library_elementwise(body),
-            (KernelBody::Matmul { rows, .. }, Some(max)) => {
-                let r = match rows {
-                    Rows::Step(d) => dims[*d as usize],
-                    Rows::Fixed(n) => *n,
-                };
-                (2..=max).contains(&r)
-            }
-            _ => true,
+    /// Whether kernel `kernel`'s generated code runs it at these dims (its choice at load).
+    fn generated_fits(
+        &self,
+        kernel: usize,
+        body: &KernelBody,
+        dims: &[u64; StepDim::COUNT],
+    ) -> bool {
+        match self.choices[kernel] {
+            KernelChoice::Generated => true,
+            KernelChoice::Library => false,
+            KernelChoice::GeneratedRows(max) => match body {
+                KernelBody::Matmul { rows, .. } => {
+                    let r = match rows {
+                        Rows::Step(d) => dims[*d as usize],
+                        Rows::Fixed(n) => *n,
+                    };
+                    (2..=max).contains(&r)
+                }
+                _ => true,
+            },
         }
+    }
+
+    /// What runs each kernel of the program (chosen at load), in kernel order.
+    pub fn kernel_choices(&self) -> &[KernelChoice] {
+        &self.choices
+    }
+
+    /// The library kernels' choices this executor was made with.
+    pub fn kernel_options(&self) -> KernelOptions {
+        self.kernels
     }
 
     fn run_library(
@@ -781,6 +804,50 @@ fn fill<T: Copy + Default>(buf: &mut [T], values: &[T]) {
     let n = values.len().min(buf.len());
     buf[..n].copy_from_slice(&values[..n]);
     buf[n..].fill(T::default());
+}
+
+/// What runs one kernel of a program on this CPU, chosen when the executor is made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelChoice {
+    /// The artifact's generated code.
+    Generated,
+    /// The runtime's library kernel ([`maxc_kernels`]).
+    Library,
+    /// The generated code for steps of `2..=max` rows, the library kernel for the others
+    /// (a matmul under the artifact's row policy where this CPU has no hand kernels).
+    GeneratedRows(u64),
+}
+
+impl KernelChoice {
+    /// The choice for `body` with or without generated code, under the artifact's matmul row
+    /// policy (`None`: generated code wherever it exists) made for this CPU.
+    fn of(body: &KernelBody, generated: bool, policy: Option<u64>) -> Self {
+        if !generated {
+            return KernelChoice::Library;
+        }
+        match (body, policy) {
+            // Under the auto policy, the library's blocked attention where it runs, and its
+            // sixteen-lane elementwise kernel.
+            (KernelBody::Attention { .. }, Some(_)) if attention_library() => KernelChoice::Library,
+            (KernelBody::Elementwise { .. }, Some(_)) if library_elementwise(body) => {
+                KernelChoice::Library
+            }
+            (KernelBody::Matmul { .. }, Some(max)) if max < 2 => KernelChoice::Library,
+            (KernelBody::Matmul { .. }, Some(max)) => KernelChoice::GeneratedRows(max),
+            _ => KernelChoice::Generated,
+        }
+    }
+
+    /// In words, as `maxc profile` prints it.
+    pub fn describe(&self) -> String {
+        match self {
+            KernelChoice::Generated => "generated".into(),
+            KernelChoice::Library => "library".into(),
+            KernelChoice::GeneratedRows(max) => {
+                format!("generated for 2..={max} rows, library otherwise")
+            }
+        }
+    }
 }
 
 /// Whether the library's blocked attention runs on this CPU (under the auto policy).

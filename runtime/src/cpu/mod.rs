@@ -5,4 +5,4 @@ pub mod code;
 pub mod ep;
 pub mod executor;
 
-pub use executor::CpuExecutor;
+pub use executor::{CpuExecutor, KernelChoice};
