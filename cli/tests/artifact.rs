@@ -583,7 +583,11 @@ fn profile_times_every_launch_and_writes_a_valid_trace() {
         .collect();
     assert_eq!(choices.len(), program.kernels.len(), "{out}");
     for (line, k) in choices.iter().zip(&program.kernels) {
-        assert!(line.trim_start().starts_with(&k.name), "{line} for {}", k.name);
+        assert!(
+            line.trim_start().starts_with(&k.name),
+            "{line} for {}",
+            k.name
+        );
         assert!(
             line.ends_with("generated")
                 || line.ends_with("library")

@@ -47,6 +47,8 @@ impl std::str::FromStr for Device {
     }
 }
 
+// One per engine, made once and never moved in a step: the size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
 enum Executor {
     Cpu(CpuExecutor),
     Cuda(CudaExecutor),
