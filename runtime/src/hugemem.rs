@@ -1,10 +1,8 @@
 //! Memory on transparent huge pages, for the bytes the CPU streams every step (the weights).
 //!
 //! On 4 KiB pages a streaming read crosses a page every 64 cache lines, and the hardware
-//! prefetchers stop at each crossing; on 2 MiB pages they run on. On the machines we measure
-//! (KVM guests on Xeons) a read of 256 MiB on every core streams about 1.4x as fast from 2 MiB
-//! pages (26 GB/s on 4 KiB pages, 36-38 on 2 MiB), and decode at batch 1 is such a read of all the
-//! weights. A file mapping cannot be asked for huge pages (the page cache decides), so the CPU
+//! prefetchers stop at each crossing; on 2 MiB pages they run on (the README gives the
+//! bandwidth of each, measured), and decode at batch 1 is such a read of all the weights. A file mapping cannot be asked for huge pages (the page cache decides), so the CPU
 //! executor reads the weights file into anonymous memory advised `MADV_HUGEPAGE`, aligned to
 //! 2 MiB, where the kernel offers transparent huge pages; elsewhere it keeps the file mapping,
 //! which costs no copy.

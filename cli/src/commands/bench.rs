@@ -2,8 +2,8 @@
 //! load time and peak memory, each next to its roofline measured in the same run: decode bytes
 //! per step over a memory-bandwidth probe, prefill FLOP/s over a GEMM probe.
 //!
-//! A shared machine's bandwidth moves with its neighbours' load (one guest we measure on read
-//! 29 to 35 GB/s within minutes), so one probe at the start and a measurement a minute later
+//! A shared machine's bandwidth moves with its neighbours' load (by several GB/s within
+//! minutes), so one probe at the start and a measurement a minute later
 //! can disagree by more than the kernels' own variation. Each measurement therefore runs in
 //! rounds, each round right after its own probe, and its ratio is the median of the rounds'
 //! ratios.

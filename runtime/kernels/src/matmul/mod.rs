@@ -7,8 +7,10 @@
 //! - Many rows (prefill): panels of weight rows are dequantized to f32 and multiplied with
 //!   `gemm`, panels split across threads.
 //!
-//! The inner loops are plain Rust, compiled three times (AVX-512, AVX2 + FMA, and the
-//! baseline), and the best the CPU supports is chosen at run time.
+//! The generic inner loops are plain Rust, compiled three times (AVX-512, AVX2 + FMA, and the
+//! baseline); the hand-vectorized ones are per instruction set (`tile` for AVX-512 register
+//! tiles, `blocks` for the block formats). The instruction set ([`crate::isa`]) and the
+//! caller's [`KernelOptions`] choose among them.
 
 use maxc_schema::blocks::{f16_to_f32, with_block, Block, BlockFn};
 use maxc_schema::DType;
@@ -32,9 +34,8 @@ const TILE_MIN_ROWS: usize = 4;
 /// Steps of at least this many rows pack their activations for the broadcast kernel: float
 /// weights (whose register tiles read them as stored) ...
 const PACKED_MIN_ROWS: usize = 32;
-/// ... and block weights (whose tiles pay for their conversion every four or eight rows; the
-/// weights bench measures the packed kernel 13–25% faster for Q4_1 and Q8_0 from 24 rows and
-/// even at 20-22).
+/// ... and block weights (whose tiles pay for their conversion every four or eight rows: the
+/// weights bench's `tiles` and `packed` columns place the crossing).
 const BLOCK_PACKED_MIN_ROWS: usize = 22;
 
 /// The fewest rows that run the packed kernel for `dtype` under `opts`.
