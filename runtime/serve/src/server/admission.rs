@@ -1,11 +1,9 @@
-//! What every generation endpoint does before its own planning and after it: the request
-//! counted while it awaits admission, its body read and parsed, the model awaited, the fields
-//! every endpoint shares checked ([`generation`]); and the checks that turn a prompt and those
-//! fields into a scheduler [`Request`].
+//! What a generation request passes before its endpoint plans it: its count while it awaits
+//! admission, its body read, the fields every endpoint shares checked; and the checks that turn
+//! a prompt and those fields into a scheduler [`Request`].
 
 use super::observe::Traced;
-use super::openai::{self, ApiError, Common, Fields};
-use super::respond::respond;
+use super::openai::{ApiError, Common};
 use super::{App, Loaded, Shared};
 use crate::metrics::Metrics;
 use crate::scheduler::Request;
@@ -13,31 +11,10 @@ use crate::tokenizer::Tokenizer;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::http::StatusCode;
-use axum::response::Response;
 use maxc_runtime::sampling::SamplingParams;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
-
-/// A generation endpoint: reads the common checks' request `R`, then `plan`s its jobs (the
-/// endpoint's own validation and tokenization), then answers them ([`respond`]).
-pub(super) async fn generation<R: serde::de::DeserializeOwned + Fields>(
-    app: Shared,
-    traced: Traced,
-    body: Result<Bytes, BytesRejection>,
-    plan: impl FnOnce(&App, &Loaded, R) -> Result<Plan, ApiError>,
-) -> Response {
-    let arrival = Instant::now();
-    let awaiting = Awaiting::new(&app.metrics);
-    let result = (|| {
-        let body = body_bytes(body)?;
-        let req: R = openai::parse(&body)?;
-        let l = app.ready()?;
-        check_common(&app, req.common())?;
-        plan(&app, l, req)
-    })();
-    respond(app, result, arrival, awaiting, traced).await
-}
+use std::time::{SystemTime, UNIX_EPOCH};
 
 pub(super) fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|e| {

@@ -1,8 +1,9 @@
 //! `POST /v1/chat/completions`: the conversation rendered by the artifact's chat template
 //! into one job.
 
-use super::admission::{generation, request_for, tokenizer, Job, Plan};
+use super::admission::{request_for, tokenizer, Job, Plan};
 use super::choice::ms;
+use super::generation::generation;
 use super::observe::Traced;
 use super::openai::{self, ApiError, ChatRequest, Content};
 use super::{App, Loaded, Shared};

@@ -1,7 +1,8 @@
 //! `POST /v1/completions`: prompts (text or token ids, one or many) become one job each.
 
-use super::admission::{generation, request_for, tokenizer, Job, Plan};
+use super::admission::{request_for, tokenizer, Job, Plan};
 use super::choice::ms;
+use super::generation::generation;
 use super::observe::Traced;
 use super::openai::{ApiError, CompletionRequest, Prompt};
 use super::{App, Loaded, Shared};

@@ -7,6 +7,7 @@ mod admission;
 mod chat;
 mod choice;
 mod completions;
+mod generation;
 mod info;
 pub mod listen;
 mod observe;
