@@ -299,8 +299,10 @@ fn kv_store_addresses_pages_through_the_lookup_table() {
             "kv_lookup_table[b * max_num_pages + page_index]",
             "(maxc_u64)page_entry >= total_num_pages",
             // [pages, num_layers, 2, page_size, kv_heads × head_dim]: layer 2 of 3, K then V.
-            "kv_cache + (((page * 3ULL + 2ULL) * 2ULL + 0ULL) * 16ULL + slot) * 256ULL",
-            "kv_cache + (((page * 3ULL + 2ULL) * 2ULL + 1ULL) * 16ULL + slot) * 256ULL",
+            // A page is 3 × 2 × 16 × 256 = 24576 floats; layer 2's keys start (2·2 + 0)·16·256
+            // = 16384 floats in, its values (2·2 + 1)·16·256 = 20480.
+            "kv_cache + page * 24576ULL + 16384ULL + slot * 256ULL",
+            "kv_cache + page * 24576ULL + 20480ULL + slot * 256ULL",
             "k_dst[c] = k[r * 256ULL + c];",
             "v_dst[c] = v[r * 256ULL + c];",
         ],
@@ -342,8 +344,10 @@ fn attention_maps_query_heads_to_kv_heads_and_pages() {
             "kv_lookup_table[b * max_num_pages + page_index]",
             "if (page_index >= max_num_pages) continue;",
             "(maxc_u64)page_entry >= total_num_pages) continue;",
-            "kv_cache + (((page * 2ULL + 1ULL) * 2ULL + 0ULL) * 16ULL + slot) * 256ULL + kv_head * 128ULL",
-            "kv_cache + (((page * 2ULL + 1ULL) * 2ULL + 1ULL) * 16ULL + slot) * 256ULL + kv_head * 128ULL",
+            // A page is 2 × 2 × 16 × 256 = 16384 floats; layer 1's keys start (1·2 + 0)·16·256
+            // = 8192 floats in, its values (1·2 + 1)·16·256 = 12288.
+            "kv_cache + page * 16384ULL + 8192ULL + slot * 256ULL + kv_head * 128ULL",
+            "kv_cache + page * 16384ULL + 12288ULL + slot * 256ULL + kv_head * 128ULL",
             "maxc_warp_sum(dot) * 0.125f",
             "expf(m - m_new)",
             "acc[e] = acc[e] * corr + w * v_ptr[d];",

@@ -3,11 +3,12 @@
 use super::builder::{check_product, check_size, KernelBuilder};
 use super::columns::Reduce;
 use super::math;
-use super::paged::{CacheLayout, Sequences};
+use super::paged::{CacheAddr, Sequences};
 use super::CpuError;
 use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::types::{F32, F32X4, I64};
 use cranelift_codegen::ir::{InstBuilder, StackSlotData, StackSlotKind, Value};
+use maxc_schema::KvView;
 
 /// Emits [`maxc_schema::KernelBody::Attention`]. For each (row `r`, KV head) of this call's
 /// slice: the row's sequence `b` and position `p`; for every query head `h` of the KV head's
@@ -17,7 +18,7 @@ use cranelift_codegen::ir::{InstBuilder, StackSlotData, StackSlotKind, Value};
 /// `acc = acc·e^(m-m') + e^(s-m')·v`; finally `out = acc / l`.
 pub(crate) fn emit(
     kb: &mut KernelBuilder,
-    cache: &CacheLayout,
+    cache: &KvView,
     heads: u64,
     scale: f32,
 ) -> Result<(), CpuError> {
@@ -89,7 +90,7 @@ pub(crate) fn emit(
 
 /// What every head's attention shares.
 struct Context<'c> {
-    cache: &'c CacheLayout,
+    cache: &'c KvView,
     seqs: &'c Sequences,
     /// The cache buffer.
     cache_ptr: Value,

@@ -119,10 +119,10 @@ fn emit_body(kb: &mut KernelBuilder, body: &KernelBody) -> Result<(), CpuError> 
         } => elementwise::emit(kb, *cols, inputs, program),
         KernelBody::Rope { heads, head_dim } => rope::emit(kb, *heads, *head_dim),
         KernelBody::KvStore { .. } => {
-            paged::emit_kv_store(kb, &paged::CacheLayout::of(kb.kind(), body)?)
+            paged::emit_kv_store(kb, &paged::cache_view(kb.kind(), body)?)
         }
         KernelBody::Attention { heads, scale, .. } => {
-            let cache = paged::CacheLayout::of(kb.kind(), body)?;
+            let cache = paged::cache_view(kb.kind(), body)?;
             attention::emit(kb, &cache, *heads, *scale)
         }
         KernelBody::Softmax { cols, .. } => softmax::emit(kb, *cols),

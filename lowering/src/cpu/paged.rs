@@ -8,62 +8,58 @@ use cranelift_codegen::ir::types::I64;
 use cranelift_codegen::ir::{BlockArg, InstBuilder, Value};
 use maxc_schema::{KernelBody, KvView, StepDim};
 
-/// One layer's view of the paged cache ([`KvView`]), checked for this backend, with the
-/// Cranelift address arithmetic.
-pub(crate) struct CacheLayout(KvView);
-
-impl std::ops::Deref for CacheLayout {
-    type Target = KvView;
-    fn deref(&self) -> &KvView {
-        &self.0
+/// The checked view of the paged cache of a KV store or attention kernel `kind`'s `body`: the
+/// contract's checks ([`KvView::check`]), then this backend's size limits.
+pub(crate) fn cache_view(kind: &'static str, body: &KernelBody) -> Result<KvView, CpuError> {
+    let invalid = |what: String| CpuError::Invalid { kind, what };
+    let view = body
+        .kv_view()
+        .ok_or_else(|| invalid("not a KV cache kernel".to_string()))?;
+    view.check().map_err(invalid)?;
+    for (field, v) in [
+        ("num_layers", view.num_layers),
+        ("kv_heads", view.kv_heads),
+        ("head_dim", view.head_dim),
+        ("page_size", view.page_size),
+    ] {
+        check_size(kind, field, v)?;
     }
+    check_product(
+        kind,
+        "bytes per cache page (num_layers × 2 × page_size × kv_heads × head_dim × 4)",
+        &[
+            view.num_layers,
+            2,
+            view.page_size,
+            view.kv_heads,
+            view.head_dim,
+            4,
+        ],
+    )?;
+    Ok(view)
 }
 
-impl CacheLayout {
-    /// The checked view of a KV store or attention kernel `kind`'s `body`: the contract's
-    /// checks, then this backend's size limits.
-    pub fn of(kind: &'static str, body: &KernelBody) -> Result<Self, CpuError> {
-        let invalid = |what: String| CpuError::Invalid { kind, what };
-        let view = body
-            .kv_view()
-            .ok_or_else(|| invalid("not a KV cache kernel".to_string()))?;
-        view.check().map_err(invalid)?;
-        for (field, v) in [
-            ("num_layers", view.num_layers),
-            ("kv_heads", view.kv_heads),
-            ("head_dim", view.head_dim),
-            ("page_size", view.page_size),
-        ] {
-            check_size(kind, field, v)?;
-        }
-        check_product(
-            kind,
-            "bytes per cache page (num_layers × 2 × page_size × kv_heads × head_dim × 4)",
-            &[
-                view.num_layers,
-                2,
-                view.page_size,
-                view.kv_heads,
-                view.head_dim,
-                4,
-            ],
-        )?;
-        Ok(CacheLayout(view))
-    }
-
+/// The Cranelift address arithmetic of a view of the paged cache.
+pub(crate) trait CacheAddr {
     /// Address of the keys (`which = 0`) or values (`which = 1`) of this layer in `page`.
-    pub fn block(&self, kb: &mut KernelBuilder, cache: Value, page: Value, which: u64) -> Value {
+    fn block(&self, kb: &mut KernelBuilder, cache: Value, page: Value, which: u64) -> Value;
+    /// Address of `slot` in a key or value block.
+    fn slot(&self, kb: &mut KernelBuilder, block: Value, slot: Value) -> Value;
+    /// `(p / page_size, p % page_size)` for a non-negative position `p`.
+    fn page_and_slot(&self, kb: &mut KernelBuilder, p: Value) -> (Value, Value);
+}
+
+impl CacheAddr for KvView {
+    fn block(&self, kb: &mut KernelBuilder, cache: Value, page: Value, which: u64) -> Value {
         let page_base = kb.addr(cache, page, self.page_elems() * 4);
         kb.offset(page_base, self.block_offset(which) * 4)
     }
 
-    /// Address of `slot` in a key or value block.
-    pub fn slot(&self, kb: &mut KernelBuilder, block: Value, slot: Value) -> Value {
+    fn slot(&self, kb: &mut KernelBuilder, block: Value, slot: Value) -> Value {
         kb.addr(block, slot, self.slot_elems() * 4)
     }
 
-    /// `(p / page_size, p % page_size)` for a non-negative position `p`.
-    pub fn page_and_slot(&self, kb: &mut KernelBuilder, p: Value) -> (Value, Value) {
+    fn page_and_slot(&self, kb: &mut KernelBuilder, p: Value) -> (Value, Value) {
         let ps = self.page_size;
         if ps.is_power_of_two() {
             let page = kb.b.ins().ushr_imm_u(p, i64::from(ps.trailing_zeros()));
@@ -161,7 +157,7 @@ pub(crate) fn emit_positions(kb: &mut KernelBuilder) {
 
 /// Emits [`maxc_schema::KernelBody::KvStore`]: copies each row's keys and values
 /// (all KV heads, f32x4 copies) into its page and slot of the cache.
-pub(crate) fn emit_kv_store(kb: &mut KernelBuilder, cache: &CacheLayout) -> Result<(), CpuError> {
+pub(crate) fn emit_kv_store(kb: &mut KernelBuilder, cache: &KvView) -> Result<(), CpuError> {
     let k = kb.buf(0);
     let v = kb.buf(1);
     let cache_ptr = kb.buf(2);

@@ -1,8 +1,9 @@
 //! Causal attention over the paged KV cache with an online (flash-style) softmax.
 
-use super::paged::{page_lookup, CacheLayout, LOCATE_ROW};
+use super::paged::{page_lookup, slot_ptr, LOCATE_ROW};
 use super::source::{self, f32_lit, fill, ull, Buf, Ctx, WARP};
 use super::{CudaError, Emitted};
+use maxc_schema::KvView;
 use maxc_schema::{CudaLaunch, GridExtent, Rows, StepDim};
 
 /// Warps per block; each walks every `WARPS`-th position of the context.
@@ -17,12 +18,7 @@ const WARPS: u32 = 4;
 /// `l = l·e^(m-m') + e^(s-m')`, `acc = acc·e^(m-m') + e^(s-m')·v`. The warps' states are then
 /// merged in shared memory: `out = Σ_w acc_w e^(m_w-M) / Σ_w l_w e^(m_w-M)`. Prefill and
 /// decode rows run the same kernel.
-pub(crate) fn emit(
-    cx: Ctx,
-    cache: &CacheLayout,
-    heads: u64,
-    scale: f32,
-) -> Result<Emitted, CudaError> {
+pub(crate) fn emit(cx: Ctx, cache: &KvView, heads: u64, scale: f32) -> Result<Emitted, CudaError> {
     let heads = cx.size("heads", heads)?;
     if heads % cache.kv_heads != 0 {
         return Err(cx.invalid(format!(
@@ -118,8 +114,8 @@ ${PAGE}        const float* k_ptr = ${K_PTR} + kv_head * ${HEAD_DIM};
         &[
             ("LOCATE", LOCATE_ROW.to_string()),
             ("PAGE", page_lookup(cache, "pos", "continue;", "        ")),
-            ("K_PTR", cache.slot_ptr("page", "slot", 0)),
-            ("V_PTR", cache.slot_ptr("page", "slot", 1)),
+            ("K_PTR", slot_ptr(cache, "page", "slot", 0)),
+            ("V_PTR", slot_ptr(cache, "page", "slot", 1)),
             ("HEADS", ull(heads)),
             ("GROUP", ull(group)),
             ("HEAD_DIM", ull(hd)),

@@ -91,9 +91,9 @@ pub fn emit_kernel(
             program,
         } => elementwise::emit(cx, *rows, *cols, inputs, program)?,
         KernelBody::Rope { heads, head_dim } => rope::emit(cx, *heads, *head_dim)?,
-        KernelBody::KvStore { .. } => paged::emit_kv_store(cx, &paged::CacheLayout::of(cx, body)?)?,
+        KernelBody::KvStore { .. } => paged::emit_kv_store(cx, &paged::cache_view(cx, body)?)?,
         KernelBody::Attention { heads, scale, .. } => {
-            attention::emit(cx, &paged::CacheLayout::of(cx, body)?, *heads, *scale)?
+            attention::emit(cx, &paged::cache_view(cx, body)?, *heads, *scale)?
         }
         KernelBody::Softmax { rows, cols } => softmax::emit(cx, *rows, *cols)?,
         KernelBody::TopK {

@@ -5,49 +5,35 @@ use super::source::{self, fill, ull, Buf, Ctx};
 use super::{CudaError, Emitted};
 use maxc_schema::{CudaLaunch, GridExtent, KernelBody, KvView, Rows, StepDim};
 
-/// One layer's view of the paged cache ([`KvView`]), checked for this backend, with the C
-/// address expressions.
-pub(crate) struct CacheLayout(KvView);
-
-impl std::ops::Deref for CacheLayout {
-    type Target = KvView;
-    fn deref(&self) -> &KvView {
-        &self.0
-    }
+/// The checked view of the paged cache of a KV store or attention kernel's `body`: the
+/// contract's checks ([`KvView::check`]), then this backend's index range.
+pub(crate) fn cache_view(cx: Ctx, body: &KernelBody) -> Result<KvView, CudaError> {
+    let view = body
+        .kv_view()
+        .ok_or_else(|| cx.invalid("not a KV cache kernel".to_string()))?;
+    view.check().map_err(|what| cx.invalid(what))?;
+    cx.product(
+        "floats per cache page (num_layers × 2 × page_size × kv_heads × head_dim)",
+        &[
+            view.num_layers,
+            2,
+            view.page_size,
+            view.kv_heads,
+            view.head_dim,
+        ],
+    )?;
+    Ok(view)
 }
 
-impl CacheLayout {
-    /// The checked view of a KV store or attention kernel's `body`: the contract's checks,
-    /// then this backend's index range.
-    pub fn of(cx: Ctx, body: &KernelBody) -> Result<Self, CudaError> {
-        let view = body
-            .kv_view()
-            .ok_or_else(|| cx.invalid("not a KV cache kernel".to_string()))?;
-        view.check().map_err(|what| cx.invalid(what))?;
-        cx.product(
-            "floats per cache page (num_layers × 2 × page_size × kv_heads × head_dim)",
-            &[
-                view.num_layers,
-                2,
-                view.page_size,
-                view.kv_heads,
-                view.head_dim,
-            ],
-        )?;
-        Ok(CacheLayout(view))
-    }
-
-    /// The C expression of the first float of `slot` in the keys (`which` = 0) or values (1)
-    /// of this layer in cache page `page` (both `maxc_u64` expressions).
-    pub fn slot_ptr(&self, page: &str, slot: &str, which: u64) -> String {
-        format!(
-            "kv_cache + ((({page} * {nl} + {layer}) * 2ULL + {which}ULL) * {ps} + {slot}) * {sf}",
-            nl = ull(self.num_layers),
-            layer = ull(self.layer),
-            ps = ull(self.page_size),
-            sf = ull(self.slot_elems()),
-        )
-    }
+/// The C expression of the first float of `slot` in the keys (`which` = 0) or values (1) of
+/// the view's layer in cache page `page` (both `maxc_u64` expressions).
+pub(crate) fn slot_ptr(cache: &KvView, page: &str, slot: &str, which: u64) -> String {
+    format!(
+        "kv_cache + {page} * {pe} + {bo} + {slot} * {se}",
+        pe = ull(cache.page_elems()),
+        bo = ull(cache.block_offset(which)),
+        se = ull(cache.slot_elems()),
+    )
 }
 
 /// C statements locating token row `r` (a `maxc_u64` in scope, below `total_seq_len`): the
@@ -62,7 +48,7 @@ pub(crate) const LOCATE_ROW: &str = r#"    if (batch_size == 0 || batch_size >= 
 /// C statements giving `page` (a `maxc_u64`) for position `pos` (a non-negative `long long`)
 /// of sequence `b` from `kv_lookup_table[b, pos / page_size]`, with `slot = pos % page_size`;
 /// `on_bad` (a statement) runs when the page index or the page is out of the step's bounds.
-pub(crate) fn page_lookup(cache: &CacheLayout, pos: &str, on_bad: &str, indent: &str) -> String {
+pub(crate) fn page_lookup(cache: &KvView, pos: &str, on_bad: &str, indent: &str) -> String {
     fill(
         r#"${I}const maxc_u64 page_index = (maxc_u64)${POS} / ${PS};
 ${I}const maxc_u64 slot = (maxc_u64)${POS} % ${PS};
@@ -115,7 +101,7 @@ pub(crate) fn emit_positions(cx: Ctx) -> Result<Emitted, CudaError> {
 /// `r < total_seq_len`; the row's sequence and position give its page (through
 /// `kv_lookup_table`, skipped when out of bounds) and slot, and threads copy the row's keys
 /// and values (all KV heads) there.
-pub(crate) fn emit_kv_store(cx: Ctx, cache: &CacheLayout) -> Result<Emitted, CudaError> {
+pub(crate) fn emit_kv_store(cx: Ctx, cache: &KvView) -> Result<Emitted, CudaError> {
     let floats = cache.slot_elems();
     let threads = source::row_threads(floats, 256);
     let body = fill(
@@ -133,8 +119,8 @@ ${PAGE}    float* k_dst = ${K_DST};
         &[
             ("LOCATE", LOCATE_ROW.to_string()),
             ("PAGE", page_lookup(cache, "p", "return;", "    ")),
-            ("K_DST", cache.slot_ptr("page", "slot", 0)),
-            ("V_DST", cache.slot_ptr("page", "slot", 1)),
+            ("K_DST", slot_ptr(cache, "page", "slot", 0)),
+            ("V_DST", slot_ptr(cache, "page", "slot", 1)),
             ("SLOT", ull(floats)),
         ],
     );

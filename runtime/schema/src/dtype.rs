@@ -45,6 +45,11 @@ pub enum DType {
 }
 
 impl DType {
+    /// The GGUF block formats, in [`DType::ALL`]'s order.
+    pub fn block_formats() -> impl Iterator<Item = DType> {
+        DType::ALL.into_iter().filter(|d| d.is_quantized())
+    }
+
     /// Every dtype.
     pub const ALL: [DType; 13] = [
         DType::F32,

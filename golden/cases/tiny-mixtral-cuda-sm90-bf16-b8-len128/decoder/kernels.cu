@@ -428,8 +428,8 @@ extern "C" __global__ void __launch_bounds__(64) kv_store_19c5de1c(
     const int page_entry = kv_lookup_table[b * max_num_pages + page_index];
     if (page_entry < 0 || (maxc_u64)page_entry >= total_num_pages) return;
     const maxc_u64 page = (maxc_u64)page_entry;
-    float* k_dst = kv_cache + (((page * 4ULL + 0ULL) * 2ULL + 0ULL) * 16ULL + slot) * 64ULL;
-    float* v_dst = kv_cache + (((page * 4ULL + 0ULL) * 2ULL + 1ULL) * 16ULL + slot) * 64ULL;
+    float* k_dst = kv_cache + page * 8192ULL + 0ULL + slot * 64ULL;
+    float* v_dst = kv_cache + page * 8192ULL + 1024ULL + slot * 64ULL;
     for (maxc_u64 c = threadIdx.x; c < 64ULL; c += blockDim.x) {
         k_dst[c] = k[r * 64ULL + c];
         v_dst[c] = v[r * 64ULL + c];
@@ -479,8 +479,8 @@ extern "C" __global__ void __launch_bounds__(128) attention_9127d12b(
         const int page_entry = kv_lookup_table[b * max_num_pages + page_index];
         if (page_entry < 0 || (maxc_u64)page_entry >= total_num_pages) continue;
         const maxc_u64 page = (maxc_u64)page_entry;
-        const float* k_ptr = kv_cache + (((page * 4ULL + 0ULL) * 2ULL + 0ULL) * 16ULL + slot) * 64ULL + kv_head * 32ULL;
-        const float* v_ptr = kv_cache + (((page * 4ULL + 0ULL) * 2ULL + 1ULL) * 16ULL + slot) * 64ULL + kv_head * 32ULL;
+        const float* k_ptr = kv_cache + page * 8192ULL + 0ULL + slot * 64ULL + kv_head * 32ULL;
+        const float* v_ptr = kv_cache + page * 8192ULL + 1024ULL + slot * 64ULL + kv_head * 32ULL;
         float dot = 0.0f;
 #pragma unroll
         for (unsigned e = 0; e < 1; ++e) {

@@ -428,8 +428,8 @@ extern "C" __global__ void __launch_bounds__(32) kv_store_20b30903(
     const int page_entry = kv_lookup_table[b * max_num_pages + page_index];
     if (page_entry < 0 || (maxc_u64)page_entry >= total_num_pages) return;
     const maxc_u64 page = (maxc_u64)page_entry;
-    float* k_dst = kv_cache + (((page * 1ULL + 0ULL) * 2ULL + 0ULL) * 16ULL + slot) * 32ULL;
-    float* v_dst = kv_cache + (((page * 1ULL + 0ULL) * 2ULL + 1ULL) * 16ULL + slot) * 32ULL;
+    float* k_dst = kv_cache + page * 1024ULL + 0ULL + slot * 32ULL;
+    float* v_dst = kv_cache + page * 1024ULL + 512ULL + slot * 32ULL;
     for (maxc_u64 c = threadIdx.x; c < 32ULL; c += blockDim.x) {
         k_dst[c] = k[r * 32ULL + c];
         v_dst[c] = v[r * 32ULL + c];
@@ -479,8 +479,8 @@ extern "C" __global__ void __launch_bounds__(128) attention_8cc272f2(
         const int page_entry = kv_lookup_table[b * max_num_pages + page_index];
         if (page_entry < 0 || (maxc_u64)page_entry >= total_num_pages) continue;
         const maxc_u64 page = (maxc_u64)page_entry;
-        const float* k_ptr = kv_cache + (((page * 1ULL + 0ULL) * 2ULL + 0ULL) * 16ULL + slot) * 32ULL + kv_head * 32ULL;
-        const float* v_ptr = kv_cache + (((page * 1ULL + 0ULL) * 2ULL + 1ULL) * 16ULL + slot) * 32ULL + kv_head * 32ULL;
+        const float* k_ptr = kv_cache + page * 1024ULL + 0ULL + slot * 32ULL + kv_head * 32ULL;
+        const float* v_ptr = kv_cache + page * 1024ULL + 512ULL + slot * 32ULL + kv_head * 32ULL;
         float dot = 0.0f;
 #pragma unroll
         for (unsigned e = 0; e < 1; ++e) {

@@ -1603,17 +1603,7 @@ mod tests {
         {
             isas.push(Isa::Avx2);
         }
-        for dtype in [
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-            DType::Q5_0,
-            DType::Q5_1,
-            DType::Q4K,
-            DType::Q5K,
-            DType::Q6K,
-            DType::BF16,
-        ] {
+        for dtype in DType::block_formats().chain([DType::BF16]) {
             let (elems, size) = dtype.block();
             let mut w: Vec<u8> = (0..n * k / elems * size)
                 .map(|i| ((i * 73) % 256) as u8)

@@ -429,17 +429,6 @@ mod tests {
         w
     }
 
-    const FORMATS: [DType; 8] = [
-        DType::Q8_0,
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q5_0,
-        DType::Q5_1,
-        DType::Q4K,
-        DType::Q5K,
-        DType::Q6K,
-    ];
-
     fn run(dtype: DType, x: &[f32], w: &[u8], rows: usize, n: usize, k: usize) -> Vec<f32> {
         let mut buf = Q8Buffers::default();
         let f = kernel(dtype).unwrap();
@@ -508,7 +497,7 @@ mod tests {
                 d * q as f32
             })
             .collect();
-        for dtype in FORMATS {
+        for dtype in DType::block_formats() {
             let w = weights(dtype, n, k);
             let wf = maxc_schema::blocks::dequantize(dtype, &w).unwrap();
             for rows in 1..=10 {
@@ -541,7 +530,7 @@ mod tests {
         let x: Vec<f32> = (0..10 * k)
             .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
             .collect();
-        for dtype in FORMATS {
+        for dtype in DType::block_formats() {
             let w = weights(dtype, n, k);
             let wf = maxc_schema::blocks::dequantize(dtype, &w).unwrap();
             for rows in 1..=10 {
