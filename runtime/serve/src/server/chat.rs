@@ -3,15 +3,10 @@
 
 use super::admission::{request_for, tokenizer, Job, Plan};
 use super::choice::ms;
-use super::generation::generation;
-use super::observe::Traced;
+use super::generation::Endpoint;
 use super::openai::{self, ApiError, ChatRequest, Content};
-use super::{App, Loaded, Shared};
+use super::{App, Loaded};
 use crate::chat::ChatMessage;
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::State;
-use axum::response::Response;
 use std::time::Instant;
 
 pub(super) fn message_text(m: &openai::Message, i: usize) -> Result<String, ApiError> {
@@ -37,69 +32,64 @@ pub(super) fn message_text(m: &openai::Message, i: usize) -> Result<String, ApiE
     })
 }
 
-pub(super) async fn chat_completions(
-    State(app): State<Shared>,
-    axum::Extension(traced): axum::Extension<Traced>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    generation(app, traced, body, plan).await
-}
-
-/// The request's one job: the conversation rendered and tokenized.
-fn plan(app: &App, l: &Loaded, req: ChatRequest) -> Result<Plan, ApiError> {
-    let messages = match &req.messages {
-        None => return Err(ApiError::invalid("messages", "`messages` is required")),
-        Some(m) if m.is_empty() => {
-            return Err(ApiError::invalid("messages", "`messages` is empty"))
-        }
-        Some(m) => m,
-    };
-    let t = Instant::now();
-    let msgs = messages
-        .iter()
-        .enumerate()
-        .map(|(i, m)| Ok(ChatMessage::new(m.role.clone(), message_text(m, i)?)))
-        .collect::<Result<Vec<_>, ApiError>>()?;
-    app.metrics
-        .num_input_characters
-        .inc_by(msgs.iter().map(|m| m.content.chars().count() as u64).sum());
-    let template = l.chat.as_ref().ok_or_else(|| {
-        ApiError::invalid(
-            "messages",
-            "the artifact has no chat template; use /v1/completions",
-        )
-    })?;
-    let text = template
-        .render(&msgs, true)
-        .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-    let ids: Vec<i64> = tokenizer(l, "messages")?
-        .encode(&text, false)
-        .map_err(|e| ApiError::invalid("messages", e.to_string()))?
-        .into_iter()
-        .map(i64::from)
-        .collect();
-    let logprobs = req.logprobs.unwrap_or(false);
-    let top = match req.top_logprobs {
-        Some(k) if !(0..=20).contains(&k) => {
-            return Err(ApiError::invalid(
-                "top_logprobs",
-                format!("`top_logprobs` is {k}; expected 0 to 20"),
-            ))
-        }
-        Some(_) if !logprobs => {
-            return Err(ApiError::invalid(
-                "top_logprobs",
-                "`top_logprobs` needs `logprobs: true`",
-            ))
-        }
-        k => k.unwrap_or(0) as usize,
-    };
-    let mut request = request_for(l, &req.common, ids, "messages")?;
-    request.logprobs = logprobs.then_some(top);
-    app.metrics.input_processing_time.observe(ms(t.elapsed()));
-    let job = Job {
-        request,
-        echo: None,
-    };
-    Ok(Plan::new(&req.common, vec![job], true, logprobs))
+impl Endpoint for ChatRequest {
+    /// The request's one job: the conversation rendered and tokenized.
+    fn plan(self, app: &App, l: &Loaded) -> Result<Plan, ApiError> {
+        let req = self;
+        let messages = match &req.messages {
+            None => return Err(ApiError::invalid("messages", "`messages` is required")),
+            Some(m) if m.is_empty() => {
+                return Err(ApiError::invalid("messages", "`messages` is empty"))
+            }
+            Some(m) => m,
+        };
+        let t = Instant::now();
+        let msgs = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| Ok(ChatMessage::new(m.role.clone(), message_text(m, i)?)))
+            .collect::<Result<Vec<_>, ApiError>>()?;
+        app.metrics
+            .num_input_characters
+            .inc_by(msgs.iter().map(|m| m.content.chars().count() as u64).sum());
+        let template = l.chat.as_ref().ok_or_else(|| {
+            ApiError::invalid(
+                "messages",
+                "the artifact has no chat template; use /v1/completions",
+            )
+        })?;
+        let text = template
+            .render(&msgs, true)
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+        let ids: Vec<i64> = tokenizer(l, "messages")?
+            .encode(&text, false)
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))?
+            .into_iter()
+            .map(i64::from)
+            .collect();
+        let logprobs = req.logprobs.unwrap_or(false);
+        let top = match req.top_logprobs {
+            Some(k) if !(0..=20).contains(&k) => {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    format!("`top_logprobs` is {k}; expected 0 to 20"),
+                ))
+            }
+            Some(_) if !logprobs => {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    "`top_logprobs` needs `logprobs: true`",
+                ))
+            }
+            k => k.unwrap_or(0) as usize,
+        };
+        let mut request = request_for(l, &req.common, ids, "messages")?;
+        request.logprobs = logprobs.then_some(top);
+        app.metrics.input_processing_time.observe(ms(t.elapsed()));
+        let job = Job {
+            request,
+            echo: None,
+        };
+        Ok(Plan::new(&req.common, vec![job], true, logprobs))
+    }
 }

@@ -2,94 +2,84 @@
 
 use super::admission::{request_for, tokenizer, Job, Plan};
 use super::choice::ms;
-use super::generation::generation;
-use super::observe::Traced;
+use super::generation::Endpoint;
 use super::openai::{ApiError, CompletionRequest, Prompt};
-use super::{App, Loaded, Shared};
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::State;
-use axum::response::Response;
+use super::{App, Loaded};
 use std::time::Instant;
 
-pub(super) async fn completions(
-    State(app): State<Shared>,
-    axum::Extension(traced): axum::Extension<Traced>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    generation(app, traced, body, plan).await
-}
-
-/// The request's jobs: one per prompt, tokenized where it is text.
-fn plan(app: &App, l: &Loaded, req: CompletionRequest) -> Result<Plan, ApiError> {
-    let t = Instant::now();
-    let prompts: Vec<(Vec<i64>, Option<String>)> = match req.prompt.clone() {
-        None => return Err(ApiError::invalid("prompt", "`prompt` is required")),
-        Some(Prompt::Text(s)) if s.is_empty() => {
-            return Err(ApiError::invalid("prompt", "the prompt is empty"))
-        }
-        Some(Prompt::Text(s)) => vec![(Vec::new(), Some(s))],
-        Some(Prompt::Texts(v)) => v.into_iter().map(|s| (Vec::new(), Some(s))).collect(),
-        Some(Prompt::Tokens(ids)) => vec![(ids, None)],
-        Some(Prompt::TokenLists(v)) => v.into_iter().map(|ids| (ids, None)).collect(),
-    };
-    if prompts.is_empty() {
-        return Err(ApiError::invalid("prompt", "the prompt list is empty"));
-    }
-    let logprobs = match req.logprobs {
-        Some(k) if !(0..=5).contains(&k) => {
-            return Err(ApiError::invalid(
-                "logprobs",
-                format!("`logprobs` is {k}; expected 0 to 5"),
-            ))
-        }
-        k => k.map(|k| k as usize),
-    };
-    let echo = req.echo.unwrap_or(false);
-    if echo && logprobs.is_some() && !l.all_logits {
-        return Err(ApiError::invalid(
-                "echo",
-                "`echo` with `logprobs` scores the prompt, which needs an artifact compiled with --all-logits",
-            ));
-    }
-    let mut jobs = Vec::new();
-    for (ids, text) in prompts {
-        let ids = match &text {
-            Some(s) => {
-                app.metrics
-                    .num_input_characters
-                    .inc_by(s.chars().count() as u64);
-                let tok = tokenizer(l, "prompt")?;
-                tok.encode(s, true)
-                    .map_err(|e| ApiError::invalid("prompt", e.to_string()))?
-                    .into_iter()
-                    .map(i64::from)
-                    .collect()
+impl Endpoint for CompletionRequest {
+    /// The request's jobs: one per prompt, tokenized where it is text.
+    fn plan(self, app: &App, l: &Loaded) -> Result<Plan, ApiError> {
+        let req = self;
+        let t = Instant::now();
+        let prompts: Vec<(Vec<i64>, Option<String>)> = match req.prompt.clone() {
+            None => return Err(ApiError::invalid("prompt", "`prompt` is required")),
+            Some(Prompt::Text(s)) if s.is_empty() => {
+                return Err(ApiError::invalid("prompt", "the prompt is empty"))
             }
-            None => ids,
+            Some(Prompt::Text(s)) => vec![(Vec::new(), Some(s))],
+            Some(Prompt::Texts(v)) => v.into_iter().map(|s| (Vec::new(), Some(s))).collect(),
+            Some(Prompt::Tokens(ids)) => vec![(ids, None)],
+            Some(Prompt::TokenLists(v)) => v.into_iter().map(|ids| (ids, None)).collect(),
         };
-        let mut request = request_for(l, &req.common, ids, "prompt")?;
-        request.logprobs = logprobs;
-        request.prompt_logprobs = echo && logprobs.is_some();
-        let echo_text = if echo {
-            Some(match text {
-                Some(s) => s,
-                None => match l.tokenizer {
-                    Some(t) => {
-                        let ids: Vec<u32> = request.prompt.iter().map(|&i| i as u32).collect();
-                        t.decode(&ids, false).unwrap_or_default()
-                    }
-                    None => String::new(),
-                },
-            })
-        } else {
-            None
+        if prompts.is_empty() {
+            return Err(ApiError::invalid("prompt", "the prompt list is empty"));
+        }
+        let logprobs = match req.logprobs {
+            Some(k) if !(0..=5).contains(&k) => {
+                return Err(ApiError::invalid(
+                    "logprobs",
+                    format!("`logprobs` is {k}; expected 0 to 5"),
+                ))
+            }
+            k => k.map(|k| k as usize),
         };
-        jobs.push(Job {
-            request,
-            echo: echo_text,
-        });
+        let echo = req.echo.unwrap_or(false);
+        if echo && logprobs.is_some() && !l.all_logits {
+            return Err(ApiError::invalid(
+                    "echo",
+                    "`echo` with `logprobs` scores the prompt, which needs an artifact compiled with --all-logits",
+                ));
+        }
+        let mut jobs = Vec::new();
+        for (ids, text) in prompts {
+            let ids = match &text {
+                Some(s) => {
+                    app.metrics
+                        .num_input_characters
+                        .inc_by(s.chars().count() as u64);
+                    let tok = tokenizer(l, "prompt")?;
+                    tok.encode(s, true)
+                        .map_err(|e| ApiError::invalid("prompt", e.to_string()))?
+                        .into_iter()
+                        .map(i64::from)
+                        .collect()
+                }
+                None => ids,
+            };
+            let mut request = request_for(l, &req.common, ids, "prompt")?;
+            request.logprobs = logprobs;
+            request.prompt_logprobs = echo && logprobs.is_some();
+            let echo_text = if echo {
+                Some(match text {
+                    Some(s) => s,
+                    None => match l.tokenizer {
+                        Some(t) => {
+                            let ids: Vec<u32> = request.prompt.iter().map(|&i| i as u32).collect();
+                            t.decode(&ids, false).unwrap_or_default()
+                        }
+                        None => String::new(),
+                    },
+                })
+            } else {
+                None
+            };
+            jobs.push(Job {
+                request,
+                echo: echo_text,
+            });
+        }
+        app.metrics.input_processing_time.observe(ms(t.elapsed()));
+        Ok(Plan::new(&req.common, jobs, false, logprobs.is_some()))
     }
-    app.metrics.input_processing_time.observe(ms(t.elapsed()));
-    Ok(Plan::new(&req.common, jobs, false, logprobs.is_some()))
 }

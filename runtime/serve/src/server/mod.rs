@@ -308,8 +308,14 @@ pub async fn serve(
         max_request_bytes: opts.max_request_bytes,
     };
     let router = Router::new()
-        .route("/v1/completions", post(completions::completions))
-        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route(
+            "/v1/completions",
+            post(generation::generation::<openai::CompletionRequest>),
+        )
+        .route(
+            "/v1/chat/completions",
+            post(generation::generation::<openai::ChatRequest>),
+        )
         .route("/v1/models", get(info::models))
         .route("/health", get(info::health))
         .route("/v1/health", get(info::health))
