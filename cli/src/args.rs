@@ -61,6 +61,23 @@ pub struct ActivationArgs {
 }
 
 impl ActivationArgs {
+    /// `role` of the artifact at `dir` on the CPU with these kernel choices, in a session.
+    pub fn open_cpu(
+        &self,
+        dir: &std::path::Path,
+        role: &str,
+    ) -> anyhow::Result<maxc_runtime::Session> {
+        Ok(maxc_runtime::Session::new(
+            maxc_runtime::Engine::open_verified(
+                dir,
+                role,
+                maxc_runtime::engine::Device::Cpu,
+                None,
+                self.kernels(),
+            )?,
+        ))
+    }
+
     /// The kernel choices these arguments make (the defaults otherwise).
     pub fn kernels(&self) -> maxc_runtime::kernels::options::KernelOptions {
         maxc_runtime::kernels::options::KernelOptions {

@@ -10,9 +10,8 @@
 
 use anyhow::Result;
 use maxc_runtime::bench::{bandwidth, fma_peak, gemm_flops, peak_rss, reset_peak_rss};
-use maxc_runtime::engine::Device;
 use maxc_runtime::profile::kernel_cost;
-use maxc_runtime::{Engine, Session};
+use maxc_runtime::Session;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -100,23 +99,11 @@ pub fn run(args: Args) -> Result<()> {
     let mut loads = Vec::new();
     for _ in 0..4 {
         let t = Instant::now();
-        drop(Session::new(Engine::open_verified(
-            &args.artifact,
-            &args.role,
-            Device::Cpu,
-            None,
-            args.activations.kernels(),
-        )?));
+        drop(args.activations.open_cpu(&args.artifact, &args.role)?);
         loads.push(t.elapsed().as_secs_f64());
     }
     loads.remove(0);
-    let mut engine = Session::new(Engine::open_verified(
-        &args.artifact,
-        &args.role,
-        Device::Cpu,
-        None,
-        args.activations.kernels(),
-    )?);
+    let mut engine = args.activations.open_cpu(&args.artifact, &args.role)?;
     engine.engine_mut().set_profiling(true)?;
     let vocab = engine.engine().vocab_size() as i64;
     let rounds = args.rounds as usize;

@@ -4,10 +4,9 @@
 
 use crate::args::parse_tokens;
 use anyhow::{bail, Context, Result};
-use maxc_runtime::engine::Device;
 use maxc_runtime::profile::{summarize, trace_json, StepProfile};
 use maxc_runtime::sampling::argmax;
-use maxc_runtime::{Engine, Session};
+use maxc_runtime::Session;
 use std::path::PathBuf;
 
 /// Arguments of `maxc profile`.
@@ -39,13 +38,7 @@ pub struct Args {
 
 /// Profiles and prints.
 pub fn run(args: Args) -> Result<()> {
-    let mut engine = Session::new(Engine::open_verified(
-        &args.artifact,
-        &args.role,
-        Device::Cpu,
-        None,
-        args.activations.kernels(),
-    )?);
+    let mut engine = args.activations.open_cpu(&args.artifact, &args.role)?;
     let vocab = engine.engine().vocab_size() as i64;
     let prompt: Vec<i64> = match (&args.tokens, &args.prompt) {
         (Some(t), _) => parse_tokens(t)?,

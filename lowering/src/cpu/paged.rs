@@ -11,11 +11,7 @@ use maxc_schema::{KernelBody, KvView, StepDim};
 /// The checked view of the paged cache of a KV store or attention kernel `kind`'s `body`: the
 /// contract's checks ([`KvView::check`]), then this backend's size limits.
 pub(crate) fn cache_view(kind: &'static str, body: &KernelBody) -> Result<KvView, CpuError> {
-    let invalid = |what: String| CpuError::Invalid { kind, what };
-    let view = body
-        .kv_view()
-        .ok_or_else(|| invalid("not a KV cache kernel".to_string()))?;
-    view.check().map_err(invalid)?;
+    let view = KvView::of(body).map_err(|what| CpuError::Invalid { kind, what })?;
     for (field, v) in [
         ("num_layers", view.num_layers),
         ("kv_heads", view.kv_heads),
@@ -27,14 +23,7 @@ pub(crate) fn cache_view(kind: &'static str, body: &KernelBody) -> Result<KvView
     check_product(
         kind,
         "bytes per cache page (num_layers × 2 × page_size × kv_heads × head_dim × 4)",
-        &[
-            view.num_layers,
-            2,
-            view.page_size,
-            view.kv_heads,
-            view.head_dim,
-            4,
-        ],
+        &[&view.page_shape()[..], &[4]].concat(),
     )?;
     Ok(view)
 }

@@ -8,19 +8,10 @@ use maxc_schema::{CudaLaunch, GridExtent, KernelBody, KvView, Rows, StepDim};
 /// The checked view of the paged cache of a KV store or attention kernel's `body`: the
 /// contract's checks ([`KvView::check`]), then this backend's index range.
 pub(crate) fn cache_view(cx: Ctx, body: &KernelBody) -> Result<KvView, CudaError> {
-    let view = body
-        .kv_view()
-        .ok_or_else(|| cx.invalid("not a KV cache kernel".to_string()))?;
-    view.check().map_err(|what| cx.invalid(what))?;
+    let view = KvView::of(body).map_err(|what| cx.invalid(what))?;
     cx.product(
         "floats per cache page (num_layers × 2 × page_size × kv_heads × head_dim)",
-        &[
-            view.num_layers,
-            2,
-            view.page_size,
-            view.kv_heads,
-            view.head_dim,
-        ],
+        &view.page_shape(),
     )?;
     Ok(view)
 }

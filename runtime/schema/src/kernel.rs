@@ -309,6 +309,27 @@ pub struct KvView {
 }
 
 impl KvView {
+    /// The checked view of a KV store or attention kernel's `body` (its message names the
+    /// field, or says the kernel has no cache).
+    pub fn of(body: &KernelBody) -> Result<KvView, String> {
+        let view = body
+            .kv_view()
+            .ok_or_else(|| format!("a {} kernel reads no KV cache", body.kind()))?;
+        view.check()?;
+        Ok(view)
+    }
+
+    /// The shape of one page, `[num_layers, 2, page_size, kv_heads, head_dim]`.
+    pub fn page_shape(&self) -> [u64; 5] {
+        [
+            self.num_layers,
+            2,
+            self.page_size,
+            self.kv_heads,
+            self.head_dim,
+        ]
+    }
+
     /// Checks that every size is non-zero, the layer lies in the cache and a page's bytes fit
     /// in a `u64`; the message names the field.
     pub fn check(&self) -> Result<(), String> {
@@ -328,8 +349,9 @@ impl KvView {
                 self.layer, self.num_layers
             ));
         }
-        [self.num_layers, 2, self.page_size, self.kv_heads, self.head_dim, 4]
+        self.page_shape()
             .iter()
+            .chain(&[4])
             .try_fold(1u64, |acc, &v| acc.checked_mul(v))
             .map(|_| ())
             .ok_or_else(|| {
