@@ -595,6 +595,36 @@ fn profile_times_every_launch_and_writes_a_valid_trace() {
             "{line}"
         );
     }
+    // How each matmul weight runs at every row count, chosen at load: the plans of this CPU,
+    // one line per (format, k), counting every weight a matmul reads.
+    let plans: Vec<&str> = out
+        .lines()
+        .skip_while(|l| !l.starts_with("library matmul paths on this CPU"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .collect();
+    let mut weights = std::collections::BTreeSet::new();
+    for l in &program.launches {
+        if let maxc_schema::KernelBody::Matmul { k, .. } = &program.kernels[l.kernel as usize].body
+        {
+            let b = &program.buffers[l.buffers[1] as usize];
+            if matches!(b.storage, maxc_schema::Storage::Param { .. }) {
+                weights.insert((l.buffers[1], b.dtype, *k));
+            }
+        }
+    }
+    let mut counted = 0;
+    for line in &plans {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (dtype, k): (maxc_schema::DType, u64) = (f[0].parse().unwrap(), f[2].parse().unwrap());
+        counted += f[3].trim_start_matches('x').parse::<usize>().unwrap();
+        let plan =
+            maxc_runtime::kernels::matmul::MatmulPlan::new(dtype, k as usize, &Default::default());
+        assert!(line.ends_with(&plan.describe()), "{line}");
+        assert!(plan.describe().starts_with("rows 1"), "{line}");
+    }
+    assert!(!plans.is_empty(), "{out}");
+    assert_eq!(counted, weights.len(), "{out}");
     let manifest: Manifest =
         serde_json::from_slice(&std::fs::read(a.join("manifest.json")).unwrap()).unwrap();
     let launches = manifest.roles["decoder"].launches as usize;

@@ -358,6 +358,15 @@ impl Engine {
         }
     }
 
+    /// How each weight a library matmul reads runs at each row count on the CPU (chosen at
+    /// load; buffer id and plan, in buffer order); `None` on another device.
+    pub fn cpu_matmul_plans(&self) -> Option<Vec<(u32, &maxc_kernels::matmul::MatmulPlan)>> {
+        match &self.exec {
+            Executor::Cpu(e) => Some(e.matmul_plans()),
+            Executor::Cuda(_) => None,
+        }
+    }
+
     /// The per-launch timings of the last step, while profiling.
     pub fn last_profile(&self) -> Option<&StepProfile> {
         match &self.exec {

@@ -184,6 +184,37 @@ pub fn run(args: Args) -> Result<()> {
             );
         }
     }
+    // What this CPU's library matmuls would run (the executor chooses the same at load, under
+    // the options it is given; `maxc profile` prints its own).
+    let mut plans = Vec::new();
+    for p in a.programs.values() {
+        let mut seen = std::collections::BTreeSet::new();
+        for l in &p.launches {
+            if let maxc_schema::KernelBody::Matmul { k, .. } = &p.kernels[l.kernel as usize].body {
+                match l.buffers.get(1).map(|&w| (w, &p.buffers[w as usize])) {
+                    Some((w, b))
+                        if matches!(b.storage, Storage::Param { .. }) && seen.insert(w) =>
+                    {
+                        let opts = maxc_runtime::kernels::options::KernelOptions::default();
+                        let plan = maxc_runtime::kernels::matmul::MatmulPlan::new(
+                            b.dtype,
+                            *k as usize,
+                            &opts,
+                        );
+                        plans.push((b.dtype, *k, plan.describe()));
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    if !plans.is_empty() {
+        println!(
+            "\nmatmuls on this CPU ({} instruction set, default kernel options; by weight format and k)",
+            maxc_runtime::kernels::isa::isa_name()
+        );
+        super::profile::print_matmul_plans(plans.into_iter());
+    }
     println!(
         "\nweights       {} tensors, {}",
         r["weights"]["count"], r["weights"]["bytes_by_dtype"]

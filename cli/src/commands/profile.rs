@@ -115,6 +115,14 @@ pub fn run(args: Args) -> Result<()> {
             println!("  {:<32} {:<12} {}", k.name, k.body.kind(), c.describe());
         }
     }
+    if let Some(plans) = engine.engine().cpu_matmul_plans() {
+        println!("library matmul paths on this CPU (chosen at load, by weight format and k):");
+        print_matmul_plans(
+            plans
+                .into_iter()
+                .map(|(_, plan)| (plan.dtype(), plan.k() as u64, plan.describe())),
+        );
+    }
     // The machine's probes, measured now: a streaming read and an f32 GEMM on every core.
     let probes = Probes {
         bytes_per_s: maxc_runtime::bench::bandwidth(),
@@ -213,5 +221,17 @@ fn report(
             fl / 1e9,
             100.0 * fl / probes.flops.max(1.0),
         );
+    }
+}
+
+/// Prints matmul plans grouped by weight format, row length and path, with how many weights
+/// each group holds: `(dtype, k, plan in words)` per weight.
+pub fn print_matmul_plans(plans: impl Iterator<Item = (maxc_runtime::schema::DType, u64, String)>) {
+    let mut groups: std::collections::BTreeMap<(String, u64, String), usize> = Default::default();
+    for (dtype, k, plan) in plans {
+        *groups.entry((dtype.to_string(), k, plan)).or_default() += 1;
+    }
+    for ((dtype, k, plan), count) in groups {
+        println!("  {dtype:<6} k {k:<6} x{count:<4} {plan}");
     }
 }

@@ -372,22 +372,39 @@ pub trait BlockFn {
     fn call<B: Block>(self) -> Self::Out;
 }
 
-/// `f` called with the block type of `dtype`, or `None` where `dtype` is not a block format:
-/// the one list of the block formats, which every dispatch on them goes through.
-pub fn with_block<F: BlockFn>(dtype: crate::DType, f: F) -> Option<F::Out> {
-    use crate::DType;
-    Some(match dtype {
-        DType::Q8_0 => f.call::<BlockQ8_0>(),
-        DType::Q4_0 => f.call::<BlockQ4_0>(),
-        DType::Q4_1 => f.call::<BlockQ4_1>(),
-        DType::Q5_0 => f.call::<BlockQ5_0>(),
-        DType::Q5_1 => f.call::<BlockQ5_1>(),
-        DType::Q4K => f.call::<BlockQ4K>(),
-        DType::Q5K => f.call::<BlockQ5K>(),
-        DType::Q6K => f.call::<BlockQ6K>(),
-        DType::F32 | DType::F16 | DType::BF16 | DType::I32 | DType::I64 => return None,
-    })
+/// The one list of the block formats: calls `$then!` with `DType variant => block type` for
+/// each, so that every dispatch on them (this crate's [`with_block`], the kernels' per-ISA
+/// tables) is generated from it. A format added here and not given a kernel somewhere is a
+/// compile error there, not a silent fallback.
+#[macro_export]
+macro_rules! for_each_block_format {
+    ($then:ident) => {
+        $then! {
+            Q8_0 => BlockQ8_0,
+            Q4_0 => BlockQ4_0,
+            Q4_1 => BlockQ4_1,
+            Q5_0 => BlockQ5_0,
+            Q5_1 => BlockQ5_1,
+            Q4K => BlockQ4K,
+            Q5K => BlockQ5K,
+            Q6K => BlockQ6K,
+        }
+    };
 }
+
+macro_rules! with_block_fn {
+    ($($dt:ident => $block:ident,)*) => {
+        /// `f` called with the block type of `dtype`, or `None` where `dtype` is not a block
+        /// format (generated from [`for_each_block_format`]).
+        pub fn with_block<F: BlockFn>(dtype: crate::DType, f: F) -> Option<F::Out> {
+            match dtype {
+                $(crate::DType::$dt => Some(f.call::<$block>()),)*
+                _ => None,
+            }
+        }
+    };
+}
+for_each_block_format!(with_block_fn);
 
 /// Dequantizes `bytes` of block type `dtype` into `out` (which must hold exactly their values);
 /// `None` where `dtype` is not a block type or the sizes disagree.

@@ -100,6 +100,9 @@ struct Param {
     len: usize,
     dtype: DType,
     f32_copy: Option<Vec<f32>>,
+    /// Where a library matmul reads it as its weight: how it runs at each row count, chosen
+    /// at load.
+    plan: Option<matmul::MatmulPlan>,
 }
 
 impl Param {
@@ -284,8 +287,16 @@ impl CpuExecutor {
                         len: bytes.len(),
                         dtype: view.dtype,
                         f32_copy,
+                        plan: None,
                     },
                 );
+            }
+        }
+        for l in &program.launches {
+            if let KernelBody::Matmul { k, .. } = &program.kernels[l.kernel as usize].body {
+                if let Some(p) = l.buffers.get(1).and_then(|w| params.get_mut(w)) {
+                    p.plan = Some(matmul::MatmulPlan::new(p.dtype, *k as usize, &kernels));
+                }
             }
         }
         let (bounds, limits) = artifact.step_limits(role)?;
@@ -591,6 +602,15 @@ impl CpuExecutor {
         &self.choices
     }
 
+    /// Each weight a library matmul reads (its buffer id) and how it runs at each row count,
+    /// chosen at load, in buffer order.
+    pub fn matmul_plans(&self) -> Vec<(u32, &matmul::MatmulPlan)> {
+        self.params
+            .iter()
+            .filter_map(|(&id, p)| p.plan.as_ref().map(|plan| (id, plan)))
+            .collect()
+    }
+
     /// The library kernels' choices this executor was made with.
     pub fn kernel_options(&self) -> KernelOptions {
         self.kernels
@@ -623,7 +643,20 @@ impl CpuExecutor {
                     Some(p) => {
                         // SAFETY: the weight's mapped bytes, `len` of them.
                         let w = unsafe { std::slice::from_raw_parts(p.ptr, p.len) };
-                        matmul::matmul(x, w, p.dtype, out, rows, n, k, self.threads, &self.kernels);
+                        match &p.plan {
+                            Some(plan) => plan.run(x, w, out, rows, n, self.threads),
+                            None => matmul::matmul(
+                                x,
+                                w,
+                                p.dtype,
+                                out,
+                                rows,
+                                n,
+                                k,
+                                self.threads,
+                                &self.kernels,
+                            ),
+                        }
                     }
                     None => {
                         let w = self.param_f32(buffers[1], args[1], n * k);

@@ -1473,110 +1473,96 @@ mod avx2 {
     }
 }
 
-/// The register-tile kernel on 32-value blocks for `dtype` on this CPU (steps below the
-/// packed kernel's row count), where there is one.
-pub fn block_tile_kernel(dtype: maxc_schema::DType, isa: crate::isa::Isa) -> Option<StreamFn> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use crate::isa::Isa;
-        use maxc_schema::DType;
-        return match (isa, dtype) {
-            (Isa::Avx512, DType::Q8_0) => Some(avx512::tiles::<BlockQ8_0>),
-            (Isa::Avx512, DType::Q4_0) => Some(avx512::tiles::<BlockQ4_0>),
-            (Isa::Avx512, DType::Q4_1) => Some(avx512::tiles::<BlockQ4_1>),
-            (Isa::Avx512, DType::Q4K) => Some(avx512::tiles::<BlockQ4K>),
-            (Isa::Avx512, DType::Q5_0) => Some(avx512::tiles::<BlockQ5_0>),
-            (Isa::Avx512, DType::Q5_1) => Some(avx512::tiles::<BlockQ5_1>),
-            (Isa::Avx512, DType::Q5K) => Some(avx512::tiles::<BlockQ5K>),
-            (Isa::Avx512, DType::Q6K) => Some(avx512::tiles::<BlockQ6K>),
-            _ => None,
-        };
-    }
-    #[allow(unreachable_code)]
-    {
-        let _ = (dtype, isa);
-        None
-    }
-}
-
-/// The kernel on 8-bit activations for `dtype` on this CPU (AVX2, which every AVX-512 CPU
-/// here has too), where there is one.
-#[cfg(target_arch = "x86_64")]
-pub fn q8_kernel(dtype: maxc_schema::DType, isa: crate::isa::Isa) -> Option<int8::Q8Fn> {
-    use crate::isa::Isa;
-    match isa {
-        Isa::Avx512 | Isa::Avx2 => int8::kernel(dtype),
-        Isa::Baseline => None,
-    }
-}
-
 /// A panel kernel: weight rows `j0..` dequantized into `panel` (`panel.len() / k` rows).
 pub type PanelFn = unsafe fn(w: &[u8], k: usize, j0: usize, panel: &mut [f32]);
 
-/// The hand-vectorized dequantizer for `dtype` on this CPU, where there is one.
-pub fn panel_kernel(dtype: maxc_schema::DType, isa: crate::isa::Isa) -> Option<PanelFn> {
+/// The hand kernels of one weight format on one instruction set, `None` where none is written:
+/// the per-ISA tables every matmul path reads, made by [`HandKernels::of`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HandKernels {
+    /// Register tiles straight on 32-value blocks, for steps below the packed kernel's rows.
+    pub tiles: Option<StreamFn>,
+    /// Row streaming, for steps of a few rows.
+    pub stream: Option<StreamFn>,
+    /// The dequantizer of prefill's panels.
+    pub panel: Option<PanelFn>,
+    /// Row streaming on 8-bit activations.
     #[cfg(target_arch = "x86_64")]
-    {
-        use crate::isa::Isa;
-        use maxc_schema::DType;
-        return match (isa, dtype) {
-            (Isa::Avx512, DType::Q8_0) => Some(avx512::dequant::<BlockQ8_0>),
-            (Isa::Avx512, DType::Q4_0) => Some(avx512::dequant::<BlockQ4_0>),
-            (Isa::Avx512, DType::Q4_1) => Some(avx512::dequant::<BlockQ4_1>),
-            (Isa::Avx512, DType::Q4K) => Some(avx512::dequant::<BlockQ4K>),
-            (Isa::Avx512, DType::Q5_0) => Some(avx512::dequant::<BlockQ5_0>),
-            (Isa::Avx512, DType::Q5_1) => Some(avx512::dequant::<BlockQ5_1>),
-            (Isa::Avx512, DType::Q5K) => Some(avx512::dequant::<BlockQ5K>),
-            (Isa::Avx512, DType::Q6K) => Some(avx512::dequant::<BlockQ6K>),
-            (Isa::Avx2, DType::Q8_0) => Some(avx2::dequant::<BlockQ8_0>),
-            (Isa::Avx2, DType::Q4_0) => Some(avx2::dequant::<BlockQ4_0>),
-            (Isa::Avx2, DType::Q4_1) => Some(avx2::dequant::<BlockQ4_1>),
-            (Isa::Avx2, DType::Q4K) => Some(avx2::dequant::<BlockQ4K>),
-            (Isa::Avx2, DType::Q5_0) => Some(avx2::dequant::<BlockQ5_0>),
-            (Isa::Avx2, DType::Q5_1) => Some(avx2::dequant::<BlockQ5_1>),
-            (Isa::Avx2, DType::Q5K) => Some(avx2::dequant::<BlockQ5K>),
-            (Isa::Avx2, DType::Q6K) => Some(avx2::dequant::<BlockQ6K>),
-            _ => None,
-        };
-    }
-    #[allow(unreachable_code)]
-    {
-        let _ = (dtype, isa);
-        None
-    }
+    pub q8: Option<int8::Q8Fn>,
 }
 
-/// The hand-vectorized streaming kernel for `dtype` weights with rows of `k` values on this
-/// CPU, where there is one.
-pub fn stream_kernel(
-    dtype: maxc_schema::DType,
-    k: usize,
-    isa: crate::isa::Isa,
-) -> Option<StreamFn> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use crate::isa::Isa;
-        use maxc_schema::DType;
-        return match (isa, dtype) {
-            (Isa::Avx512, DType::BF16) if k.is_multiple_of(16) => Some(bf16_avx512::stream),
-            (Isa::Avx512, DType::Q4K) => Some(q4k_avx512::stream),
-            (Isa::Avx2, DType::BF16) => Some(avx2::floats::<avx2::Bf16s>),
-            (Isa::Avx2, DType::F32) => Some(avx2::floats::<avx2::F32s>),
-            (Isa::Avx2, DType::Q8_0) => Some(avx2::stream::<BlockQ8_0>),
-            (Isa::Avx2, DType::Q4_0) => Some(avx2::stream::<BlockQ4_0>),
-            (Isa::Avx2, DType::Q4_1) => Some(avx2::stream::<BlockQ4_1>),
-            (Isa::Avx2, DType::Q5_0) => Some(avx2::stream::<BlockQ5_0>),
-            (Isa::Avx2, DType::Q5_1) => Some(avx2::stream::<BlockQ5_1>),
-            (Isa::Avx2, DType::Q4K) => Some(avx2::stream::<BlockQ4K>),
-            (Isa::Avx2, DType::Q5K) => Some(avx2::stream::<BlockQ5K>),
-            (Isa::Avx2, DType::Q6K) => Some(avx2::stream::<BlockQ6K>),
-            _ => None,
-        };
+/// What the hand kernels need of a block format on every instruction set they are written
+/// for: its values as AVX-512 vectors ([`avx512::Dequant`]), as AVX2 vectors
+/// ([`avx2::Unpack`]) and as integer bytes ([`int8::Bytes`]). Every block format of the one
+/// list ([`maxc_schema::for_each_block_format`]) must have all three: the tables below are
+/// generated from that list, so a format without them does not compile.
+#[cfg(target_arch = "x86_64")]
+trait BlockKernels: avx512::Dequant + avx2::Unpack + int8::Bytes {}
+#[cfg(target_arch = "x86_64")]
+impl<B: avx512::Dequant + avx2::Unpack + int8::Bytes> BlockKernels for B {}
+#[cfg(not(target_arch = "x86_64"))]
+trait BlockKernels: Block {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<B: Block> BlockKernels for B {}
+
+impl HandKernels {
+    /// The kernels of block format `B` on `isa`: the same for every block format.
+    #[allow(unused_variables)]
+    fn of_block<B: BlockKernels>(isa: crate::isa::Isa) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use crate::isa::Isa;
+            return match isa {
+                Isa::Avx512 => HandKernels {
+                    tiles: Some(avx512::tiles::<B>),
+                    stream: None,
+                    panel: Some(avx512::dequant::<B>),
+                    // The 8-bit kernels are AVX2's, which every AVX-512 CPU here has too.
+                    q8: Some(int8::stream::<B>),
+                },
+                Isa::Avx2 => HandKernels {
+                    tiles: None,
+                    stream: Some(avx2::stream::<B>),
+                    panel: Some(avx2::dequant::<B>),
+                    q8: Some(int8::stream::<B>),
+                },
+                Isa::Baseline => HandKernels::default(),
+            };
+        }
+        #[allow(unreachable_code)]
+        HandKernels::default()
     }
-    #[allow(unreachable_code)]
-    {
-        let _ = (dtype, k, isa);
-        None
+
+    /// The hand kernels for `dtype` weights with rows of `k` values on `isa`.
+    #[allow(unused_variables)]
+    pub fn of(dtype: maxc_schema::DType, k: usize, isa: crate::isa::Isa) -> Self {
+        use maxc_schema::DType;
+        macro_rules! blocks_table {
+            ($($dt:ident => $block:ident,)*) => {
+                match dtype {
+                    $(DType::$dt => HandKernels::of_block::<$block>(isa),)*
+                    _ => HandKernels::default(),
+                }
+            };
+        }
+        #[allow(unused_mut)]
+        let mut hand = maxc_schema::for_each_block_format!(blocks_table);
+        #[cfg(target_arch = "x86_64")]
+        {
+            use crate::isa::Isa;
+            // The float formats, and Q4_K's AVX-512 row streaming (the baseline the weights
+            // bench compares the tiles with).
+            match (isa, dtype) {
+                (Isa::Avx512, DType::BF16) if k.is_multiple_of(16) => {
+                    hand.stream = Some(bf16_avx512::stream)
+                }
+                (Isa::Avx512, DType::Q4K) => hand.stream = Some(q4k_avx512::stream),
+                (Isa::Avx2, DType::BF16) => hand.stream = Some(avx2::floats::<avx2::Bf16s>),
+                (Isa::Avx2, DType::F32) => hand.stream = Some(avx2::floats::<avx2::F32s>),
+                _ => {}
+            }
+        }
+        hand
     }
 }
 
@@ -1640,7 +1626,8 @@ mod tests {
                 _ => maxc_schema::blocks::dequantize(dtype, &w).unwrap(),
             };
             for &isa in &isas {
-                if let Some(f) = panel_kernel(dtype, isa) {
+                let hand = HandKernels::of(dtype, k, isa);
+                if let Some(f) = hand.panel {
                     let mut panel = vec![f32::NAN; 3 * k];
                     // SAFETY: the host has the ISA (checked above); rows 4..7 exist.
                     unsafe { f(&w, k, 4, &mut panel) };
@@ -1652,10 +1639,7 @@ mod tests {
                     }
                 }
                 let kernels: Vec<StreamFn> =
-                    [stream_kernel(dtype, k, isa), block_tile_kernel(dtype, isa)]
-                        .into_iter()
-                        .flatten()
-                        .collect();
+                    [hand.stream, hand.tiles].into_iter().flatten().collect();
                 assert!(
                     !kernels.is_empty() || (isa == Isa::Avx2 && dtype == DType::BF16),
                     "{dtype} has no {isa:?} kernel"

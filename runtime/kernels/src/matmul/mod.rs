@@ -9,14 +9,17 @@
 //!
 //! The generic inner loops are plain Rust, compiled three times (AVX-512, AVX2 + FMA, and the
 //! baseline); the hand-vectorized ones are per instruction set (`tile` for AVX-512 register
-//! tiles, `blocks` for the block formats). The instruction set ([`crate::isa`]) and the
-//! caller's [`KernelOptions`] choose among them.
+//! tiles, `blocks` for the block formats, whose per-ISA tables, [`HandKernels`], are generated
+//! from the one list of block formats). The instruction set ([`crate::isa`]) and the caller's
+//! [`KernelOptions`] choose among them: [`Path`] names each way through, and a [`MatmulPlan`]
+//! holds one weight's path for every row count, chosen once where an executor loads.
 
 use maxc_schema::blocks::{f16_to_f32, with_block, Block, BlockFn};
 use maxc_schema::DType;
 
-use crate::isa::{isa, tiles_available, Isa};
+use crate::isa::{isa, Isa};
 use crate::options::{Activations, KernelOptions};
+pub use blocks::HandKernels;
 
 pub(crate) mod blocks;
 #[cfg(target_arch = "x86_64")]
@@ -251,8 +254,12 @@ macro_rules! multiversion {
 multiversion!(stream_cols_mv, stream_cols, (x: &[f32], w: &[u8], out: &mut [f32], rows: usize, n: usize, k: usize, cols: std::ops::Range<usize>));
 multiversion!(dequant_rows_mv, dequant_rows, (w: &[u8], k: usize, j0: usize, panel: &mut [f32]));
 
+/// Streaming or panels ([`Path::Stream`], [`Path::HandStream`], [`Path::Panels`]) on weights of
+/// format `F`.
 #[allow(clippy::too_many_arguments)]
 fn matmul_as<F: Format>(
+    path: Path,
+    hand: &HandKernels,
     x: &[f32],
     w: &[u8],
     out: &mut [f32],
@@ -260,31 +267,29 @@ fn matmul_as<F: Format>(
     n: usize,
     k: usize,
     threads: usize,
-    fast: Option<blocks::StreamFn>,
-    dtype: DType,
-    opts: &KernelOptions,
 ) {
-    let fast = fast.filter(|_| opts.hand_kernels);
-    let tiles = tiles_available() && opts.hand_kernels;
-    let stream_max = if tiles {
-        TILE_MIN_ROWS - 1
-    } else {
-        STREAM_MAX_ROWS
+    let inner = match path {
+        Path::HandStream | Path::Stream => {
+            let fast = hand.stream.filter(|_| path == Path::HandStream);
+            stream_split(w.len(), out, rows, n, threads, &|o, cols| match fast {
+                // SAFETY: `HandKernels::of` chose it for this CPU's features and this format.
+                Some(f) => unsafe { f(x, w, o, rows, n, k, cols) },
+                None => stream_cols_mv::<F>(x, w, o, rows, n, k, cols),
+            });
+            return;
+        }
+        Path::Panels { inner, .. } => inner,
+        _ => unreachable!("matmul_as runs the streaming and panel paths"),
     };
-    if rows <= stream_max {
-        stream_split(w.len(), out, rows, n, threads, &|o, cols| match fast {
-            // SAFETY: `stream_kernel` chose it for this CPU's features and this format.
-            Some(f) => unsafe { f(x, w, o, rows, n, k, cols) },
-            None => stream_cols_mv::<F>(x, w, o, rows, n, k, cols),
-        });
-        return;
-    }
-    let panel_fast = blocks::panel_kernel(dtype, isa()).filter(|_| opts.hand_kernels);
+    let panel_fast = match path {
+        Path::Panels { hand: true, .. } => hand.panel,
+        _ => None,
+    };
     let panels = n.div_ceil(PANEL);
     let chunks = threads.max(1).min(panels);
     let optr = crate::pool::OutPtr(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
-    let xt = if tiles && rows >= packed_min_rows(dtype, opts) {
+    let xt = if inner == Inner::Packed {
         tile::pack_transposed(x, rows, k)
     } else {
         Vec::new()
@@ -300,34 +305,35 @@ fn matmul_as<F: Format>(
                 let m = PANEL.min(n - j0);
                 let panel = &mut scratch[..m * k];
                 match panel_fast {
-                    // SAFETY: `panel_kernel` chose it for this CPU's features and this format.
+                    // SAFETY: `HandKernels::of` chose it for this CPU's features and this format.
                     Some(f) => unsafe { f(w, k, j0, panel) },
                     None => dequant_rows_mv::<F>(w, k, j0, panel),
                 }
-                #[cfg(target_arch = "x86_64")]
-                if !xt.is_empty() {
-                    // SAFETY: tile::available() held; `xt` packs x; as below.
-                    unsafe {
+                match inner {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: the packed path is chosen only where tiles run (AVX-512); `xt`
+                    // packs x; as below.
+                    Inner::Packed => unsafe {
                         tile::matmul_packed(&xt, rows, k, panel.as_ptr(), m, optr.get().add(j0), n)
-                    };
-                    continue;
+                    },
+                    #[cfg(target_arch = "x86_64")]
+                    Inner::Tiles => {
+                        let rows_of = tile::F32Rows {
+                            ptr: panel.as_ptr(),
+                            stride: k,
+                        };
+                        // SAFETY: the tile path is chosen only where tiles run; as below.
+                        unsafe {
+                            tile::matmul(x.as_ptr(), rows, k, rows_of, m, optr.get().add(j0), n)
+                        };
+                    }
+                    // SAFETY: out[rows, n] row-major; this call writes columns j0..j0+m of
+                    // every row (disjoint across panels); the panel holds weight rows
+                    // j0..j0+m, read as rows 0..m of an [m, k] weight.
+                    _ => unsafe {
+                        crate::gemm::gemm_columns(x, panel, optr.get().add(j0), rows, n, k, 0, m)
+                    },
                 }
-                #[cfg(target_arch = "x86_64")]
-                if tiles {
-                    let rows_of = tile::F32Rows {
-                        ptr: panel.as_ptr(),
-                        stride: k,
-                    };
-                    // SAFETY: tile::available() held; as below.
-                    unsafe { tile::matmul(x.as_ptr(), rows, k, rows_of, m, optr.get().add(j0), n) };
-                    continue;
-                }
-                // SAFETY: out[rows, n] row-major; this call writes columns j0..j0+m of every
-                // row (disjoint across panels); the panel holds weight rows j0..j0+m, read as
-                // rows 0..m of an [m, k] weight.
-                unsafe {
-                    crate::gemm::gemm_columns(x, panel, optr.get().add(j0), rows, n, k, 0, m)
-                };
             }
         })
     });
@@ -373,11 +379,13 @@ thread_local! {
 }
 
 /// `out[rows, n] = x[rows, k] · wᵀ` with register tiles on weight rows as stored, output
-/// columns split across threads; `rows_at(j)` gives the weight rows from row `j` on. Always
-/// runs (returns true).
+/// columns split across threads; `rows_at(j)` gives the weight rows from row `j` on.
+///
+/// # Safety
+/// `tile::available()`; `rows_at(j)` reads `n - j` rows of `k` values.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-fn tiled<L: tile::Rows>(
+unsafe fn tiled<L: tile::Rows>(
     x: &[f32],
     out: &mut [f32],
     rows: usize,
@@ -386,7 +394,7 @@ fn tiled<L: tile::Rows>(
     threads: usize,
     bytes: usize,
     rows_at: impl Fn(usize) -> L + Sync,
-) -> bool {
+) {
     let chunks = if bytes < SPLIT_BYTES {
         1
     } else {
@@ -396,8 +404,8 @@ fn tiled<L: tile::Rows>(
     let optr = crate::pool::OutPtr(out.as_mut_ptr());
     crate::pool::run(chunks, &|c| {
         let (j0, j1) = (n * c / chunks, n * (c + 1) / chunks);
-        // SAFETY: tile::available() held; x holds rows·k values, the weight n rows of k, out
-        // rows·n; this call writes columns j0..j1 only, which no other call writes.
+        // SAFETY: as the function's contract; x holds rows·k values, out rows·n; this call
+        // writes columns j0..j0 only, which no other call writes.
         unsafe {
             tile::matmul(
                 x.as_ptr(),
@@ -410,12 +418,244 @@ fn tiled<L: tile::Rows>(
             )
         };
     });
-    true
+}
+
+/// What multiplies the dequantized panels of [`Path::Panels`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Inner {
+    /// Activations packed for the broadcast register tiles (AVX-512).
+    Packed,
+    /// Register tiles on the activations as they are (AVX-512).
+    Tiles,
+    /// The f32 GEMM.
+    Gemm,
+}
+
+/// How a matmul runs at one row count: the path through the kernels, chosen from the weight
+/// format, the instruction set and the [`KernelOptions`] (see [`MatmulPlan`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Path {
+    /// 8-bit activations in integer dot products, row streaming (AVX2).
+    Q8Stream,
+    /// Register tiles straight on 32-value blocks (AVX-512).
+    BlockTiles,
+    /// Register tiles on float weight rows as stored (AVX-512).
+    FloatTiles,
+    /// f32 weights as stored under the broadcast register tiles, activations packed (AVX-512).
+    PackedF32,
+    /// The f32 GEMM on f32 weights as stored.
+    Gemm,
+    /// Row streaming, hand-vectorized.
+    HandStream,
+    /// Row streaming, generic (compiled for each instruction set).
+    Stream,
+    /// Panels of weight rows dequantized (by a hand kernel or the generic one), then `inner`.
+    Panels {
+        /// Whether a hand kernel dequantizes.
+        hand: bool,
+        /// What multiplies them.
+        inner: Inner,
+    },
+}
+
+impl Path {
+    /// In words, as `maxc inspect` and `maxc profile` print it.
+    pub fn describe(&self) -> String {
+        match self {
+            Path::Q8Stream => "row streaming on 8-bit activations".into(),
+            Path::BlockTiles => "register tiles on blocks".into(),
+            Path::FloatTiles => "register tiles on stored rows".into(),
+            Path::PackedF32 => "packed register tiles on stored rows".into(),
+            Path::Gemm => "f32 gemm".into(),
+            Path::HandStream => "hand row streaming".into(),
+            Path::Stream => "generic row streaming".into(),
+            Path::Panels { hand, inner } => format!(
+                "{} panels × {}",
+                if *hand {
+                    "hand-dequantized"
+                } else {
+                    "dequantized"
+                },
+                match inner {
+                    Inner::Packed => "packed register tiles",
+                    Inner::Tiles => "register tiles",
+                    Inner::Gemm => "f32 gemm",
+                }
+            ),
+        }
+    }
+}
+
+/// The path of a `rows`-row matmul on `dtype` weights with `hand` kernels on `isa` under
+/// `opts`: the one decision both [`matmul`] and [`MatmulPlan`] read.
+fn path(dtype: DType, hand: &HandKernels, opts: &KernelOptions, isa: Isa, rows: usize) -> Path {
+    let on = opts.hand_kernels;
+    #[cfg(target_arch = "x86_64")]
+    if rows <= STREAM_MAX_ROWS && opts.activations == Activations::Q8 && on && hand.q8.is_some() {
+        return Path::Q8Stream;
+    }
+    #[cfg(target_arch = "x86_64")]
+    let tiles = on && isa == Isa::Avx512;
+    #[cfg(not(target_arch = "x86_64"))]
+    let tiles = {
+        let _ = isa;
+        false
+    };
+    let packed = rows >= packed_min_rows(dtype, opts);
+    if tiles {
+        match dtype {
+            DType::F32 if packed => return Path::PackedF32,
+            // Other formats go through f32 panels (below).
+            _ if packed => {}
+            // Steps of a few rows on blocks: each 32 values dequantized once into registers
+            // for up to eight rows.
+            _ if dtype.is_quantized() && opts.block_tiles && hand.tiles.is_some() => {
+                return Path::BlockTiles
+            }
+            DType::F32 | DType::BF16 | DType::F16 => return Path::FloatTiles,
+            _ => {}
+        }
+    }
+    if dtype == DType::F32 && rows > STREAM_MAX_ROWS {
+        return Path::Gemm;
+    }
+    let stream_max = if tiles {
+        TILE_MIN_ROWS - 1
+    } else {
+        STREAM_MAX_ROWS
+    };
+    if rows <= stream_max {
+        return if on && hand.stream.is_some() {
+            Path::HandStream
+        } else {
+            Path::Stream
+        };
+    }
+    let inner = match (tiles, packed) {
+        (true, true) => Inner::Packed,
+        (true, false) => Inner::Tiles,
+        (false, _) => Inner::Gemm,
+    };
+    Path::Panels {
+        hand: on && hand.panel.is_some(),
+        inner,
+    }
+}
+
+/// How one matmul's weight runs at every row count on this CPU, chosen once (where an
+/// executor loads its program): the hand kernels of the weight's format and the path of each
+/// range of row counts.
+#[derive(Clone, Debug)]
+pub struct MatmulPlan {
+    dtype: DType,
+    k: usize,
+    hand: HandKernels,
+    /// `(first row count, path)`, ascending; each path runs up to the next one's first.
+    paths: Vec<(usize, Path)>,
+}
+
+impl MatmulPlan {
+    /// The plan for `dtype` weights of rows of `k` values under `opts` on this CPU.
+    pub fn new(dtype: DType, k: usize, opts: &KernelOptions) -> Self {
+        Self::for_isa(dtype, k, opts, isa())
+    }
+
+    /// The plan on `isa` (which must be this CPU's, or one it has, to run).
+    pub fn for_isa(dtype: DType, k: usize, opts: &KernelOptions, isa: Isa) -> Self {
+        let hand = HandKernels::of(dtype, k, isa);
+        // Every test in `path` is a comparison of `rows` with one of these: between them the
+        // path is the same.
+        let mut starts = vec![
+            1,
+            TILE_MIN_ROWS,
+            STREAM_MAX_ROWS + 1,
+            packed_min_rows(dtype, opts),
+        ];
+        starts.sort_unstable();
+        starts.dedup();
+        let mut paths: Vec<(usize, Path)> = Vec::new();
+        for r in starts.into_iter().filter(|r| (1..usize::MAX).contains(r)) {
+            let p = path(dtype, &hand, opts, isa, r);
+            if paths.last().map(|l| l.1) != Some(p) {
+                paths.push((r, p));
+            }
+        }
+        MatmulPlan {
+            dtype,
+            k,
+            hand,
+            paths,
+        }
+    }
+
+    /// The weights' format.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Values per weight row.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// The path a step of `rows` rows takes.
+    pub fn path(&self, rows: usize) -> Path {
+        self.paths
+            .iter()
+            .rev()
+            .find(|(first, _)| *first <= rows)
+            .map_or(self.paths[0].1, |p| p.1)
+    }
+
+    /// `(row counts, path)` for each range, as printed.
+    pub fn ranges(&self) -> Vec<(String, Path)> {
+        self.paths
+            .iter()
+            .enumerate()
+            .map(|(i, &(first, p))| {
+                let rows = match self.paths.get(i + 1) {
+                    Some(&(next, _)) if next - 1 == first => format!("{first}"),
+                    Some(&(next, _)) => format!("{first}-{}", next - 1),
+                    None => format!("{first}+"),
+                };
+                (rows, p)
+            })
+            .collect()
+    }
+
+    /// The plan in words: `rows 1-3: …; 4-21: …; 22+: …`.
+    pub fn describe(&self) -> String {
+        let parts: Vec<String> = self
+            .ranges()
+            .into_iter()
+            .map(|(rows, p)| format!("{rows}: {}", p.describe()))
+            .collect();
+        format!("rows {}", parts.join("; "))
+    }
+
+    /// `out[rows, n] = x[rows, k] · wᵀ`, `w` the bytes of an `[n, k]` weight of the plan's
+    /// dtype; `threads` is how many ways to split the work.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(&self, x: &[f32], w: &[u8], out: &mut [f32], rows: usize, n: usize, threads: usize) {
+        run(
+            self.path(rows),
+            &self.hand,
+            x,
+            w,
+            self.dtype,
+            out,
+            rows,
+            n,
+            self.k,
+            threads,
+        )
+    }
 }
 
 /// `out[rows, n] = x[rows, k] · wᵀ`, `w` the bytes of an `[n, k]` weight of `dtype` (f32,
 /// f16, bf16 or a block type; `k` whole blocks). `threads` is how many ways to split the work;
-/// `opts` chooses among the kernels where more than one would do.
+/// `opts` chooses among the kernels where more than one would do. (An executor makes a
+/// [`MatmulPlan`] per weight at load instead.)
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     x: &[f32],
@@ -428,18 +668,41 @@ pub fn matmul(
     threads: usize,
     opts: &KernelOptions,
 ) {
+    let isa = isa();
+    let hand = HandKernels::of(dtype, k, isa);
+    let p = path(dtype, &hand, opts, isa, rows);
+    run(p, &hand, x, w, dtype, out, rows, n, k, threads)
+}
+
+/// Runs a matmul on `path`.
+#[allow(clippy::too_many_arguments)]
+fn run(
+    path: Path,
+    hand: &HandKernels,
+    x: &[f32],
+    w: &[u8],
+    dtype: DType,
+    out: &mut [f32],
+    rows: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+) {
     if rows == 0 || n == 0 {
         return;
     }
     debug_assert!(x.len() >= rows * k && out.len() >= rows * n);
     debug_assert_eq!(dtype.bytes_for((n * k) as u64), Some(w.len() as u64));
-    #[cfg(target_arch = "x86_64")]
-    if rows <= STREAM_MAX_ROWS && opts.activations == Activations::Q8 && opts.hand_kernels {
-        if let Some(f) = blocks::q8_kernel(dtype, isa()) {
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        Path::Q8Stream => {
+            let f = hand
+                .q8
+                .expect("the q8 path is chosen only where there is a q8 kernel");
             Q8_SCRATCH.with(|scratch| {
                 let buf = &mut *scratch.borrow_mut();
-                // SAFETY: `q8_kernel` gives a kernel only where the CPU has AVX2, FMA and
-                // F16C; block rows are whole 32-value groups.
+                // SAFETY: `HandKernels::of` gives a q8 kernel only where the CPU has AVX2,
+                // FMA and F16C; block rows are whole 32-value groups.
                 unsafe { blocks::int8::quantize(x, rows, k, buf) };
                 let xq = buf.rows();
                 // SAFETY: as above; `xq` holds the step's rows.
@@ -447,92 +710,72 @@ pub fn matmul(
                     f(&xq, w, o, rows, n, k, cols)
                 });
             });
-            return;
         }
-    }
-    #[cfg(target_arch = "x86_64")]
-    if tile::available() && opts.hand_kernels {
-        use tile::{Bf16Rows, F16Rows, F32Rows};
-        // SAFETY (the casts): f32 weights are 4-aligned and f16/bf16 weights 2-aligned
-        // (validated at load); each holds n·k values.
-        let done = match dtype {
-            DType::F32 if rows >= packed_min_rows(dtype, opts) => {
-                // SAFETY: f32 weights are 4-aligned (validated) and hold n·k values.
-                let wf = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), n * k) };
-                tile::packed_f32(x, wf, out, rows, n, k, threads);
-                true
-            }
-            // Other formats go through f32 panels (below).
-            _ if rows >= packed_min_rows(dtype, opts) => false,
-            // Steps of a few rows on blocks: each 32 values dequantized once into registers
-            // for up to eight rows.
-            DType::Q8_0
-            | DType::Q4_0
-            | DType::Q4_1
-            | DType::Q5_0
-            | DType::Q5_1
-            | DType::Q4K
-            | DType::Q5K
-            | DType::Q6K
-                if opts.block_tiles =>
-            {
-                match blocks::block_tile_kernel(dtype, isa()) {
-                    Some(f) => {
-                        // SAFETY: `block_tile_kernel` chose it for this CPU's features and
-                        // this format.
-                        stream_split(w.len(), out, rows, n, threads, &|o, cols| unsafe {
-                            f(x, w, o, rows, n, k, cols)
-                        });
-                        true
-                    }
-                    None => false,
+        Path::BlockTiles => {
+            let f = hand
+                .tiles
+                .expect("the tile path is chosen only where there are tiles");
+            // SAFETY: `HandKernels::of` chose it for this CPU's features and this format.
+            stream_split(w.len(), out, rows, n, threads, &|o, cols| unsafe {
+                f(x, w, o, rows, n, k, cols)
+            });
+        }
+        #[cfg(target_arch = "x86_64")]
+        Path::FloatTiles => {
+            use tile::{Bf16Rows, F16Rows, F32Rows};
+            let b = w.len();
+            // SAFETY: the path is chosen only with AVX-512 (`tile::available`); f32 weights
+            // are 4-aligned and f16/bf16 weights 2-aligned (validated at load), each n·k
+            // values.
+            unsafe {
+                match dtype {
+                    DType::F32 => tiled(x, out, rows, n, k, threads, b, |j| F32Rows {
+                        ptr: w.as_ptr().cast::<f32>().add(j * k),
+                        stride: k,
+                    }),
+                    DType::BF16 => tiled(x, out, rows, n, k, threads, b, |j| Bf16Rows {
+                        ptr: w.as_ptr().cast::<tile::Bf16>().add(j * k),
+                        stride: k,
+                    }),
+                    _ => tiled(x, out, rows, n, k, threads, b, |j| F16Rows {
+                        ptr: w.as_ptr().cast::<tile::F16>().add(j * k),
+                        stride: k,
+                    }),
                 }
             }
-            DType::F32 => tiled(x, out, rows, n, k, threads, w.len(), |j| F32Rows {
-                ptr: unsafe { w.as_ptr().cast::<f32>().add(j * k) },
-                stride: k,
-            }),
-            DType::BF16 => tiled(x, out, rows, n, k, threads, w.len(), |j| Bf16Rows {
-                ptr: unsafe { w.as_ptr().cast::<tile::Bf16>().add(j * k) },
-                stride: k,
-            }),
-            DType::F16 => tiled(x, out, rows, n, k, threads, w.len(), |j| F16Rows {
-                ptr: unsafe { w.as_ptr().cast::<tile::F16>().add(j * k) },
-                stride: k,
-            }),
-            _ => false,
-        };
-        if done {
-            return;
         }
-    }
-    let fast = blocks::stream_kernel(dtype, k, isa());
-    match dtype {
-        DType::F32 if rows > STREAM_MAX_ROWS => {
+        #[cfg(target_arch = "x86_64")]
+        Path::PackedF32 => {
+            // SAFETY: f32 weights are 4-aligned (validated) and hold n·k values.
+            let wf = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), n * k) };
+            tile::packed_f32(x, wf, out, rows, n, k, threads);
+        }
+        Path::Gemm => {
             // SAFETY: f32 weights are 4-aligned (validated) and hold n·k values.
             let wf = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), n * k) };
             crate::gemm::matmul(x, wf, None, out, rows, n, k);
         }
-        DType::F32 => matmul_as::<F32s>(x, w, out, rows, n, k, threads, fast, dtype, opts),
-        DType::F16 => matmul_as::<F16s>(x, w, out, rows, n, k, threads, None, dtype, opts),
-        DType::BF16 => matmul_as::<Bf16s>(x, w, out, rows, n, k, threads, fast, dtype, opts),
-        _ => {
-            let call = BlockMatmul {
-                x,
-                w,
-                out,
-                rows,
-                n,
-                k,
-                threads,
-                fast,
-                dtype,
-                opts,
-            };
-            if with_block(dtype, call).is_none() {
-                unreachable!("validated: matmul weights are real")
+        _ => match dtype {
+            DType::F32 => matmul_as::<F32s>(path, hand, x, w, out, rows, n, k, threads),
+            DType::F16 => matmul_as::<F16s>(path, hand, x, w, out, rows, n, k, threads),
+            DType::BF16 => matmul_as::<Bf16s>(path, hand, x, w, out, rows, n, k, threads),
+            _ => {
+                let call = BlockMatmul {
+                    path,
+                    hand,
+                    x,
+                    w,
+                    out,
+                    rows,
+                    n,
+                    k,
+                    threads,
+                };
+                if with_block(dtype, call).is_none() {
+                    unreachable!("validated: matmul weights are real")
+                }
             }
-        }
+        },
     }
 }
 
@@ -563,6 +806,8 @@ pub fn gather_row(w: &[u8], dtype: DType, k: usize, row: usize, out: &mut [f32])
 
 /// [`matmul_as`] on a block format's rows, through [`with_block`].
 struct BlockMatmul<'a> {
+    path: Path,
+    hand: &'a HandKernels,
     x: &'a [f32],
     w: &'a [u8],
     out: &'a mut [f32],
@@ -570,15 +815,14 @@ struct BlockMatmul<'a> {
     n: usize,
     k: usize,
     threads: usize,
-    fast: Option<blocks::StreamFn>,
-    dtype: DType,
-    opts: &'a KernelOptions,
 }
 
 impl BlockFn for BlockMatmul<'_> {
     type Out = ();
     fn call<B: Block>(self) {
         let BlockMatmul {
+            path,
+            hand,
             x,
             w,
             out,
@@ -586,11 +830,8 @@ impl BlockFn for BlockMatmul<'_> {
             n,
             k,
             threads,
-            fast,
-            dtype,
-            opts,
         } = self;
-        matmul_as::<Blocks<B>>(x, w, out, rows, n, k, threads, fast, dtype, opts)
+        matmul_as::<Blocks<B>>(path, hand, x, w, out, rows, n, k, threads)
     }
 }
 
@@ -674,15 +915,109 @@ mod tests {
                         threads,
                         &KernelOptions::default(),
                     );
-                    for (i, (a, b)) in out.iter().zip(&want).enumerate() {
-                        assert!(
-                            (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
-                            "{dtype} rows {rows} threads {threads} at {i}: {a} vs {b}"
+                    close(
+                        &out,
+                        &want,
+                        &format!("{dtype} rows {rows} threads {threads}"),
+                    );
+                }
+                // Every path the options and the host's instruction sets choose (but 8-bit
+                // activations, which round: `blocks::int8`'s tests bound them).
+                for isa in host_isas() {
+                    for opts in option_variants()
+                        .into_iter()
+                        .filter(|o| o.activations == Activations::F32)
+                    {
+                        let plan = MatmulPlan::for_isa(dtype, k, &opts, isa);
+                        let mut out = vec![f32::NAN; rows * n];
+                        plan.run(&x, &w, &mut out, rows, n, 2);
+                        let what = format!("{dtype} {isa:?} {opts:?} rows {rows} ({plan:?})");
+                        close(&out, &want, &what);
+                    }
+                }
+            }
+        }
+    }
+
+    fn close(out: &[f32], want: &[f32], what: &str) {
+        for (i, (a, b)) in out.iter().zip(want).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                "{what} at {i}: {a} vs {b}"
+            );
+        }
+    }
+
+    fn host_isas() -> Vec<Isa> {
+        let mut isas = vec![Isa::Baseline];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if isa() == Isa::Avx512 {
+                isas.push(Isa::Avx512);
+            }
+            if matches!(isa(), Isa::Avx512 | Isa::Avx2) {
+                isas.push(Isa::Avx2);
+            }
+        }
+        isas
+    }
+
+    fn option_variants() -> Vec<KernelOptions> {
+        let d = KernelOptions::default();
+        vec![
+            d,
+            KernelOptions {
+                activations: Activations::Q8,
+                ..d
+            },
+            KernelOptions {
+                hand_kernels: false,
+                ..d
+            },
+            KernelOptions {
+                block_tiles: false,
+                ..d
+            },
+            KernelOptions {
+                packed_min_rows: Some(usize::MAX),
+                ..d
+            },
+            KernelOptions {
+                packed_min_rows: Some(6),
+                ..d
+            },
+        ]
+    }
+
+    #[test]
+    fn a_plan_takes_the_path_the_decision_gives_at_every_row_count() {
+        for dtype in DType::ALL.into_iter().filter(|d| d.is_real()) {
+            #[cfg(target_arch = "x86_64")]
+            let isas = [Isa::Baseline, Isa::Avx2, Isa::Avx512];
+            #[cfg(not(target_arch = "x86_64"))]
+            let isas = [Isa::Baseline];
+            for isa in isas {
+                for opts in option_variants() {
+                    let plan = MatmulPlan::for_isa(dtype, 512, &opts, isa);
+                    let hand = HandKernels::of(dtype, 512, isa);
+                    for rows in 1..=80 {
+                        assert_eq!(
+                            plan.path(rows),
+                            path(dtype, &hand, &opts, isa, rows),
+                            "{dtype} {isa:?} {opts:?} rows {rows}: {}",
+                            plan.describe()
                         );
                     }
                 }
             }
         }
+        #[cfg(target_arch = "x86_64")]
+        let q4k = MatmulPlan::for_isa(DType::Q4K, 512, &KernelOptions::default(), Isa::Avx2);
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(
+            q4k.describe(),
+            "rows 1-16: hand row streaming; 17+: hand-dequantized panels × f32 gemm"
+        );
     }
 
     #[test]

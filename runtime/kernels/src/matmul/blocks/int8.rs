@@ -381,22 +381,6 @@ pub(super) unsafe fn stream<B: Bytes>(
     row_groups!(rows, n, k, cols, columns [B,] (x, w, out) [1, 2, 3, 4, 5, 6, 7; 8]);
 }
 
-/// The 8-bit-activation kernel for `dtype`.
-pub(super) fn kernel(dtype: maxc_schema::DType) -> Option<Q8Fn> {
-    use maxc_schema::DType;
-    match dtype {
-        DType::Q8_0 => Some(stream::<BlockQ8_0>),
-        DType::Q4_0 => Some(stream::<BlockQ4_0>),
-        DType::Q4_1 => Some(stream::<BlockQ4_1>),
-        DType::Q5_0 => Some(stream::<BlockQ5_0>),
-        DType::Q5_1 => Some(stream::<BlockQ5_1>),
-        DType::Q4K => Some(stream::<BlockQ4K>),
-        DType::Q5K => Some(stream::<BlockQ5K>),
-        DType::Q6K => Some(stream::<BlockQ6K>),
-        _ => None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -431,7 +415,9 @@ mod tests {
 
     fn run(dtype: DType, x: &[f32], w: &[u8], rows: usize, n: usize, k: usize) -> Vec<f32> {
         let mut buf = Q8Buffers::default();
-        let f = kernel(dtype).unwrap();
+        let f = super::super::HandKernels::of(dtype, k, crate::isa::Isa::Avx2)
+            .q8
+            .unwrap();
         let mut out = vec![f32::NAN; rows * n];
         // SAFETY: the host has AVX2, FMA and F16C (checked by the callers).
         unsafe {
