@@ -460,6 +460,7 @@ macro_rules! every_backend {
 
 every_backend!(tiny_llama, "tiny-llama", GraphRole::Decoder, "");
 every_backend!(tiny_qwen2, "tiny-qwen2", GraphRole::Decoder, "");
+every_backend!(tiny_qwen3, "tiny-qwen3", GraphRole::Decoder, "");
 every_backend!(tiny_mixtral, "tiny-mixtral", GraphRole::Decoder, "");
 
 /// tiny-mixtral with its experts over 2 and 4 in-process ranks gives the fixture's logits.

@@ -67,7 +67,13 @@ pub fn cases() -> Vec<Case> {
         ("b2-len64-nochunk", runtime(2, 64, 64, false)),
     ];
     let mut out = Vec::new();
-    for model in ["tiny-llama", "tiny-qwen2", "tiny-mixtral", "tiny-roles"] {
+    for model in [
+        "tiny-llama",
+        "tiny-qwen2",
+        "tiny-qwen3",
+        "tiny-mixtral",
+        "tiny-roles",
+    ] {
         for (label, rt) in &settings {
             out.push(Case {
                 name: format!("{model}-cpu-{label}"),
@@ -85,7 +91,13 @@ pub fn cases() -> Vec<Case> {
             });
         }
     }
-    for model in ["tiny-llama", "tiny-qwen2", "tiny-mixtral", "tiny-roles"] {
+    for model in [
+        "tiny-llama",
+        "tiny-qwen2",
+        "tiny-qwen3",
+        "tiny-mixtral",
+        "tiny-roles",
+    ] {
         out.push(Case {
             name: format!("{model}-cuda-sm90-bf16-b8-len128"),
             model,

@@ -37,6 +37,7 @@ fn in_repo_fixtures_match_the_shared_ones() {
     for model in [
         "tiny-llama",
         "tiny-qwen2",
+        "tiny-qwen3",
         "tiny-mixtral",
         "tiny-roles",
         "smollm2-135m",

@@ -1,7 +1,7 @@
 //! The registry of architectures, by their Hugging Face `architectures` name.
 
 use crate::arch::{
-    config::ConfigReader, llama, llama_with_draft, mixtral, qwen2, Architecture, ModelSpec,
+    config::ConfigReader, llama, llama_with_draft, mixtral, qwen2, qwen3, Architecture, ModelSpec,
 };
 use crate::{Error, Result};
 use std::collections::BTreeMap;
@@ -23,9 +23,10 @@ impl Registry {
     /// Every architecture maxc ships.
     pub fn builtin() -> Self {
         let mut r = Registry::new();
-        let archs: [Arc<dyn Architecture>; 4] = [
+        let archs: [Arc<dyn Architecture>; 5] = [
             Arc::new(llama::Llama),
             Arc::new(qwen2::Qwen2),
+            Arc::new(qwen3::Qwen3),
             Arc::new(mixtral::Mixtral),
             Arc::new(llama_with_draft::LlamaWithDraft),
         ];

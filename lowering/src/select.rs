@@ -193,9 +193,14 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
             }
             Op::RmsNorm { eps } => {
                 let shape = shape_of(&k, ops[0]);
+                let width = match k.values[ops[1]].shape.first() {
+                    Some(Extent::Fixed(w)) => *w,
+                    _ => return Err(unsupported("the norm weight has a symbolic size")),
+                };
                 KernelBody::RmsNorm {
                     rows: rows_of(&shape),
                     cols: cols_of(&shape),
+                    width,
                     eps: *eps,
                     residual: false,
                     weight_dtype: k.values[ops[1]].dtype,

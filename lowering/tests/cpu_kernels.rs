@@ -284,25 +284,35 @@ fn rms_norm_with_and_without_residual() {
     let mut rng = Rng(3);
     let eps = 1e-5f32;
     for dtype in WEIGHT_TYPES {
-        for cols in [7usize, 13, 37, 64] {
+        // (row width, values normalized together): whole rows, and per-head norms.
+        for (cols, width) in [
+            (7usize, 7usize),
+            (13, 13),
+            (37, 37),
+            (64, 64),
+            (48, 16),
+            (96, 32),
+        ] {
             for residual in [false, true] {
                 let rows = 5usize;
                 let Some(k) = Kernel::new(KernelBody::RmsNorm {
                     rows: Rows::Step(StepDim::TotalSeqLen),
                     cols: cols as u64,
+                    width: width as u64,
                     eps,
                     residual,
                     weight_dtype: dtype,
                 }) else {
                     return;
                 };
-                let mut w = weights(&mut rng, cols, dtype);
+                let mut w = weights(&mut rng, width, dtype);
                 let mut a = rng.vec(rows * cols);
                 let mut b = rng.vec(rows * cols);
                 let mut sum = vec![f32::NAN; rows * cols];
                 let mut out = vec![f32::NAN; rows * cols];
                 let d = dims(rows, 1, 1, 1);
-                let what = format!("rms_norm {dtype:?} cols {cols} residual {residual}");
+                let what =
+                    format!("rms_norm {dtype:?} cols {cols} width {width} residual {residual}");
                 let x: Vec<f32> = if residual {
                     k.run(&ptrs![a, b, w.bytes, sum, out], d);
                     let x: Vec<f32> = a.iter().zip(&b).map(|(a, b)| a + b).collect();
@@ -313,7 +323,7 @@ fn rms_norm_with_and_without_residual() {
                     a.clone()
                 };
                 let want: Vec<f64> = x
-                    .chunks(cols)
+                    .chunks(width)
                     .flat_map(|row| rms_norm_ref(row, &w.values, eps))
                     .collect();
                 assert_close(&out, &want, 1e-5, &what);
@@ -797,6 +807,7 @@ fn all_kinds() -> Vec<KernelBody> {
         KernelBody::RmsNorm {
             rows: step,
             cols: 37,
+            width: 37,
             eps: 1e-6,
             residual: true,
             weight_dtype: DType::F16,

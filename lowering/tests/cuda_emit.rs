@@ -149,6 +149,7 @@ fn rms_norm_with_and_without_residual() {
     let with = emit(&KernelBody::RmsNorm {
         rows: STEP,
         cols: 37,
+        width: 37,
         eps: 1e-6,
         residual: true,
         weight_dtype: DType::F16,
@@ -169,6 +170,7 @@ fn rms_norm_with_and_without_residual() {
     let without = emit(&KernelBody::RmsNorm {
         rows: Rows::Fixed(3),
         cols: 4096,
+        width: 4096,
         eps: 1e-5,
         residual: false,
         weight_dtype: DType::F32,
@@ -538,6 +540,7 @@ fn all_kinds() -> Vec<KernelBody> {
         KernelBody::RmsNorm {
             rows: STEP,
             cols: 37,
+            width: 37,
             eps: 1e-6,
             residual: true,
             weight_dtype: DType::F16,

@@ -97,6 +97,7 @@ fn all_kinds() -> Vec<KernelBody> {
             KernelBody::RmsNorm {
                 rows: STEP,
                 cols: 2048,
+                width: 2048,
                 eps: 1e-6,
                 residual: true,
                 weight_dtype: dtype,
@@ -104,8 +105,26 @@ fn all_kinds() -> Vec<KernelBody> {
             KernelBody::RmsNorm {
                 rows: STEP,
                 cols: 37,
+                width: 37,
                 eps: 1e-5,
                 residual: false,
+                weight_dtype: dtype,
+            },
+            // Per-head norms (q and k of Qwen3 and Gemma 3), with and without a residual.
+            KernelBody::RmsNorm {
+                rows: STEP,
+                cols: 512,
+                width: 64,
+                eps: 1e-6,
+                residual: false,
+                weight_dtype: dtype,
+            },
+            KernelBody::RmsNorm {
+                rows: STEP,
+                cols: 96,
+                width: 32,
+                eps: 1e-6,
+                residual: true,
                 weight_dtype: dtype,
             },
             KernelBody::Elementwise {

@@ -1,4 +1,4 @@
-//! The decoder-only transformer shared by the Llama family (Llama, Qwen2, Mixtral): its resolved
+//! The decoder-only transformer shared by the Llama family (Llama, Qwen2, Qwen3, Mixtral): its resolved
 //! config and its graph, laid out as the checkpoint's key paths (`model.layers.N.self_attn...`).
 
 use super::config::ConfigReader;
@@ -60,6 +60,10 @@ pub struct DecoderConfig {
     pub checkpoint_dtype: Option<DType>,
     /// Longest context the model was trained for, where config.json says.
     pub max_position_embeddings: Option<usize>,
+    /// Per-head RMSNorms of q and k (`q_norm`, `k_norm`, `[head_dim]`) before rotary, as
+    /// Qwen3 has them.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub qk_norm: bool,
 }
 
 impl DecoderConfig {
@@ -117,6 +121,7 @@ impl DecoderConfig {
             moe: None,
             checkpoint_dtype: cfg.checkpoint_dtype()?,
             max_position_embeddings: cfg.opt_usize("max_position_embeddings")?,
+            qk_norm: false,
         })
     }
 
@@ -305,11 +310,17 @@ impl DecoderBuilder<'_> {
         let t = || Dim::sym(names::TOTAL_SEQ_LEN);
         let inv_freq = c.rope.inv_freq(d, self.opts.checkpoint_dtype);
         let heads = |this: &mut Self, name: &str, n: usize, rope: bool| -> Result<NodeIndex> {
-            let proj = p.pp(name);
+            let proj = p.pp(format!("{name}_proj"));
             let y = this.linear(&proj, x, n * d, hid, c.biases.qkv)?;
-            let y = this.reshape(proj.key("heads"), y, vec![t(), n.into(), d.into()])?;
+            let mut y = this.reshape(proj.key("heads"), y, vec![t(), n.into(), d.into()])?;
             if !rope {
                 return Ok(y);
+            }
+            if c.qk_norm {
+                let norm = p.pp(format!("{name}_norm"));
+                let w = this.weight(norm.key("weight"), &[d])?;
+                let eps = c.rms_norm_eps as f32;
+                y = this.b.op(&norm.0, Op::RmsNorm { eps }, &[y, w])?;
             }
             this.b.op(
                 &proj.key("rope"),
@@ -319,9 +330,9 @@ impl DecoderBuilder<'_> {
                 &[y, s.positions],
             )
         };
-        let q = heads(self, "q_proj", hq, true)?;
-        let k = heads(self, "k_proj", hkv, true)?;
-        let v = heads(self, "v_proj", hkv, false)?;
+        let q = heads(self, "q", hq, true)?;
+        let k = heads(self, "k", hkv, true)?;
+        let v = heads(self, "v", hkv, false)?;
         let scale = 1.0 / (d as f32).sqrt();
         let a = self.b.op(
             &p.key("attention"),

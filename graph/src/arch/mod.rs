@@ -9,6 +9,7 @@ pub mod llama;
 pub mod llama_with_draft;
 pub mod mixtral;
 pub mod qwen2;
+pub mod qwen3;
 pub mod rope;
 
 use crate::{DType, DeploymentConfig, Graph, GraphRole, Result};

@@ -106,11 +106,12 @@ fn emit_body(kb: &mut KernelBuilder, body: &KernelBody) -> Result<(), CpuError> 
         }
         KernelBody::RmsNorm {
             cols,
+            width,
             eps,
             residual,
             weight_dtype,
             ..
-        } => norm::emit(kb, *cols, *eps, *residual, *weight_dtype),
+        } => norm::emit(kb, *cols, *width, *eps, *residual, *weight_dtype),
         KernelBody::Elementwise {
             cols,
             inputs,

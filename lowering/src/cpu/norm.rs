@@ -8,18 +8,29 @@ use cranelift_codegen::ir::types::{F32, F32X4};
 use cranelift_codegen::ir::{InstBuilder, Value};
 use maxc_schema::DType;
 
-/// Emits [`maxc_schema::KernelBody::RmsNorm`]. Per row: one pass that (with
-/// `residual`) writes `sum = a + b` and accumulates squares in four f32x4 accumulators, then
-/// `inv = 1 / sqrt(Σx²/cols + eps)` and a pass writing `out = x · inv · w`.
+/// Emits [`maxc_schema::KernelBody::RmsNorm`]. Per `width` values of a row (the row, or one
+/// head): one pass that (with `residual`) writes `sum = a + b` and accumulates squares in four
+/// f32x4 accumulators, then `inv = 1 / sqrt(Σx²/width + eps)` and a pass writing
+/// `out = x · inv · w`. Rows `start..end` of `cols` are rows `start·g..end·g` of `width`
+/// (`g = cols / width`), so one loop serves both.
 pub(crate) fn emit(
     kb: &mut KernelBuilder,
     cols: u64,
+    width: u64,
     eps: f32,
     residual: bool,
     weight_dtype: DType,
 ) -> Result<(), CpuError> {
     let kind = kb.kind();
-    let cols = check_size(kind, "cols", cols)?;
+    let row_cols = check_size(kind, "cols", cols)?;
+    let cols = check_size(kind, "width", width)?;
+    if row_cols % cols != 0 {
+        return Err(CpuError::Invalid {
+            kind,
+            what: format!("`width` {width} does not divide `cols` {row_cols}"),
+        });
+    }
+    let groups = row_cols / cols;
     let wt = FloatType::of(kind, "weight_dtype", weight_dtype)?;
     // `x` is the normalised row: the input, or the written residual sum.
     let (a, b, w, x, out) = if residual {
@@ -34,6 +45,15 @@ pub(crate) fn emit(
     };
     let row_bytes = cols * 4;
     let (start, end) = (kb.start(), kb.end());
+    let (start, end) = if groups == 1 {
+        (start, end)
+    } else {
+        let g = groups as i64;
+        (
+            kb.b.ins().imul_imm_s(start, g),
+            kb.b.ins().imul_imm_s(end, g),
+        )
+    };
     kb.for_range(start, end, 1, |kb, r| {
         let x_row = kb.addr(x, r, row_bytes);
         let out_row = kb.addr(out, r, row_bytes);

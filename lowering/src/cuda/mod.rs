@@ -80,10 +80,11 @@ pub fn emit_kernel(
         KernelBody::RmsNorm {
             rows,
             cols,
+            width,
             eps,
             residual,
             weight_dtype,
-        } => norm::emit(cx, *rows, *cols, *eps, *residual, *weight_dtype)?,
+        } => norm::emit(cx, *rows, *cols, *width, *eps, *residual, *weight_dtype)?,
         KernelBody::Elementwise {
             rows,
             cols,

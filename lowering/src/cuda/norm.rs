@@ -6,17 +6,27 @@ use maxc_schema::{CudaLaunch, DType, GridExtent, Rows};
 
 /// Emits [`maxc_schema::KernelBody::RmsNorm`]: one block per row `r < rows`. Pass 1
 /// (with `residual`, writing `sum = a + b`) sums squares per thread, then a block reduction;
-/// `inv = 1 / sqrt(Σx²/cols + eps)`; pass 2 writes `out = x · inv · w`. Each thread reads back
-/// only the sums it wrote itself.
+/// `inv = 1 / sqrt(Σx²/width + eps)`; pass 2 writes `out = x · inv · w`. Each thread reads back
+/// only the sums it wrote itself. Where `width < cols` (per-head norms) the block does the
+/// row's `cols / width` groups in turn.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn emit(
     cx: Ctx,
     rows: Rows,
     cols: u64,
+    width: u64,
     eps: f32,
     residual: bool,
     weight_dtype: DType,
 ) -> Result<Emitted, CudaError> {
     let cols = cx.size("cols", cols)?;
+    let width = cx.size("width", width)?;
+    if cols % width != 0 {
+        return Err(cx.invalid(format!("`width` {width} does not divide `cols` {cols}")));
+    }
+    if width < cols {
+        return grouped(cx, rows, cols, width, eps, residual, weight_dtype);
+    }
     let w_ty = cx.float_type("weight_dtype", weight_dtype)?;
     let threads = source::row_threads(cols, 256);
     let (bufs, x_row, pass1) = if residual {
@@ -64,6 +74,79 @@ pub(crate) fn emit(
             ("ROWS", rows_expr(rows)),
             ("COLS", ull(cols)),
             ("COLS_F", f32_lit(cols as f32)),
+            ("EPS", f32_lit(eps)),
+        ],
+    );
+    let launch = CudaLaunch {
+        grid: [per_row(rows), GridExtent::Fixed(1), GridExtent::Fixed(1)],
+        block: [threads, 1, 1],
+        shared_bytes: 0,
+    };
+    Ok((source::kernel(cx.name, threads, &bufs, &body), launch))
+}
+
+/// [`emit`] for rows of `cols / width` groups normalized each on its own (per-head norms).
+fn grouped(
+    cx: Ctx,
+    rows: Rows,
+    cols: u64,
+    width: u64,
+    eps: f32,
+    residual: bool,
+    weight_dtype: DType,
+) -> Result<Emitted, CudaError> {
+    let w_ty = cx.float_type("weight_dtype", weight_dtype)?;
+    let threads = source::row_threads(width, 256);
+    let (bufs, x_row, pass1) = if residual {
+        (
+            vec![
+                Buf::input("float", "a"),
+                Buf::input("float", "b"),
+                Buf::input(w_ty, "w"),
+                Buf::output("float", "sum"),
+                Buf::output("float", "out"),
+            ],
+            "sum",
+            r#"            const float v = a[o + c] + b[o + c];
+            sum[o + c] = v;"#,
+        )
+    } else {
+        (
+            vec![
+                Buf::input("float", "x"),
+                Buf::input(w_ty, "w"),
+                Buf::output("float", "out"),
+            ],
+            "x",
+            r#"            const float v = x[o + c];"#,
+        )
+    };
+    let template = format!(
+        r#"
+    const maxc_u64 r = blockIdx.x;
+    if (r >= ${{ROWS}}) return;
+    for (maxc_u64 g = 0; g < ${{GROUPS}}; ++g) {{
+        const maxc_u64 o = r * ${{COLS}} + g * ${{WIDTH}};
+        float sq = 0.0f;
+        for (maxc_u64 c = threadIdx.x; c < ${{WIDTH}}; c += blockDim.x) {{
+{pass1}
+            sq += v * v;
+        }}
+        sq = maxc_block_sum(sq);
+        const float inv = 1.0f / sqrtf(sq / ${{WIDTH_F}} + ${{EPS}});
+        for (maxc_u64 c = threadIdx.x; c < ${{WIDTH}}; c += blockDim.x)
+            out[o + c] = {x_row}[o + c] * inv * maxc_ld(w, c);
+    }}
+"#
+    );
+    let body = fill(
+        &template,
+        &[
+            ("ROWS", rows_expr(rows)),
+            ("COLS", ull(cols)),
+            ("GROUPS", ull(cols / width)),
+            ("WIDTH", ull(width)),
+            ("WIDTH_F", f32_lit(width as f32)),
             ("EPS", f32_lit(eps)),
         ],
     );

@@ -142,9 +142,10 @@ pub enum KernelBody {
     /// Buffers: `input_row_offsets i32 [B+1]`, `cache_lengths i32 [B]`, `out i64 [T]`.
     /// Parallel range: sequences `0..B`.
     Positions,
-    /// RMSNorm of rows, optionally of a residual sum:
-    /// without residual: `x`, `w [cols]`, `out` with `out = x / sqrt(mean(x²) + eps) · w`;
-    /// with residual: `a`, `b`, `w [cols]`, `sum`, `out` with `sum = a + b` and
+    /// RMSNorm of each `width` values of rows (the whole row where `width == cols`; each head
+    /// of q or k for the per-head norms), optionally of a residual sum:
+    /// without residual: `x`, `w [width]`, `out` with `out = x / sqrt(mean(x²) + eps) · w`;
+    /// with residual: `a`, `b`, `w [width]`, `sum`, `out` with `sum = a + b` and
     /// `out = rmsnorm(sum) · w`. All rows `[rows, cols]` f32; `w` in `weight_dtype`.
     /// Parallel range: rows.
     RmsNorm {
@@ -152,6 +153,8 @@ pub enum KernelBody {
         rows: Rows,
         /// Row width.
         cols: u64,
+        /// Values normalized together: `cols`, or a divisor of it.
+        width: u64,
         /// Added to the mean square.
         eps: f32,
         /// Whether the kernel first adds a residual.

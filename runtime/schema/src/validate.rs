@@ -690,12 +690,13 @@ fn operand_uses(body: &KernelBody, cx: &Ctx, what: &str) -> Result<Vec<Use>, Val
         KernelBody::RmsNorm {
             rows,
             cols,
+            width,
             residual,
             weight_dtype,
             ..
         } => {
             let n = mul(&[cx.rows(rows, what)?, *cols], what)?;
-            let w = vals(*weight_dtype, *cols);
+            let w = vals(*weight_dtype, *width);
             if *residual {
                 vec![
                     f32s(n, false),
@@ -851,10 +852,17 @@ fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(),
         KernelBody::Gather { src_dtype, .. } => real(*src_dtype, "src_dtype"),
         KernelBody::Positions => Ok(()),
         KernelBody::RmsNorm {
-            eps, weight_dtype, ..
+            cols,
+            width,
+            eps,
+            weight_dtype,
+            ..
         } => {
             if !eps.is_finite() || *eps < 0.0 {
                 return err(format!("eps is {eps}"));
+            }
+            if *width == 0 || cols % width != 0 {
+                return err(format!("width {width} does not divide cols {cols}"));
             }
             float(*weight_dtype, "weight_dtype")
         }

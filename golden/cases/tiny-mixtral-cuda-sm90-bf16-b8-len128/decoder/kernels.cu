@@ -118,7 +118,7 @@ extern "C" __global__ void __launch_bounds__(128) positions_af63bc4c(
         if (r >= 0 && (maxc_u64)r < total_seq_len) out[r] = base + r;
 }
 
-extern "C" __global__ void __launch_bounds__(256) rms_norm_5827f7dd(
+extern "C" __global__ void __launch_bounds__(256) rms_norm_87f8c724(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -528,7 +528,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_9127d12b(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) rms_norm_582b59dd(
+extern "C" __global__ void __launch_bounds__(256) rms_norm_87fc2924(
     const float* __restrict__ a,
     const float* __restrict__ b,
     const __nv_bfloat16* __restrict__ w,

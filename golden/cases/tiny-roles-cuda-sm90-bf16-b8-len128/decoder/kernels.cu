@@ -118,7 +118,7 @@ extern "C" __global__ void __launch_bounds__(128) positions_af63bc4c(
         if (r >= 0 && (maxc_u64)r < total_seq_len) out[r] = base + r;
 }
 
-extern "C" __global__ void __launch_bounds__(128) rms_norm_65566ad0(
+extern "C" __global__ void __launch_bounds__(128) rms_norm_e3fb2cf7(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -528,7 +528,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_45152400(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) rms_norm_6559d4d0(
+extern "C" __global__ void __launch_bounds__(128) rms_norm_e3fe8ef7(
     const float* __restrict__ a,
     const float* __restrict__ b,
     const __nv_bfloat16* __restrict__ w,

@@ -118,7 +118,7 @@ extern "C" __global__ void __launch_bounds__(128) positions_af63bc4c(
         if (r >= 0 && (maxc_u64)r < total_seq_len) out[r] = base + r;
 }
 
-extern "C" __global__ void __launch_bounds__(64) rms_norm_68291d7a(
+extern "C" __global__ void __launch_bounds__(64) rms_norm_34a0efdd(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -528,7 +528,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_8cc272f2(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) rms_norm_682c877a(
+extern "C" __global__ void __launch_bounds__(64) rms_norm_34a451dd(
     const float* __restrict__ a,
     const float* __restrict__ b,
     const __nv_bfloat16* __restrict__ w,
