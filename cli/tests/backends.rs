@@ -461,6 +461,7 @@ macro_rules! every_backend {
 every_backend!(tiny_llama, "tiny-llama", GraphRole::Decoder, "");
 every_backend!(tiny_qwen2, "tiny-qwen2", GraphRole::Decoder, "");
 every_backend!(tiny_qwen3, "tiny-qwen3", GraphRole::Decoder, "");
+every_backend!(tiny_qwen3_moe, "tiny-qwen3-moe", GraphRole::Decoder, "");
 every_backend!(tiny_mixtral, "tiny-mixtral", GraphRole::Decoder, "");
 
 /// tiny-mixtral with its experts over 2 and 4 in-process ranks gives the fixture's logits.
@@ -468,6 +469,14 @@ mod tiny_mixtral_expert_parallel {
     use super::*;
     suite!(ep2, "tiny-mixtral", GraphRole::Decoder, "", Kind::Ep(2));
     suite!(ep4, "tiny-mixtral", GraphRole::Decoder, "", Kind::Ep(4));
+}
+
+/// tiny-qwen3-moe (a dense first layer, then 8 experts a layer) over 2 and 8 in-process
+/// ranks gives the fixture's logits.
+mod tiny_qwen3_moe_expert_parallel {
+    use super::*;
+    suite!(ep2, "tiny-qwen3-moe", GraphRole::Decoder, "", Kind::Ep(2));
+    suite!(ep8, "tiny-qwen3-moe", GraphRole::Decoder, "", Kind::Ep(8));
 }
 every_backend!(
     tiny_roles_target,

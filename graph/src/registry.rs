@@ -23,10 +23,11 @@ impl Registry {
     /// Every architecture maxc ships.
     pub fn builtin() -> Self {
         let mut r = Registry::new();
-        let archs: [Arc<dyn Architecture>; 5] = [
+        let archs: [Arc<dyn Architecture>; 6] = [
             Arc::new(llama::Llama),
             Arc::new(qwen2::Qwen2),
             Arc::new(qwen3::Qwen3),
+            Arc::new(qwen3::Qwen3Moe),
             Arc::new(mixtral::Mixtral),
             Arc::new(llama_with_draft::LlamaWithDraft),
         ];

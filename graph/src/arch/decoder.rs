@@ -16,6 +16,68 @@ pub struct MoeConfig {
     pub num_experts: usize,
     /// Experts each token is routed to.
     pub top_k: usize,
+    /// Each expert's MLP width, where it is not the decoder's `intermediate_size`
+    /// (Qwen3-MoE's `moe_intermediate_size`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_intermediate_size: Option<usize>,
+    /// Layers whose MLP is dense (`intermediate_size` wide) instead: Qwen3-MoE's
+    /// `mlp_only_layers` and the layers `decoder_sparse_step` skips.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dense_layers: Vec<usize>,
+    /// Whether the top-k routing weights are renormalized to sum to 1 (Mixtral always;
+    /// Qwen3-MoE's `norm_topk_prob`).
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub renormalize: bool,
+    /// The checkpoint's names of the block and its experts' projections.
+    #[serde(default, skip_serializing_if = "MoeNaming::is_mixtral")]
+    pub naming: MoeNaming,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
+}
+
+/// How a checkpoint names its MoE block's weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MoeNaming {
+    /// `block_sparse_moe.gate`, `block_sparse_moe.experts.E.{w1, w3, w2}` (gate, up, down).
+    #[default]
+    Mixtral,
+    /// `mlp.gate`, `mlp.experts.E.{gate_proj, up_proj, down_proj}`.
+    Qwen,
+}
+
+impl MoeNaming {
+    fn is_mixtral(&self) -> bool {
+        *self == MoeNaming::Mixtral
+    }
+
+    /// The block's module name and its experts' gate, up and down projections.
+    fn names(self) -> (&'static str, [&'static str; 3]) {
+        match self {
+            MoeNaming::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+            MoeNaming::Qwen => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+        }
+    }
+}
+
+impl MoeConfig {
+    /// `num_experts` experts, `top_k` of them per token, renormalized, on every layer, named
+    /// as Mixtral names them.
+    pub fn new(num_experts: usize, top_k: usize) -> Self {
+        MoeConfig {
+            num_experts,
+            top_k,
+            expert_intermediate_size: None,
+            dense_layers: Vec::new(),
+            renormalize: true,
+            naming: MoeNaming::Mixtral,
+        }
+    }
 }
 
 /// Which projections carry a bias.
@@ -277,8 +339,10 @@ impl DecoderBuilder<'_> {
             h = self.b.op(&lp.key("attn_residual"), Op::Add, &[h, attn])?;
             let x = self.rms_norm(&lp.pp("post_attention_layernorm"), h)?;
             let mlp = match &c.moe {
-                None => self.mlp(&lp.pp("mlp"), x)?,
-                Some(moe) => self.moe(&lp.pp("block_sparse_moe"), x, moe)?,
+                Some(moe) if !moe.dense_layers.contains(&layer) => {
+                    self.moe(&lp.pp(moe.naming.names().0), x, moe)?
+                }
+                _ => self.mlp(&lp.pp("mlp"), x)?,
             };
             h = self.b.op(&lp.key("mlp_residual"), Op::Add, &[h, mlp])?;
         }
@@ -364,10 +428,14 @@ impl DecoderBuilder<'_> {
         self.linear(&p.pp("down_proj"), prod, h, f, bias)
     }
 
-    /// Mixtral's sparse MoE block: softmax router, top-k renormalized, SwiGLU experts
-    /// (`w1` gate, `w3` up, `w2` down).
+    /// The sparse MoE block of Mixtral and Qwen3-MoE: softmax router, top-k (renormalized
+    /// where the model says), SwiGLU experts (gate, up, down as [`MoeNaming`] names them).
     fn moe(&mut self, p: &KeyPath, x: NodeIndex, moe: &MoeConfig) -> Result<NodeIndex> {
-        let (h, f) = (self.cfg.hidden_size, self.cfg.intermediate_size);
+        let h = self.cfg.hidden_size;
+        let f = moe
+            .expert_intermediate_size
+            .unwrap_or(self.cfg.intermediate_size);
+        let [gate, up, down] = moe.naming.names().1;
         let router = self.linear(&p.pp("gate"), x, moe.num_experts, h, false)?;
         let probs = self
             .b
@@ -376,16 +444,16 @@ impl DecoderBuilder<'_> {
             &p.key("router_top_k"),
             Op::TopK {
                 k: moe.top_k,
-                renormalize: true,
+                renormalize: moe.renormalize,
             },
             &[probs],
         )?;
         let mut operands = vec![x, routing];
         for e in 0..moe.num_experts {
             let ep = p.pp("experts").pp(e);
-            operands.push(self.weight(ep.pp("w1").key("weight"), &[f, h])?);
-            operands.push(self.weight(ep.pp("w3").key("weight"), &[f, h])?);
-            operands.push(self.weight(ep.pp("w2").key("weight"), &[h, f])?);
+            operands.push(self.weight(ep.pp(gate).key("weight"), &[f, h])?);
+            operands.push(self.weight(ep.pp(up).key("weight"), &[f, h])?);
+            operands.push(self.weight(ep.pp(down).key("weight"), &[h, f])?);
         }
         self.b.op(
             &p.key("experts"),

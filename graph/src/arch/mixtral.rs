@@ -45,21 +45,27 @@ impl Architecture for Mixtral {
                 format!("is {top_k}; expected at most num_local_experts ({num_experts})"),
             ));
         }
-        config.moe = Some(MoeConfig { num_experts, top_k });
-        Ok(Box::new(MixtralModel { config }))
+        config.moe = Some(MoeConfig::new(num_experts, top_k));
+        Ok(Box::new(MixtralModel {
+            architecture: "MixtralForCausalLM",
+            config,
+        }))
     }
 }
 
-/// A Mixtral model: one decoder role.
+/// A sparse-MoE model deployed as Mixtral is (Mixtral, Qwen3-MoE): a decoder role, and the
+/// EP init role.
 #[derive(Clone, Debug)]
 pub struct MixtralModel {
+    /// The architecture's name.
+    pub architecture: &'static str,
     /// The decoder's config (with `moe` set).
     pub config: DecoderConfig,
 }
 
 impl ModelSpec for MixtralModel {
     fn architecture(&self) -> &'static str {
-        "MixtralForCausalLM"
+        self.architecture
     }
     /// The decoder, and the EP init graph where the deployment exports it (an
     /// expert-parallel degree above 1).
@@ -67,10 +73,11 @@ impl ModelSpec for MixtralModel {
         vec![GraphRole::Decoder, GraphRole::EpInit]
     }
     fn deployment(&self) -> DeploymentConfig {
-        let moe = self.config.moe.clone().unwrap_or(MoeConfig {
-            num_experts: 1,
-            top_k: 1,
-        });
+        let moe = self
+            .config
+            .moe
+            .clone()
+            .unwrap_or_else(|| MoeConfig::new(1, 1));
         let mut d = DeploymentConfig::with_hooks(Arc::new(MixtralHooks {
             llama: LlamaFamilyHooks::new(&self.config),
             num_experts: moe.num_experts,

@@ -5,11 +5,33 @@
 //! caller computes a share itself instead of waiting.
 //!
 //! [`run`] splits work into `chunks` calls of one function, the caller taking chunk 0. Calls
-//! from several threads are serialized; a job must not call [`run`] itself.
+//! from several threads are serialized; a call from inside a job (an MoE expert's matmul, run
+//! on one thread of the experts' split) runs its chunks on its own thread, in turn.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
+
+thread_local! {
+    /// Whether this thread is running a chunk of a job (where [`run`] must not wait for the
+    /// workers: one of them may be this thread, or busy with the same job).
+    static IN_JOB: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks this thread as inside a job until dropped (also when the job unwinds).
+struct InJob(bool);
+
+impl InJob {
+    fn enter() -> Self {
+        InJob(IN_JOB.with(|j| j.replace(true)))
+    }
+}
+
+impl Drop for InJob {
+    fn drop(&mut self) {
+        IN_JOB.with(|j| j.set(self.0));
+    }
+}
 
 /// How long an idle worker spins before it sleeps.
 const SPIN: Duration = Duration::from_millis(2);
@@ -116,7 +138,10 @@ fn worker(s: &'static Shared, index: usize) {
             if let Some(job) = job {
                 // A panicking job must still count as done, or its caller would wait forever;
                 // the panic is reported on this thread.
-                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(index)));
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let _in = InJob::enter();
+                    job(index)
+                }));
             }
         }
         s.pending.fetch_sub(1, Ordering::AcqRel);
@@ -127,7 +152,7 @@ fn worker(s: &'static Shared, index: usize) {
 /// returns when all are done. `chunks` is at most [`threads`]; more are run by the caller.
 pub fn run<'a>(chunks: usize, f: &'a (dyn Fn(usize) + Sync + 'a)) {
     let p = pool();
-    if chunks <= 1 || p.workers == 0 {
+    if chunks <= 1 || p.workers == 0 || IN_JOB.with(|j| j.get()) {
         (0..chunks).for_each(f);
         return;
     }
@@ -164,6 +189,7 @@ pub fn run<'a>(chunks: usize, f: &'a (dyn Fn(usize) + Sync + 'a)) {
         }
     }
     let _wait = Wait(s);
+    let _in = InJob::enter();
     f(0);
     for c in on_workers..chunks {
         f(c);
@@ -206,5 +232,18 @@ mod tests {
             hits.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(hits.load(Ordering::Relaxed), threads());
+    }
+
+    #[test]
+    fn a_job_that_splits_its_own_work_runs_it_on_its_thread() {
+        let hits = AtomicUsize::new(0);
+        for _ in 0..100 {
+            run(threads().max(2), &|_| {
+                run(3, &|_| {
+                    hits.fetch_add(1, Ordering::Relaxed);
+                });
+            });
+        }
+        assert_eq!(hits.load(Ordering::Relaxed), 100 * 3 * threads().max(2));
     }
 }
