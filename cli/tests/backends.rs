@@ -82,6 +82,8 @@ enum Kind {
     Cuda(DType),
     /// The f32 artifact compiled at this expert-parallel degree (in-process ranks).
     Ep(usize),
+    /// The artifact compiled from the fixture written as GGUF (`gguf_artifact`), weights kept.
+    Gguf,
 }
 
 struct Case {
@@ -169,6 +171,11 @@ impl Case {
                 .expect("artifact opens"),
                 seqs: vec![],
             }),
+            Kind::Gguf => Box::new(Compiled {
+                engine: RuntimeSession::open(&gguf_artifact(self.model), self.role.name())
+                    .expect("artifact opens"),
+                seqs: vec![],
+            }),
             Kind::Artifact(dtype, all_logits) => {
                 let out = artifact_dir(self.model, dtype, all_logits);
                 Box::new(Compiled {
@@ -215,6 +222,58 @@ fn artifact_dir_at(model: &str, dtype: DType, all_logits: bool, degree: usize) -
     out
 }
 
+/// The fixture written as GGUF as llama.cpp's converter writes it (gguf-py's writer and
+/// tensor-name map: `graph/tests/gguf_py/hf_to_gguf.py`), compiled with its bf16 weights kept;
+/// once per model and test run.
+fn gguf_artifact(model: &str) -> PathBuf {
+    static ROOT: OnceLock<tempfile::TempDir> = OnceLock::new();
+    static LOCK: Mutex<()> = Mutex::new(());
+    let root = ROOT.get_or_init(|| tempfile::tempdir().unwrap());
+    let (gguf, out) = (
+        root.path().join(format!("{model}.gguf")),
+        root.path().join(format!("{model}-gguf.maxc")),
+    );
+    let _guard = LOCK.lock().unwrap();
+    if !out.exists() {
+        let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        let deps = std::process::Command::new("bash")
+            .arg("scripts/install-py-test-deps.sh")
+            .current_dir(&repo)
+            .output()
+            .expect("bash runs");
+        assert!(
+            deps.status.success(),
+            "scripts/install-py-test-deps.sh failed (it needs python3 with pip and PyPI): {}",
+            String::from_utf8_lossy(&deps.stderr)
+        );
+        let py = String::from_utf8(deps.stdout).unwrap().trim().to_string();
+        let made = std::process::Command::new("python3")
+            .arg(repo.join("graph/tests/gguf_py/hf_to_gguf.py"))
+            .arg(fixtures().join(model))
+            .arg(&gguf)
+            .env("PYTHONPATH", py)
+            .output()
+            .expect("python3 runs");
+        assert!(
+            made.status.success(),
+            "hf_to_gguf.py: {}",
+            String::from_utf8_lossy(&made.stderr)
+        );
+        let opts = CompileOptions {
+            runtime: runtime(),
+            weights: Default::default(),
+            all_logits: true,
+            cpu_matmul: CpuMatmul::Auto,
+            force: false,
+            cpu: true,
+            cuda_arch: None,
+            stop_after_rewrites: None,
+        };
+        compile(&gguf, &out, &opts, &mut |_| {}).expect("the GGUF compiles");
+    }
+    out
+}
+
 fn max_diff(
     got: &[f32],
     rows: std::ops::Range<usize>,
@@ -237,7 +296,7 @@ fn tol(kind: Kind) -> f32 {
         Kind::Artifact(DType::F32, _) | Kind::Interpreter => TOL,
         // bf16 weights are exact copies of the bf16 checkpoint: the same tolerance holds.
         Kind::Artifact(..) => TOL,
-        Kind::Ep(_) => TOL,
+        Kind::Ep(_) | Kind::Gguf => TOL,
         // The GPU rounds activations to bf16 in tensor-core matmuls (issue 4's tolerance).
         Kind::Cuda(DType::BF16) => 3e-2,
         Kind::Cuda(_) => TOL,
@@ -462,6 +521,15 @@ every_backend!(tiny_llama, "tiny-llama", GraphRole::Decoder, "");
 every_backend!(tiny_qwen2, "tiny-qwen2", GraphRole::Decoder, "");
 every_backend!(tiny_qwen3, "tiny-qwen3", GraphRole::Decoder, "");
 every_backend!(tiny_qwen3_moe, "tiny-qwen3-moe", GraphRole::Decoder, "");
+
+/// The Qwen families as GGUF files (`general.architecture` `qwen2`, `qwen3`: q and k as the
+/// converter leaves them, q/k norms renamed back) give the fixture's logits, as their Hugging
+/// Face checkpoints do.
+mod gguf_families {
+    use super::*;
+    suite!(tiny_qwen2, "tiny-qwen2", GraphRole::Decoder, "", Kind::Gguf);
+    suite!(tiny_qwen3, "tiny-qwen3", GraphRole::Decoder, "", Kind::Gguf);
+}
 every_backend!(tiny_mixtral, "tiny-mixtral", GraphRole::Decoder, "");
 
 /// tiny-mixtral with its experts over 2 and 4 in-process ranks gives the fixture's logits.

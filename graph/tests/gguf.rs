@@ -178,3 +178,21 @@ fn a_tensor_offset_near_the_end_of_u64_is_named_not_overflowed() {
         .to_string();
     assert!(e.contains("`x`") && e.contains("past the end"), "{e}");
 }
+
+#[test]
+fn an_architecture_maxc_does_not_read_names_the_key_and_the_ones_it_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.gguf");
+    write_gguf(&path, &[("general.architecture", "rwkv7")], &[], 0);
+    let g = GgufFile::open(&path).unwrap();
+    let e = maxc_graph::arch::gguf::config_from_gguf(&g)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("m.gguf")
+            && e.contains("general.architecture")
+            && e.contains("`rwkv7`")
+            && e.contains("llama, qwen2, qwen3"),
+        "{e}"
+    );
+}

@@ -1,13 +1,21 @@
-//! GGUF checkpoints for the Llama family: the config.json equivalent of the GGUF metadata, and
-//! the weight transforms that map GGUF tensors back to the Hugging Face layout (names, and the
-//! Q/K row permutation llama.cpp's converter applies for its rotary layout).
+//! GGUF checkpoints for the Llama family (`general.architecture` `llama`, `qwen2`, `qwen3`):
+//! the config.json equivalent of the GGUF metadata, and the weight transforms that map GGUF
+//! tensors back to the Hugging Face layout (names, and the Q/K row permutation llama.cpp's
+//! converter applies for its rotary layout, which it applies to `llama` only).
 
 use crate::weights::gguf::{GgufFile, GgufValue};
 use crate::weights::{StateDict, WeightTensor};
 use crate::{Error, Result};
 use serde_json::{json, Map, Value};
 
-/// The Hugging Face style config of a GGUF file's model (`general.architecture` = `llama`).
+/// The GGUF architectures maxc reads, with the Hugging Face architecture each maps to.
+pub const ARCHITECTURES: [(&str, &str); 3] = [
+    ("llama", "LlamaForCausalLM"),
+    ("qwen2", "Qwen2ForCausalLM"),
+    ("qwen3", "Qwen3ForCausalLM"),
+];
+
+/// The Hugging Face style config of a GGUF file's model (see [`ARCHITECTURES`]).
 pub fn config_from_gguf(gguf: &GgufFile) -> Result<Value> {
     let path = &gguf.path;
     let arch = gguf
@@ -17,16 +25,16 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<Value> {
             Error::config(
                 path,
                 "general.architecture",
-                "missing; expected the model's architecture (llama)",
+                format!("missing; expected the model's architecture ({})", known()),
             )
         })?;
-    if arch != "llama" {
+    let Some(&(_, hf_arch)) = ARCHITECTURES.iter().find(|(a, _)| *a == arch) else {
         return Err(Error::config(
             path,
             "general.architecture",
-            format!("`{arch}` is not supported; expected llama"),
+            format!("`{arch}` is not supported; expected one of {}", known()),
         ));
-    }
+    };
     let num = |key: &str| {
         gguf.get(&format!("{arch}.{key}"))
             .and_then(GgufValue::as_u64)
@@ -61,8 +69,8 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<Value> {
             })?,
     };
     let mut cfg = Map::new();
-    cfg.insert("architectures".into(), json!(["LlamaForCausalLM"]));
-    cfg.insert("model_type".into(), json!("llama"));
+    cfg.insert("architectures".into(), json!([hf_arch]));
+    cfg.insert("model_type".into(), json!(arch));
     cfg.insert("hidden_size".into(), json!(hidden));
     cfg.insert(
         "intermediate_size".into(),
@@ -123,7 +131,13 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<Value> {
     Ok(Value::Object(cfg))
 }
 
-/// The Hugging Face name of a GGUF Llama tensor.
+/// The GGUF architectures, for errors.
+fn known() -> String {
+    let names: Vec<&str> = ARCHITECTURES.iter().map(|a| a.0).collect();
+    names.join(", ")
+}
+
+/// The Hugging Face name of a GGUF Llama-family tensor.
 pub fn hf_name(gguf: &str) -> Option<String> {
     let fixed = match gguf {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
@@ -144,6 +158,8 @@ pub fn hf_name(gguf: &str) -> Option<String> {
         "attn_k" => "self_attn.k_proj",
         "attn_v" => "self_attn.v_proj",
         "attn_output" => "self_attn.o_proj",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
         "ffn_norm" => "post_attention_layernorm",
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
@@ -179,9 +195,15 @@ pub fn unpermute_rows(w: &WeightTensor, heads: usize, key: &str) -> Result<Weigh
     WeightTensor::from_bytes(w.dtype, w.shape.clone(), out)
 }
 
-/// GGUF tensors renamed to the Hugging Face layout, q and k un-permuted. Tensors with no Llama
-/// equivalent are an error naming them.
-pub fn gguf_to_hf(weights: StateDict, heads: usize, kv_heads: usize) -> Result<StateDict> {
+/// GGUF tensors renamed to the Hugging Face layout, q and k un-permuted where the converter
+/// permuted them (`permuted`: `llama` files). Tensors with no Llama equivalent are an error
+/// naming them.
+pub fn gguf_to_hf(
+    weights: StateDict,
+    heads: usize,
+    kv_heads: usize,
+    permuted: bool,
+) -> Result<StateDict> {
     let mut out = StateDict::new();
     for (key, w) in weights {
         let name = hf_name(&key).ok_or_else(|| Error::UnusedWeights {
@@ -189,7 +211,9 @@ pub fn gguf_to_hf(weights: StateDict, heads: usize, kv_heads: usize) -> Result<S
             count: 1,
             keys: format!("`{key}` (no Llama equivalent)"),
         })?;
-        let w = if name.ends_with("self_attn.q_proj.weight") {
+        let w = if !permuted {
+            w
+        } else if name.ends_with("self_attn.q_proj.weight") {
             unpermute_rows(&w, heads, &key)?
         } else if name.ends_with("self_attn.k_proj.weight") {
             unpermute_rows(&w, kv_heads, &key)?

@@ -75,6 +75,9 @@ pub struct LlamaFamilyHooks {
     pub num_heads: usize,
     /// KV heads (for GGUF un-permutation).
     pub num_kv_heads: usize,
+    /// Whether a GGUF file of this architecture has q and k permuted for llama.cpp's rotary
+    /// layout (`llama` files; llama.cpp's converter leaves Qwen's as they are).
+    pub gguf_qk_permuted: bool,
 }
 
 impl LlamaFamilyHooks {
@@ -84,6 +87,15 @@ impl LlamaFamilyHooks {
             tie_word_embeddings: config.tie_word_embeddings,
             num_heads: config.num_heads,
             num_kv_heads: config.num_kv_heads,
+            gguf_qk_permuted: true,
+        }
+    }
+
+    /// The hooks of a model whose GGUF files keep q and k as Hugging Face has them (Qwen).
+    pub fn unpermuted(config: &DecoderConfig) -> Self {
+        LlamaFamilyHooks {
+            gguf_qk_permuted: false,
+            ..Self::new(config)
         }
     }
 }
@@ -91,7 +103,12 @@ impl LlamaFamilyHooks {
 impl DeploymentHooks for LlamaFamilyHooks {
     fn prepare_weights(&self, weights: StateDict) -> Result<StateDict> {
         let weights = if super::gguf::is_gguf_layout(&weights) {
-            super::gguf::gguf_to_hf(weights, self.num_heads, self.num_kv_heads)?
+            super::gguf::gguf_to_hf(
+                weights,
+                self.num_heads,
+                self.num_kv_heads,
+                self.gguf_qk_permuted,
+            )?
         } else {
             weights
         };

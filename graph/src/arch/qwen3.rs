@@ -179,7 +179,7 @@ impl ModelSpec for Qwen3Model {
         vec![GraphRole::Decoder]
     }
     fn deployment(&self) -> DeploymentConfig {
-        DeploymentConfig::with_hooks(Arc::new(LlamaFamilyHooks::new(&self.config)))
+        DeploymentConfig::with_hooks(Arc::new(LlamaFamilyHooks::unpermuted(&self.config)))
     }
     fn decoder(&self, role: GraphRole) -> Option<&DecoderConfig> {
         (role == GraphRole::Decoder).then_some(&self.config)
