@@ -1,7 +1,8 @@
 //! The registry of architectures, by their Hugging Face `architectures` name.
 
 use crate::arch::{
-    config::ConfigReader, llama, llama_with_draft, mixtral, qwen2, qwen3, Architecture, ModelSpec,
+    config::ConfigReader, llama, llama_with_draft, mistral, mixtral, qwen2, qwen3, Architecture,
+    ModelSpec,
 };
 use crate::{Error, Result};
 use std::collections::BTreeMap;
@@ -23,8 +24,9 @@ impl Registry {
     /// Every architecture maxc ships.
     pub fn builtin() -> Self {
         let mut r = Registry::new();
-        let archs: [Arc<dyn Architecture>; 6] = [
+        let archs: [Arc<dyn Architecture>; 7] = [
             Arc::new(llama::Llama),
+            Arc::new(mistral::Mistral),
             Arc::new(qwen2::Qwen2),
             Arc::new(qwen3::Qwen3),
             Arc::new(qwen3::Qwen3Moe),

@@ -233,7 +233,11 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                 val.insert(id, out);
                 continue;
             }
-            Op::PagedAttention { layer, scale } => {
+            Op::PagedAttention {
+                layer,
+                scale,
+                window,
+            } => {
                 let l =
                     k.kv.clone()
                         .ok_or_else(|| unsupported("attention before the KV cache input"))?;
@@ -272,6 +276,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                         head_dim: l.head_dim,
                         page_size: l.page_size,
                         scale: *scale,
+                        window: window.map(|w| w as u64),
                     },
                     inputs: vec![q, cache, lut, lens, offs],
                     outputs: vec![out],

@@ -747,46 +747,62 @@ fn kv_store_then_attention_over_paged_cache() {
         assert!(same, "kv_store {what}: cache differs from the reference");
 
         let scale = 1.0 / (hd as f32).sqrt();
-        let Some(attn) = Kernel::new(KernelBody::Attention {
-            layer: c.layer as u64,
-            num_layers: c.num_layers as u64,
-            heads: heads as u64,
-            kv_heads: kv_heads as u64,
-            head_dim: hd as u64,
-            page_size: page_size as u64,
-            scale,
-        }) else {
-            return;
-        };
         let mut q: Vec<f32> = rng.vec(t * heads * hd).iter().map(|v| v * 3.0).collect();
-        let mut out = vec![f32::NAN; t * heads * hd];
-        attn.run(
-            &ptrs![q, cache, lookup, cache_lengths, offsets, out],
-            step.dims(),
-        );
-        let mut want = vec![0f64; out.len()];
-        for r in 0..t {
-            let (b, p) = step.locate(r);
-            for h in 0..heads {
-                let kvh = h / (heads / kv_heads);
-                let qh = &q[(r * heads + h) * hd..][..hd];
-                let scores: Vec<f32> = (0..=p)
-                    .map(|j| {
-                        let k = &cache[step.index(&c, b, 0, j, kvh)..][..hd];
-                        let dot: f64 = qh.iter().zip(k).map(|(a, b)| f64::from(a * b)).sum();
-                        (dot * f64::from(scale)) as f32
-                    })
-                    .collect();
-                let weights = softmax_ref(&scores);
-                for (j, w) in weights.iter().enumerate() {
-                    let v = &cache[step.index(&c, b, 1, j, kvh)..][..hd];
-                    for e in 0..hd {
-                        want[(r * heads + h) * hd + e] += w * f64::from(v[e]);
+        // Full attention, and sliding windows within a page, across pages and past a context.
+        for window in [
+            None,
+            Some(1u64),
+            Some(3),
+            Some(page_size as u64 + 2),
+            Some(1000),
+        ] {
+            let Some(attn) = Kernel::new(KernelBody::Attention {
+                layer: c.layer as u64,
+                num_layers: c.num_layers as u64,
+                heads: heads as u64,
+                kv_heads: kv_heads as u64,
+                head_dim: hd as u64,
+                page_size: page_size as u64,
+                scale,
+                window,
+            }) else {
+                return;
+            };
+            let mut out = vec![f32::NAN; t * heads * hd];
+            attn.run(
+                &ptrs![q, cache, lookup, cache_lengths, offsets, out],
+                step.dims(),
+            );
+            let mut want = vec![0f64; out.len()];
+            for r in 0..t {
+                let (b, p) = step.locate(r);
+                let lo = window.map_or(0, |w| (p + 1).saturating_sub(w as usize));
+                for h in 0..heads {
+                    let kvh = h / (heads / kv_heads);
+                    let qh = &q[(r * heads + h) * hd..][..hd];
+                    let scores: Vec<f32> = (lo..=p)
+                        .map(|j| {
+                            let k = &cache[step.index(&c, b, 0, j, kvh)..][..hd];
+                            let dot: f64 = qh.iter().zip(k).map(|(a, b)| f64::from(a * b)).sum();
+                            (dot * f64::from(scale)) as f32
+                        })
+                        .collect();
+                    let weights = softmax_ref(&scores);
+                    for (j, w) in (lo..).zip(&weights) {
+                        let v = &cache[step.index(&c, b, 1, j, kvh)..][..hd];
+                        for e in 0..hd {
+                            want[(r * heads + h) * hd + e] += w * f64::from(v[e]);
+                        }
                     }
                 }
             }
+            assert_close(
+                &out,
+                &want,
+                1e-5,
+                &format!("attention {what} window {window:?}"),
+            );
         }
-        assert_close(&out, &want, 1e-5, &format!("attention {what}"));
     }
 }
 
@@ -840,6 +856,7 @@ fn all_kinds() -> Vec<KernelBody> {
             head_dim: 32,
             page_size: 16,
             scale: 0.17,
+            window: None,
         },
         KernelBody::Softmax {
             rows: step,
@@ -919,6 +936,7 @@ fn errors_name_the_kernel_and_the_problem() {
         head_dim: 8,
         page_size: 4,
         scale: 1.0,
+        window: None,
     };
     let err = compile_kernel(&bad_gqa, &target).expect_err("heads not a multiple");
     assert!(err.to_string().contains("kv_heads"), "{err}");

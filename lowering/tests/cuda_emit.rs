@@ -322,6 +322,7 @@ fn attention_maps_query_heads_to_kv_heads_and_pages() {
         head_dim: 128,
         page_size: 16,
         scale: 0.125,
+        window: None,
     });
     assert_signature(
         &k,
@@ -573,6 +574,7 @@ fn all_kinds() -> Vec<KernelBody> {
             head_dim: 32,
             page_size: 16,
             scale: 0.17,
+            window: None,
         },
         KernelBody::Softmax {
             rows: STEP,
@@ -652,6 +654,7 @@ fn errors_name_the_kernel_and_the_problem() {
         head_dim: 8,
         page_size: 4,
         scale: 1.0,
+        window: None,
     };
     let msg = invalid("attn", &bad_gqa);
     assert!(msg.starts_with("kernel `attn` (attention)"), "{msg}");

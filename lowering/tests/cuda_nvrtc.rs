@@ -53,6 +53,7 @@ fn all_kinds() -> Vec<KernelBody> {
             head_dim: 128,
             page_size: 16,
             scale: 0.088,
+            window: None,
         },
         KernelBody::Attention {
             layer: 0,
@@ -62,6 +63,18 @@ fn all_kinds() -> Vec<KernelBody> {
             head_dim: 40,
             page_size: 5,
             scale: 0.17,
+            window: None,
+        },
+        // A sliding window (Mistral, Gemma 3's local layers).
+        KernelBody::Attention {
+            layer: 1,
+            num_layers: 2,
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 64,
+            page_size: 16,
+            scale: 0.125,
+            window: Some(512),
         },
         KernelBody::Softmax {
             rows: STEP,

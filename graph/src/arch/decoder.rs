@@ -126,6 +126,9 @@ pub struct DecoderConfig {
     /// Qwen3 has them.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub qk_norm: bool,
+    /// Each layer's sliding window (`None`: full attention); empty where no layer has one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layer_windows: Vec<Option<usize>>,
 }
 
 impl DecoderConfig {
@@ -184,6 +187,7 @@ impl DecoderConfig {
             checkpoint_dtype: cfg.checkpoint_dtype()?,
             max_position_embeddings: cfg.opt_usize("max_position_embeddings")?,
             qk_norm: false,
+            layer_windows: Vec::new(),
         })
     }
 
@@ -197,6 +201,81 @@ impl DecoderConfig {
             dtype,
         }
     }
+}
+
+/// Each layer's sliding window, from `layer_types` (transformers 5, and Gemma 3's in 4) where
+/// the config has it, else from `use_sliding_window` with `max_window_layers` (Qwen2's rule:
+/// layers from `max_window_layers` on slide), else, with `every_layer` (Mistral), from
+/// `sliding_window` alone. Empty where no layer slides.
+pub fn read_layer_windows(
+    cfg: &ConfigReader<'_>,
+    num_layers: usize,
+    every_layer: bool,
+) -> Result<Vec<Option<usize>>> {
+    let window = cfg.opt_usize("sliding_window")?;
+    if window == Some(0) {
+        return Err(cfg.error("sliding_window", "is 0; expected a positive window or null"));
+    }
+    if let (Some(w), Some(ctx)) = (window, cfg.opt_usize("max_position_embeddings")?) {
+        if w > ctx {
+            return Err(cfg.error(
+                "sliding_window",
+                format!("is {w}, larger than the context (max_position_embeddings {ctx}); expected at most {ctx}"),
+            ));
+        }
+    }
+    let need = |why: &str| {
+        window.ok_or_else(|| {
+            cfg.error(
+                "sliding_window",
+                format!("missing, but {why} slides; expected the window's size"),
+            )
+        })
+    };
+    let windows: Vec<Option<usize>> = if let Some(types) = cfg.get("layer_types") {
+        let types = types
+            .as_array()
+            .ok_or_else(|| cfg.error("layer_types", format!("expected a list, found {types}")))?;
+        if types.len() != num_layers {
+            return Err(cfg.error(
+                "layer_types",
+                format!(
+                    "has {} entries; expected one per layer (num_hidden_layers {num_layers})",
+                    types.len()
+                ),
+            ));
+        }
+        types
+            .iter()
+            .enumerate()
+            .map(|(i, t)| match t.as_str() {
+                Some("full_attention") => Ok(None),
+                Some("sliding_attention") => need(&format!("layer_types[{i}]")).map(Some),
+                _ => Err(cfg.error(
+                    &format!("layer_types[{i}]"),
+                    format!(
+                        "{t} is not a layer type; expected full_attention or sliding_attention"
+                    ),
+                )),
+            })
+            .collect::<Result<_>>()?
+    } else if let Some(use_sliding) = cfg.opt_bool("use_sliding_window")? {
+        if !use_sliding {
+            return Ok(Vec::new());
+        }
+        let w = need("use_sliding_window")?;
+        let from = cfg.opt_usize("max_window_layers")?.unwrap_or(0);
+        (0..num_layers).map(|l| (l >= from).then_some(w)).collect()
+    } else if every_layer {
+        vec![window; num_layers]
+    } else {
+        Vec::new()
+    };
+    Ok(if windows.iter().all(Option::is_none) {
+        Vec::new()
+    } else {
+        windows
+    })
 }
 
 /// Key paths, as candle's `VarBuilder::pp`: `Path::new("model").pp("layers").pp(0)`.
@@ -400,7 +479,11 @@ impl DecoderBuilder<'_> {
         let scale = 1.0 / (d as f32).sqrt();
         let a = self.b.op(
             &p.key("attention"),
-            Op::PagedAttention { layer, scale },
+            Op::PagedAttention {
+                layer,
+                scale,
+                window: c.layer_windows.get(layer).copied().flatten(),
+            },
             &[
                 q,
                 k,

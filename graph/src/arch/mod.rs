@@ -7,6 +7,7 @@ pub mod ep_init;
 pub mod gguf;
 pub mod llama;
 pub mod llama_with_draft;
+pub mod mistral;
 pub mod mixtral;
 pub mod qwen2;
 pub mod qwen3;

@@ -27,12 +27,7 @@ impl Architecture for Qwen2 {
             o: false,
             mlp: false,
         };
-        if cfg.opt_bool("use_sliding_window")? == Some(true) {
-            return Err(cfg.error(
-                "use_sliding_window",
-                "sliding-window attention is not supported; expected false",
-            ));
-        }
+        config.layer_windows = super::decoder::read_layer_windows(cfg, config.num_layers, false)?;
         Ok(Box::new(Qwen2Model { config }))
     }
 }

@@ -113,55 +113,8 @@ pub fn read_qwen3(cfg: &ConfigReader<'_>) -> Result<DecoderConfig> {
         mlp: false,
     };
     config.qk_norm = true;
-    full_attention_only(cfg, config.num_layers)?;
+    config.layer_windows = super::decoder::read_layer_windows(cfg, config.num_layers, false)?;
     Ok(config)
-}
-
-/// Refuses sliding-window layers (`use_sliding_window`, a `sliding_attention` entry of
-/// `layer_types`), which this decoder does not build yet; checks `layer_types` has a known
-/// entry per layer.
-pub fn full_attention_only(cfg: &ConfigReader<'_>, num_layers: usize) -> Result<()> {
-    if cfg.opt_bool("use_sliding_window")? == Some(true) {
-        return Err(cfg.error(
-            "use_sliding_window",
-            "sliding-window attention is not supported yet; expected false",
-        ));
-    }
-    let Some(types) = cfg.get("layer_types") else {
-        return Ok(());
-    };
-    let types = types
-        .as_array()
-        .ok_or_else(|| cfg.error("layer_types", format!("expected a list, found {types}")))?;
-    if types.len() != num_layers {
-        return Err(cfg.error(
-            "layer_types",
-            format!(
-                "has {} entries; expected one per layer (num_hidden_layers {num_layers})",
-                types.len()
-            ),
-        ));
-    }
-    for (i, t) in types.iter().enumerate() {
-        match t.as_str() {
-            Some("full_attention") => {}
-            Some("sliding_attention") => {
-                return Err(cfg.error(
-                    &format!("layer_types[{i}]"),
-                    "`sliding_attention` is not supported yet; expected full_attention",
-                ))
-            }
-            _ => {
-                return Err(cfg.error(
-                    &format!("layer_types[{i}]"),
-                    format!(
-                        "{t} is not a layer type; expected full_attention or sliding_attention"
-                    ),
-                ))
-            }
-        }
-    }
-    Ok(())
 }
 
 /// A Qwen3 model: one decoder role.

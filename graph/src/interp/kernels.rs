@@ -129,7 +129,7 @@ pub fn paged_attention(
     cache: &mut [f32],
     hq: usize,
     l: &KvLayout,
-    layer: usize,
+    (layer, window): (usize, Option<usize>),
     scale: f32,
     batch: &PagedBatch<'_>,
 ) -> Vec<f32> {
@@ -148,7 +148,8 @@ pub fn paged_attention(
     for (r, b, pos) in batch.rows() {
         for h in 0..hq {
             let qv = &q[(r * hq + h) * d..][..d];
-            let scores: Vec<f32> = (0..=pos)
+            let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let scores: Vec<f32> = (first..=pos)
                 .map(|j| {
                     let ks = batch.slot(l, layer, 0, b, j, h / group);
                     qv.iter()
@@ -160,7 +161,7 @@ pub fn paged_attention(
                 .collect();
             let probs = softmax(&scores, scores.len());
             let o = &mut out[(r * hq + h) * d..][..d];
-            for (j, p) in probs.iter().enumerate() {
+            for (j, p) in (first..).zip(&probs) {
                 let vs = batch.slot(l, layer, 1, b, j, h / group);
                 for (acc, val) in o.iter_mut().zip(&cache[vs..vs + d]) {
                     *acc += p * val;

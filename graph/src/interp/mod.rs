@@ -330,14 +330,18 @@ impl Interpreter {
                 Op::Rope { inv_freq } => {
                     Val::F(kernels::rope(v(0).f(), v(1).i(), shape[1], inv_freq))
                 }
-                Op::PagedAttention { layer, scale } => Val::F(kernels::paged_attention(
+                Op::PagedAttention {
+                    layer,
+                    scale,
+                    window,
+                } => Val::F(kernels::paged_attention(
                     v(0).f(),
                     v(1).f(),
                     v(2).f(),
                     &mut cache.data,
                     shape[1],
                     &self.kv_layout,
-                    *layer,
+                    (*layer, *window),
                     *scale,
                     &batch,
                 )),

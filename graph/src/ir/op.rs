@@ -110,12 +110,16 @@ pub enum Op {
     /// `(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], kv_cache, kv_lookup_table [B, P],
     /// cache_lengths [B], input_row_offsets [B+1]) -> [T, Hq, D]`: writes the step's K and V into
     /// layer `layer` of the paged cache, then causal attention of each row over its sequence's
-    /// cached and new tokens. `Hq` is a multiple of `Hkv` (GQA/MQA).
+    /// cached and new tokens (its last `window` of them, itself included, where a window is
+    /// set). `Hq` is a multiple of `Hkv` (GQA/MQA).
     PagedAttention {
         /// The decoder layer, the cache slot written and read.
         layer: usize,
         /// Scale of `q · k`, usually `1 / sqrt(D)`.
         scale: f32,
+        /// Sliding-window attention: the positions a row at position `p` sees are
+        /// `p + 1 - window ..= p`.
+        window: Option<usize>,
     },
     /// `x -> x`: softmax over the last axis.
     Softmax,
@@ -285,8 +289,11 @@ impl Op {
                 )?;
                 Ok(TensorType::new(DType::F32, x.shape.clone()))
             }
-            Op::PagedAttention { .. } => {
+            Op::PagedAttention { window, .. } => {
                 arity(xs, 7)?;
+                if *window == Some(0) {
+                    return Err("a sliding window of 0 positions".into());
+                }
                 let (q, k, v, cache, lut, lens, offs) =
                     (xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6]);
                 for (x, what) in [(q, "q"), (k, "k"), (v, "v")] {

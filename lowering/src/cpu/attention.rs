@@ -15,12 +15,15 @@ use maxc_schema::KvView;
 /// group (`h / (heads / kv_heads)` is the KV head), a walk over the sequence's pages covering positions `0..=p`
 /// keeping a running max `m`, running sum `l` and a `head_dim` f32 accumulator in a stack
 /// slot: per position, `s = (q·k)·scale` (four f32x4 accumulators),
-/// `acc = acc·e^(m-m') + e^(s-m')·v`; finally `out = acc / l`.
+/// `acc = acc·e^(m-m') + e^(s-m')·v`; finally `out = acc / l`. With a sliding `window` the walk
+/// covers positions `p + 1 - window ..= p` (from 0 where that is negative), starting at the
+/// page that holds the first.
 pub(crate) fn emit(
     kb: &mut KernelBuilder,
     cache: &KvView,
     heads: u64,
     scale: f32,
+    window: Option<u64>,
 ) -> Result<(), CpuError> {
     let kind = kb.kind();
     let heads = check_size(kind, "heads", heads)?;
@@ -55,11 +58,18 @@ pub(crate) fn emit(
     };
     let out = kb.buf(5);
     let acc = kb.b.ins().stack_addr(I64, slot, 0);
+    if window == Some(0) {
+        return Err(CpuError::Invalid {
+            kind,
+            what: "`window` is 0, expected at least 1".into(),
+        });
+    }
     let ctx = Context {
         cache,
         seqs: &seqs,
         cache_ptr,
         scale,
+        window,
     };
     let (start, end) = (kb.start(), kb.end());
     // Item `i` of the parallel range is KV head `i % kv_heads` of row `i / kv_heads`, so that a
@@ -96,6 +106,8 @@ struct Context<'c> {
     cache_ptr: Value,
     /// Score scale.
     scale: f32,
+    /// Sliding window, where the layer has one.
+    window: Option<u64>,
 }
 
 /// Pointers of one query head's work.
@@ -110,7 +122,7 @@ struct Head {
     acc: Value,
 }
 
-/// Attention of one query head over positions `0..=p` of sequence `b`.
+/// Attention of one query head over positions `0..=p` of sequence `b` (its window's).
 fn attend(kb: &mut KernelBuilder, ctx: &Context, head: &Head, b: Value, p: Value) {
     let (cache, seqs, cache_ptr) = (ctx.cache, ctx.seqs, ctx.cache_ptr);
     let hd = cache.head_dim;
@@ -129,8 +141,18 @@ fn attend(kb: &mut KernelBuilder, ctx: &Context, head: &Head, b: Value, p: Value
     let page_size = kb.i64c(cache.page_size);
     let (last_page, _) = cache.page_and_slot(kb, p);
     let pages = kb.b.ins().iadd_imm_s(last_page, 1);
-    let zero_i = kb.i64c(0);
-    kb.for_range(zero_i, pages, 1, |kb, pg| {
+    // The first position seen: `max(p + 1 - window, 0)`.
+    let lo = match ctx.window {
+        None => kb.i64c(0),
+        Some(w) => {
+            let lo = kb.b.ins().iadd_imm_s(positions, -(w as i64));
+            let zero = kb.i64c(0);
+            let neg = kb.b.ins().icmp(IntCC::SignedLessThan, lo, zero);
+            kb.b.ins().select(neg, zero, lo)
+        }
+    };
+    let (first_page, _) = cache.page_and_slot(kb, lo);
+    kb.for_range(first_page, pages, 1, |kb, pg| {
         let page = seqs.page(kb, b, pg);
         let head_off = kb.b.ins().imul_imm_s(head.kv_head, (hd * 4) as i64);
         let k_block = cache.block(kb, cache_ptr, page, 0);
@@ -141,8 +163,12 @@ fn attend(kb: &mut KernelBuilder, ctx: &Context, head: &Head, b: Value, p: Value
         let left = kb.b.ins().isub(positions, first);
         let full = kb.b.ins().icmp(IntCC::SignedGreaterThan, left, page_size);
         let slots = kb.b.ins().select(full, page_size, left);
+        // Slots before the window's first position (on its first page only).
+        let before = kb.b.ins().isub(lo, first);
         let zero_i = kb.i64c(0);
-        kb.for_range(zero_i, slots, 1, |kb, s| {
+        let inside = kb.b.ins().icmp(IntCC::SignedGreaterThan, before, zero_i);
+        let from = kb.b.ins().select(inside, before, zero_i);
+        kb.for_range(from, slots, 1, |kb, s| {
             let k_ptr = cache.slot(kb, k_block, s);
             let v_ptr = cache.slot(kb, v_block, s);
             let dot = kb.reduce_cols(hd, Reduce::Add, 0.0, |kb, ty, c| {

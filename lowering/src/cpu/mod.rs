@@ -122,9 +122,14 @@ fn emit_body(kb: &mut KernelBuilder, body: &KernelBody) -> Result<(), CpuError> 
         KernelBody::KvStore { .. } => {
             paged::emit_kv_store(kb, &paged::cache_view(kb.kind(), body)?)
         }
-        KernelBody::Attention { heads, scale, .. } => {
+        KernelBody::Attention {
+            heads,
+            scale,
+            window,
+            ..
+        } => {
             let cache = paged::cache_view(kb.kind(), body)?;
-            attention::emit(kb, &cache, *heads, *scale)
+            attention::emit(kb, &cache, *heads, *scale, *window)
         }
         KernelBody::Softmax { cols, .. } => softmax::emit(kb, *cols),
         KernelBody::TopK {

@@ -17,8 +17,15 @@ const WARPS: u32 = 4;
 /// accumulator: per position `s = warp_sum(q·k) · scale`, `m' = max(m, s)`,
 /// `l = l·e^(m-m') + e^(s-m')`, `acc = acc·e^(m-m') + e^(s-m')·v`. The warps' states are then
 /// merged in shared memory: `out = Σ_w acc_w e^(m_w-M) / Σ_w l_w e^(m_w-M)`. Prefill and
-/// decode rows run the same kernel.
-pub(crate) fn emit(cx: Ctx, cache: &KvView, heads: u64, scale: f32) -> Result<Emitted, CudaError> {
+/// decode rows run the same kernel. With a sliding `window` the walk starts at position
+/// `max(p + 1 - window, 0)`.
+pub(crate) fn emit(
+    cx: Ctx,
+    cache: &KvView,
+    heads: u64,
+    scale: f32,
+    window: Option<u64>,
+) -> Result<Emitted, CudaError> {
     let heads = cx.size("heads", heads)?;
     if heads % cache.kv_heads != 0 {
         return Err(cx.invalid(format!(
@@ -38,6 +45,13 @@ pub(crate) fn emit(cx: Ctx, cache: &KvView, heads: u64, scale: f32) -> Result<Em
             "`heads` is {heads}, expected at most 65535 (grid y)"
         )));
     }
+    if window == Some(0) {
+        return Err(cx.invalid("`window` is 0, expected at least 1".into()));
+    }
+    let first = match window {
+        None => String::new(),
+        Some(w) => format!("(p + 1 > {w}ll ? p + 1 - {w}ll : 0) + "),
+    };
     let group = heads / cache.kv_heads;
     let per_lane = hd.div_ceil(u64::from(WARP));
     let threads = WARPS * WARP;
@@ -62,7 +76,7 @@ ${LOCATE}    // Grouped-query attention: query heads [g * ${GROUP}, (g + 1) * ${
     float m = -maxc_inf();
     float l = 0.0f;
     // Warp-uniform loop: every lane of a warp sees the same positions and pages.
-    for (long long pos = warp; pos <= p; pos += ${WARPS}) {
+    for (long long pos = ${FIRST}warp; pos <= p; pos += ${WARPS}) {
 ${PAGE}        const float* k_ptr = ${K_PTR} + kv_head * ${HEAD_DIM};
         const float* v_ptr = ${V_PTR} + kv_head * ${HEAD_DIM};
         float dot = 0.0f;
@@ -122,6 +136,7 @@ ${PAGE}        const float* k_ptr = ${K_PTR} + kv_head * ${HEAD_DIM};
             ("PER_LANE", per_lane.to_string()),
             ("WARPS", WARPS.to_string()),
             ("SCALE", f32_lit(scale)),
+            ("FIRST", first),
         ],
     );
     let bufs = [

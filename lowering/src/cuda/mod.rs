@@ -93,9 +93,12 @@ pub fn emit_kernel(
         } => elementwise::emit(cx, *rows, *cols, inputs, program)?,
         KernelBody::Rope { heads, head_dim } => rope::emit(cx, *heads, *head_dim)?,
         KernelBody::KvStore { .. } => paged::emit_kv_store(cx, &paged::cache_view(cx, body)?)?,
-        KernelBody::Attention { heads, scale, .. } => {
-            attention::emit(cx, &paged::cache_view(cx, body)?, *heads, *scale)?
-        }
+        KernelBody::Attention {
+            heads,
+            scale,
+            window,
+            ..
+        } => attention::emit(cx, &paged::cache_view(cx, body)?, *heads, *scale, *window)?,
         KernelBody::Softmax { rows, cols } => softmax::emit(cx, *rows, *cols)?,
         KernelBody::TopK {
             rows,

@@ -225,6 +225,9 @@ pub enum KernelBody {
         page_size: u64,
         /// Score scale.
         scale: f32,
+        /// Sliding window: a row at position `p` sees positions `p + 1 - window ..= p` only
+        /// (`None`: every earlier position).
+        window: Option<u64>,
     },
     /// Softmax over each row. Buffers: `x [rows, cols]`, `out`. Parallel range: rows.
     Softmax {

@@ -902,12 +902,16 @@ fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(),
             heads,
             kv_heads,
             scale,
+            window,
             ..
         } => {
             if *heads == 0 || heads % kv_heads != 0 {
                 return err(format!(
                     "heads {heads} is not a multiple of kv_heads {kv_heads}"
                 ));
+            }
+            if *window == Some(0) {
+                return err("a sliding window of 0 positions".to_string());
             }
             if !scale.is_finite() {
                 return err(format!("scale is {scale}"));

@@ -750,9 +750,12 @@ impl CpuExecutor {
                 }
             }
             #[cfg(target_arch = "x86_64")]
-            &KernelBody::Attention { heads, scale, .. }
-                if attention_library() && self.matmul_policy.is_some() =>
-            {
+            &KernelBody::Attention {
+                heads,
+                scale,
+                window,
+                ..
+            } if attention_library() && self.matmul_policy.is_some() => {
                 let batch = dims[StepDim::BatchSize as usize] as usize;
                 let pages_per_seq = dims[StepDim::MaxNumPages as usize] as usize;
                 let ints = |i: usize, n: usize| unsafe {
@@ -768,6 +771,7 @@ impl CpuExecutor {
                     cache: body.kv_view().expect("an attention kernel has a KV view"),
                     heads: heads as usize,
                     scale,
+                    window: window.map(|w| w as usize),
                 };
                 // SAFETY: attention runs on this CPU; the step inputs were checked
                 // (`checked_dims`): offsets, cache lengths and the pages they use lie inside

@@ -436,7 +436,7 @@ extern "C" __global__ void __launch_bounds__(64) kv_store_19c5de1c(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_9127d12b(
+extern "C" __global__ void __launch_bounds__(128) attention_fd885ffa(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,

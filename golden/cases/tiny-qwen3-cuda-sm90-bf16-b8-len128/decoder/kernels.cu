@@ -490,7 +490,7 @@ extern "C" __global__ void __launch_bounds__(128) kv_store_1b0c1e1c(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_22c8a468(
+extern "C" __global__ void __launch_bounds__(128) attention_11e99e6c(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,

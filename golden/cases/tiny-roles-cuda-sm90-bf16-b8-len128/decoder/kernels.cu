@@ -436,7 +436,7 @@ extern "C" __global__ void __launch_bounds__(64) kv_store_b8043a0c(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_45152400(
+extern "C" __global__ void __launch_bounds__(128) attention_58abfe14(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,

@@ -436,7 +436,7 @@ extern "C" __global__ void __launch_bounds__(32) kv_store_20b30903(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_8cc272f2(
+extern "C" __global__ void __launch_bounds__(128) attention_1c1eed5d(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,

@@ -31,6 +31,8 @@ pub struct Shape {
     pub heads: usize,
     /// Score scale.
     pub scale: f32,
+    /// Sliding window: a row at position `p` sees positions `p + 1 - window ..= p` only.
+    pub window: Option<usize>,
 }
 
 impl Shape {
@@ -240,7 +242,15 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
             ptr: page_ptr(pg, which),
             stride: slot,
         };
-        for pg in 0..pages {
+        // The first position row `r` sees; pages before the block's first are not read.
+        let lo = |r: usize| {
+            shape
+                .window
+                .map_or(0, |w| (first_pos + r + 1).saturating_sub(w))
+        };
+        let first_page = lo(0) / shape.page_size();
+        let from = first_page * shape.page_size();
+        for pg in first_page..pages {
             let t0 = pg * shape.page_size();
             let n = shape.page_size().min(keys - t0);
             let next = if pg + 1 < pages {
@@ -260,23 +270,29 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
                 next,
             );
         }
-        // Softmax: each query sees keys 0..=its position.
+        // Softmax: each query sees keys lo(r)..=its position. Inside a window it runs from the
+        // 16-aligned start of those keys, the ones before them masked; every weight before
+        // them is then 0.
         for r in 0..it.rows {
             let valid = first_pos + r + 1;
+            let (lo, start) = (lo(r), lo(r) / 16 * 16);
             for g in 0..it.group {
                 let qi = r * it.group + g;
                 let row = &mut scores[qi * ld..][..ld];
-                sums[qi] = K::softmax(row, valid, shape.scale);
+                row[start..lo].fill(f32::NEG_INFINITY);
+                sums[qi] = K::softmax(&mut row[start..], valid - start, shape.scale);
+                row[start.min(from)..lo].fill(0.0);
             }
         }
-        // Values: out = (scores · V) / sum.
-        let values = |pg: usize| page_ptr(pg, 1);
+        // Values: out = (scores · V) / sum, from page `first_page` on (the scores and the
+        // pages shifted by it).
+        let values = |pg: usize| page_ptr(pg + first_page, 1);
         K::values(
-            scores,
+            &scores[from..],
             ld,
             nq,
             hd,
-            keys,
+            keys - from,
             shape.page_size(),
             slot,
             &values,
@@ -320,7 +336,8 @@ mod tests {
                             + kvh * hd
                     };
                     let qv = &q[(r * h + head) * hd..][..hd];
-                    let s: Vec<f64> = (0..=pos)
+                    let lo = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    let s: Vec<f64> = (lo..=pos)
                         .map(|t| {
                             let k = &cache[at(t, 0)..][..hd];
                             qv.iter().zip(k).map(|(a, b)| (a * b) as f64).sum::<f64>()
@@ -331,7 +348,9 @@ mod tests {
                     let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
                     let sum: f64 = e.iter().sum();
                     for d in 0..hd {
-                        let v: f64 = (0..=pos).map(|t| e[t] * cache[at(t, 1) + d] as f64).sum();
+                        let v: f64 = (lo..=pos)
+                            .map(|t| e[t - lo] * cache[at(t, 1) + d] as f64)
+                            .sum();
                         out[(r * h + head) * hd + d] = (v / sum) as f32;
                     }
                 }
@@ -346,8 +365,12 @@ mod tests {
             eprintln!("skipped: neither AVX-512 nor AVX2 on this CPU");
             return;
         }
-        // (head_dim, heads, kv_heads): the register paths (64, 128) and the generic one.
-        for (hd, heads, kv_heads) in [(64, 9, 3), (128, 4, 4), (24, 6, 2)] {
+        // (head_dim, heads, kv_heads): the register paths (64, 128) and the generic one; full
+        // attention and sliding windows (within a page, across pages, longer than a context).
+        let cases = [(64, 9, 3), (128, 4, 4), (24, 6, 2)]
+            .into_iter()
+            .flat_map(|c| [None, Some(1), Some(7), Some(21), Some(100)].map(|w| (c, w)));
+        for ((hd, heads, kv_heads), window) in cases {
             let shape = Shape {
                 cache: KvView {
                     layer: 1,
@@ -358,6 +381,7 @@ mod tests {
                 },
                 heads,
                 scale: 1.0 / (hd as f32).sqrt(),
+                window,
             };
             // Three sequences: a 40-row prefill after 5 cached tokens, one decode row after
             // 37, a 17-row chunk from scratch; pages scattered through the cache.
@@ -397,7 +421,7 @@ mod tests {
                 for (i, (a, b)) in out.iter().zip(&want).enumerate() {
                     assert!(
                         (a - b).abs() <= 2e-5 * (1.0 + b.abs()),
-                        "head_dim {hd} threads {threads} at {i}: {a} vs {b}"
+                        "head_dim {hd} window {window:?} threads {threads} at {i}: {a} vs {b}"
                     );
                 }
             }

@@ -1,0 +1,98 @@
+//! `MistralForCausalLM`: the Llama decoder with sliding-window attention on every layer where
+//! `sliding_window` is set (Mistral 7B v0.1; later Mistral configs set it to null).
+
+use super::config::ConfigReader;
+use super::decoder::{read_layer_windows, DecoderConfig};
+use super::llama::{LlamaFamilyHooks, LlamaModel};
+use super::{Architecture, ModelSpec};
+use crate::{DeploymentConfig, GraphRole, Result};
+use std::sync::Arc;
+
+/// The Mistral architecture.
+pub struct Mistral;
+
+impl Architecture for Mistral {
+    fn name(&self) -> &'static str {
+        "MistralForCausalLM"
+    }
+    fn description(&self) -> &'static str {
+        "Mistral decoder: Llama layout, sliding-window attention where sliding_window is set"
+    }
+    fn roles(&self) -> &'static [GraphRole] {
+        &[GraphRole::Decoder]
+    }
+    fn parse_config(&self, cfg: &ConfigReader<'_>) -> Result<Box<dyn ModelSpec>> {
+        let mut config = LlamaModel::read(cfg)?.config;
+        config.layer_windows = read_layer_windows(cfg, config.num_layers, true)?;
+        Ok(Box::new(MistralModel { config }))
+    }
+}
+
+/// A Mistral model: one decoder role.
+#[derive(Clone, Debug)]
+pub struct MistralModel {
+    /// The decoder's config.
+    pub config: DecoderConfig,
+}
+
+impl ModelSpec for MistralModel {
+    fn architecture(&self) -> &'static str {
+        "MistralForCausalLM"
+    }
+    fn roles(&self) -> Vec<GraphRole> {
+        vec![GraphRole::Decoder]
+    }
+    fn deployment(&self) -> DeploymentConfig {
+        DeploymentConfig::with_hooks(Arc::new(LlamaFamilyHooks::new(&self.config)))
+    }
+    fn decoder(&self, role: GraphRole) -> Option<&DecoderConfig> {
+        (role == GraphRole::Decoder).then_some(&self.config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::registry::Registry;
+    use crate::GraphRole;
+    use std::path::Path;
+
+    fn parse(cfg: &serde_json::Value) -> crate::Result<Box<dyn crate::arch::ModelSpec>> {
+        Registry::builtin().parse_config(Path::new("m/config.json"), cfg)
+    }
+
+    fn config() -> serde_json::Value {
+        serde_json::json!({
+            "architectures": ["MistralForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 100, "sliding_window": 16, "max_position_embeddings": 64
+        })
+    }
+
+    #[test]
+    fn every_layer_slides_where_a_window_is_set() {
+        let spec = parse(&config()).unwrap();
+        let c = spec.decoder(GraphRole::Decoder).unwrap();
+        assert_eq!(c.layer_windows, vec![Some(16), Some(16)]);
+        let mut cfg = config();
+        cfg["sliding_window"] = serde_json::Value::Null;
+        let spec = parse(&cfg).unwrap();
+        assert!(spec
+            .decoder(GraphRole::Decoder)
+            .unwrap()
+            .layer_windows
+            .is_empty());
+    }
+
+    #[test]
+    fn a_window_larger_than_the_context_names_both() {
+        let mut cfg = config();
+        cfg["sliding_window"] = 100.into();
+        let err = parse(&cfg).unwrap_err().to_string();
+        assert!(
+            err.contains("m/config.json")
+                && err.contains("sliding_window")
+                && err.contains("max_position_embeddings 64"),
+            "{err}"
+        );
+    }
+}
