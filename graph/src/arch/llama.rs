@@ -23,40 +23,70 @@ impl Architecture for Llama {
         &[GraphRole::Decoder]
     }
     fn parse_config(&self, cfg: &ConfigReader<'_>) -> Result<Box<dyn ModelSpec>> {
-        Ok(Box::new(LlamaModel::read(cfg)?))
+        Ok(Box::new(DecoderModel::new(
+            "LlamaForCausalLM",
+            read_llama(cfg)?,
+        )))
     }
 }
 
-/// A Llama model: one decoder role.
+/// Reads a Llama config.json object: the decoder's fields, `attention_bias` (q, k, v and o)
+/// and `mlp_bias`.
+pub fn read_llama(cfg: &ConfigReader<'_>) -> Result<DecoderConfig> {
+    let mut config = DecoderConfig::read(cfg)?;
+    let attention_bias = cfg.opt_bool("attention_bias")?.unwrap_or(false);
+    config.biases = Biases {
+        qkv: attention_bias,
+        o: attention_bias,
+        mlp: cfg.opt_bool("mlp_bias")?.unwrap_or(false),
+    };
+    Ok(config)
+}
+
+/// A model of one decoder role (Llama, Mistral, Qwen2, Qwen3), with the Llama family's
+/// deployment hooks.
 #[derive(Clone, Debug)]
-pub struct LlamaModel {
+pub struct DecoderModel {
+    /// The architecture's name.
+    pub architecture: &'static str,
     /// The decoder's config.
     pub config: DecoderConfig,
+    /// Whether its GGUF files have q and k permuted for llama.cpp's rotary layout.
+    pub gguf_qk_permuted: bool,
 }
 
-impl LlamaModel {
-    /// Reads a Llama config.json object.
-    pub fn read(cfg: &ConfigReader<'_>) -> Result<Self> {
-        let mut config = DecoderConfig::read(cfg)?;
-        let attention_bias = cfg.opt_bool("attention_bias")?.unwrap_or(false);
-        config.biases = Biases {
-            qkv: attention_bias,
-            o: attention_bias,
-            mlp: cfg.opt_bool("mlp_bias")?.unwrap_or(false),
-        };
-        Ok(LlamaModel { config })
+impl DecoderModel {
+    /// A model of `architecture` whose GGUF files are permuted as `llama` files are.
+    pub fn new(architecture: &'static str, config: DecoderConfig) -> Self {
+        DecoderModel {
+            architecture,
+            config,
+            gguf_qk_permuted: true,
+        }
+    }
+
+    /// A model whose GGUF files keep q and k as Hugging Face has them (Qwen).
+    pub fn unpermuted(architecture: &'static str, config: DecoderConfig) -> Self {
+        DecoderModel {
+            gguf_qk_permuted: false,
+            ..Self::new(architecture, config)
+        }
     }
 }
 
-impl ModelSpec for LlamaModel {
+impl ModelSpec for DecoderModel {
     fn architecture(&self) -> &'static str {
-        "LlamaForCausalLM"
+        self.architecture
     }
     fn roles(&self) -> Vec<GraphRole> {
         vec![GraphRole::Decoder]
     }
     fn deployment(&self) -> DeploymentConfig {
-        DeploymentConfig::with_hooks(Arc::new(LlamaFamilyHooks::new(&self.config)))
+        let hooks = LlamaFamilyHooks {
+            gguf_qk_permuted: self.gguf_qk_permuted,
+            ..LlamaFamilyHooks::new(&self.config)
+        };
+        DeploymentConfig::with_hooks(Arc::new(hooks))
     }
     fn decoder(&self, role: GraphRole) -> Option<&DecoderConfig> {
         (role == GraphRole::Decoder).then_some(&self.config)
@@ -88,14 +118,6 @@ impl LlamaFamilyHooks {
             num_heads: config.num_heads,
             num_kv_heads: config.num_kv_heads,
             gguf_qk_permuted: true,
-        }
-    }
-
-    /// The hooks of a model whose GGUF files keep q and k as Hugging Face has them (Qwen).
-    pub fn unpermuted(config: &DecoderConfig) -> Self {
-        LlamaFamilyHooks {
-            gguf_qk_permuted: false,
-            ..Self::new(config)
         }
     }
 }

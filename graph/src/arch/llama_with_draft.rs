@@ -4,7 +4,7 @@
 
 use super::config::ConfigReader;
 use super::decoder::DecoderConfig;
-use super::llama::LlamaModel;
+use super::llama::read_llama;
 use super::{Architecture, ModelSpec};
 use crate::{DeploymentConfig, GraphRole, Result};
 use std::collections::BTreeMap;
@@ -23,8 +23,8 @@ impl Architecture for LlamaWithDraft {
         &[GraphRole::Decoder, GraphRole::Draft]
     }
     fn parse_config(&self, cfg: &ConfigReader<'_>) -> Result<Box<dyn ModelSpec>> {
-        let target = LlamaModel::read(&cfg.require_child("text_config")?)?.config;
-        let draft = LlamaModel::read(&cfg.require_child("draft_config")?)?.config;
+        let target = read_llama(&cfg.require_child("text_config")?)?;
+        let draft = read_llama(&cfg.require_child("draft_config")?)?;
         if draft.vocab_size != target.vocab_size {
             return Err(cfg.error(
                 "draft_config.vocab_size",

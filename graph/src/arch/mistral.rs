@@ -2,11 +2,10 @@
 //! `sliding_window` is set (Mistral 7B v0.1; later Mistral configs set it to null).
 
 use super::config::ConfigReader;
-use super::decoder::{read_layer_windows, DecoderConfig};
-use super::llama::{LlamaFamilyHooks, LlamaModel};
+use super::decoder::read_layer_windows;
+use super::llama::{read_llama, DecoderModel};
 use super::{Architecture, ModelSpec};
-use crate::{DeploymentConfig, GraphRole, Result};
-use std::sync::Arc;
+use crate::{GraphRole, Result};
 
 /// The Mistral architecture.
 pub struct Mistral;
@@ -22,31 +21,9 @@ impl Architecture for Mistral {
         &[GraphRole::Decoder]
     }
     fn parse_config(&self, cfg: &ConfigReader<'_>) -> Result<Box<dyn ModelSpec>> {
-        let mut config = LlamaModel::read(cfg)?.config;
+        let mut config = read_llama(cfg)?;
         config.layer_windows = read_layer_windows(cfg, config.num_layers, true)?;
-        Ok(Box::new(MistralModel { config }))
-    }
-}
-
-/// A Mistral model: one decoder role.
-#[derive(Clone, Debug)]
-pub struct MistralModel {
-    /// The decoder's config.
-    pub config: DecoderConfig,
-}
-
-impl ModelSpec for MistralModel {
-    fn architecture(&self) -> &'static str {
-        "MistralForCausalLM"
-    }
-    fn roles(&self) -> Vec<GraphRole> {
-        vec![GraphRole::Decoder]
-    }
-    fn deployment(&self) -> DeploymentConfig {
-        DeploymentConfig::with_hooks(Arc::new(LlamaFamilyHooks::new(&self.config)))
-    }
-    fn decoder(&self, role: GraphRole) -> Option<&DecoderConfig> {
-        (role == GraphRole::Decoder).then_some(&self.config)
+        Ok(Box::new(DecoderModel::new(self.name(), config)))
     }
 }
 

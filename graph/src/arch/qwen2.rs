@@ -1,11 +1,11 @@
-//! `Qwen2ForCausalLM`: the Llama decoder with biases on the q, k and v projections.
+//! `Qwen2ForCausalLM`: the Llama decoder with biases on the q, k and v projections, and
+//! sliding windows from `use_sliding_window` / `max_window_layers` (or `layer_types`).
 
 use super::config::ConfigReader;
-use super::decoder::{Biases, DecoderConfig};
-use super::llama::LlamaFamilyHooks;
+use super::decoder::{read_layer_windows, Biases, DecoderConfig};
+use super::llama::DecoderModel;
 use super::{Architecture, ModelSpec};
-use crate::{DeploymentConfig, GraphRole, Result};
-use std::sync::Arc;
+use crate::{GraphRole, Result};
 
 /// The Qwen2 architecture.
 pub struct Qwen2;
@@ -15,7 +15,7 @@ impl Architecture for Qwen2 {
         "Qwen2ForCausalLM"
     }
     fn description(&self) -> &'static str {
-        "Qwen2 decoder: Llama layout with q/k/v projection biases"
+        "Qwen2 decoder: Llama layout with q/k/v projection biases, sliding windows where configured"
     }
     fn roles(&self) -> &'static [GraphRole] {
         &[GraphRole::Decoder]
@@ -27,29 +27,7 @@ impl Architecture for Qwen2 {
             o: false,
             mlp: false,
         };
-        config.layer_windows = super::decoder::read_layer_windows(cfg, config.num_layers, false)?;
-        Ok(Box::new(Qwen2Model { config }))
-    }
-}
-
-/// A Qwen2 model: one decoder role.
-#[derive(Clone, Debug)]
-pub struct Qwen2Model {
-    /// The decoder's config.
-    pub config: DecoderConfig,
-}
-
-impl ModelSpec for Qwen2Model {
-    fn architecture(&self) -> &'static str {
-        "Qwen2ForCausalLM"
-    }
-    fn roles(&self) -> Vec<GraphRole> {
-        vec![GraphRole::Decoder]
-    }
-    fn deployment(&self) -> DeploymentConfig {
-        DeploymentConfig::with_hooks(Arc::new(LlamaFamilyHooks::unpermuted(&self.config)))
-    }
-    fn decoder(&self, role: GraphRole) -> Option<&DecoderConfig> {
-        (role == GraphRole::Decoder).then_some(&self.config)
+        config.layer_windows = read_layer_windows(cfg, config.num_layers, false)?;
+        Ok(Box::new(DecoderModel::unpermuted(self.name(), config)))
     }
 }

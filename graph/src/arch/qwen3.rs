@@ -5,11 +5,10 @@
 
 use super::config::ConfigReader;
 use super::decoder::{Biases, DecoderConfig, MoeConfig, MoeNaming};
-use super::llama::LlamaFamilyHooks;
+use super::llama::DecoderModel;
 use super::mixtral::MixtralModel;
 use super::{Architecture, ModelSpec};
-use crate::{DeploymentConfig, GraphRole, Result};
-use std::sync::Arc;
+use crate::{GraphRole, Result};
 
 /// The Qwen3 architecture.
 pub struct Qwen3;
@@ -25,9 +24,10 @@ impl Architecture for Qwen3 {
         &[GraphRole::Decoder]
     }
     fn parse_config(&self, cfg: &ConfigReader<'_>) -> Result<Box<dyn ModelSpec>> {
-        Ok(Box::new(Qwen3Model {
-            config: read_qwen3(cfg)?,
-        }))
+        Ok(Box::new(DecoderModel::unpermuted(
+            self.name(),
+            read_qwen3(cfg)?,
+        )))
     }
 }
 
@@ -117,28 +117,6 @@ pub fn read_qwen3(cfg: &ConfigReader<'_>) -> Result<DecoderConfig> {
     Ok(config)
 }
 
-/// A Qwen3 model: one decoder role.
-#[derive(Clone, Debug)]
-pub struct Qwen3Model {
-    /// The decoder's config.
-    pub config: DecoderConfig,
-}
-
-impl ModelSpec for Qwen3Model {
-    fn architecture(&self) -> &'static str {
-        "Qwen3ForCausalLM"
-    }
-    fn roles(&self) -> Vec<GraphRole> {
-        vec![GraphRole::Decoder]
-    }
-    fn deployment(&self) -> DeploymentConfig {
-        DeploymentConfig::with_hooks(Arc::new(LlamaFamilyHooks::unpermuted(&self.config)))
-    }
-    fn decoder(&self, role: GraphRole) -> Option<&DecoderConfig> {
-        (role == GraphRole::Decoder).then_some(&self.config)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use crate::registry::Registry;
@@ -174,14 +152,18 @@ mod tests {
     }
 
     #[test]
-    fn sliding_layers_and_unknown_layer_types_name_the_entry() {
+    fn sliding_layers_take_the_window_and_unknown_layer_types_name_the_entry() {
         let mut cfg = config();
         cfg["layer_types"][1] = "sliding_attention".into();
         let err = parse(&cfg).unwrap_err().to_string();
         assert!(
-            err.contains("layer_types[1]") && err.contains("sliding_attention"),
+            err.contains("sliding_window") && err.contains("layer_types[1]"),
             "{err}"
         );
+        cfg["sliding_window"] = 8.into();
+        let spec = parse(&cfg).unwrap();
+        let c = spec.decoder(GraphRole::Decoder).unwrap();
+        assert_eq!(c.layer_windows, vec![None, Some(8)]);
         cfg["layer_types"][1] = "chunked_attention".into();
         let err = parse(&cfg).unwrap_err().to_string();
         assert!(

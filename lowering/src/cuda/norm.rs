@@ -29,30 +29,7 @@ pub(crate) fn emit(
     }
     let w_ty = cx.float_type("weight_dtype", weight_dtype)?;
     let threads = source::row_threads(cols, 256);
-    let (bufs, x_row, pass1) = if residual {
-        (
-            vec![
-                Buf::input("float", "a"),
-                Buf::input("float", "b"),
-                Buf::input(w_ty, "w"),
-                Buf::output("float", "sum"),
-                Buf::output("float", "out"),
-            ],
-            "sum",
-            r#"        const float v = a[r * ${COLS} + c] + b[r * ${COLS} + c];
-        sum[r * ${COLS} + c] = v;"#,
-        )
-    } else {
-        (
-            vec![
-                Buf::input("float", "x"),
-                Buf::input(w_ty, "w"),
-                Buf::output("float", "out"),
-            ],
-            "x",
-            r#"        const float v = x[r * ${COLS} + c];"#,
-        )
-    };
+    let (bufs, x_row, pass1) = operands(w_ty, residual, "r * ${COLS} + c", "        ");
     let template = format!(
         r#"
     const maxc_u64 r = blockIdx.x;
@@ -97,30 +74,7 @@ fn grouped(
 ) -> Result<Emitted, CudaError> {
     let w_ty = cx.float_type("weight_dtype", weight_dtype)?;
     let threads = source::row_threads(width, 256);
-    let (bufs, x_row, pass1) = if residual {
-        (
-            vec![
-                Buf::input("float", "a"),
-                Buf::input("float", "b"),
-                Buf::input(w_ty, "w"),
-                Buf::output("float", "sum"),
-                Buf::output("float", "out"),
-            ],
-            "sum",
-            r#"            const float v = a[o + c] + b[o + c];
-            sum[o + c] = v;"#,
-        )
-    } else {
-        (
-            vec![
-                Buf::input("float", "x"),
-                Buf::input(w_ty, "w"),
-                Buf::output("float", "out"),
-            ],
-            "x",
-            r#"            const float v = x[o + c];"#,
-        )
-    };
+    let (bufs, x_row, pass1) = operands(w_ty, residual, "o + c", "            ");
     let template = format!(
         r#"
     const maxc_u64 r = blockIdx.x;
@@ -156,4 +110,37 @@ fn grouped(
         shared_bytes: 0,
     };
     Ok((source::kernel(cx.name, threads, &bufs, &body), launch))
+}
+
+/// The kernel's buffers, the one its second pass reads (`x`, or the written `sum`), and its
+/// first pass's body at element index `at`, each line indented by `indent`.
+fn operands(
+    w_ty: &'static str,
+    residual: bool,
+    at: &str,
+    indent: &str,
+) -> (Vec<Buf>, &'static str, String) {
+    if residual {
+        (
+            vec![
+                Buf::input("float", "a"),
+                Buf::input("float", "b"),
+                Buf::input(w_ty, "w"),
+                Buf::output("float", "sum"),
+                Buf::output("float", "out"),
+            ],
+            "sum",
+            format!("{indent}const float v = a[{at}] + b[{at}];\n{indent}sum[{at}] = v;"),
+        )
+    } else {
+        (
+            vec![
+                Buf::input("float", "x"),
+                Buf::input(w_ty, "w"),
+                Buf::output("float", "out"),
+            ],
+            "x",
+            format!("{indent}const float v = x[{at}];"),
+        )
+    }
 }
