@@ -1,8 +1,8 @@
 //! The registry of architectures, by their Hugging Face `architectures` name.
 
 use crate::arch::{
-    config::ConfigReader, llama, llama_with_draft, mistral, mixtral, qwen2, qwen3, Architecture,
-    ModelSpec,
+    config::ConfigReader, llama, llama_with_draft, mistral, mixtral, phi3, qwen2, qwen3,
+    Architecture, ModelSpec,
 };
 use crate::{Error, Result};
 use std::collections::BTreeMap;
@@ -24,13 +24,14 @@ impl Registry {
     /// Every architecture maxc ships.
     pub fn builtin() -> Self {
         let mut r = Registry::new();
-        let archs: [Arc<dyn Architecture>; 7] = [
+        let archs: [Arc<dyn Architecture>; 8] = [
             Arc::new(llama::Llama),
             Arc::new(mistral::Mistral),
             Arc::new(qwen2::Qwen2),
             Arc::new(qwen3::Qwen3),
             Arc::new(qwen3::Qwen3Moe),
             Arc::new(mixtral::Mixtral),
+            Arc::new(phi3::Phi3),
             Arc::new(llama_with_draft::LlamaWithDraft),
         ];
         for a in archs {

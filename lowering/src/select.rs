@@ -43,7 +43,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
         ..Default::default()
     };
     let mut val: BTreeMap<maxc_graph::ir::NodeIndex, ValueId> = BTreeMap::new();
-    let mut tables: Vec<(Vec<f32>, ValueId)> = Vec::new();
+    let mut tables: Vec<(RopeTable, ValueId)> = Vec::new();
     for id in graph.node_ids() {
         let node = graph.node(id);
         let unsupported = |message: &str| LowerError::Unsupported {
@@ -206,26 +206,34 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                     weight_dtype: k.values[ops[1]].dtype,
                 }
             }
-            Op::Rope { inv_freq } => {
-                let d = inv_freq.len() as u64 * 2;
-                let tv = match tables.iter().find(|t| &t.0 == inv_freq) {
+            Op::Rope { table } => {
+                let rot = table.half() as u64 * 2;
+                let d = match node.ty.shape.get(2).and_then(|d| d.fixed()) {
+                    Some(d) => d as u64,
+                    None => return Err(unsupported("the head dim is symbolic")),
+                };
+                let tv = match tables.iter().find(|t| &t.0 == table) {
                     Some(t) => t.1,
                     None => {
-                        let table = tables.len() as u32;
+                        let index = tables.len() as u32;
                         let tv = k.value(KValue {
-                            name: format!("rope_table_{table}"),
+                            name: format!("rope_table_{index}"),
                             dtype: DType::F32,
-                            shape: vec![Extent::Fixed(d / 2)],
-                            kind: ValueKind::RopeTable(table),
+                            shape: vec![Extent::Fixed(rot / 2)],
+                            kind: ValueKind::RopeTable(index),
                         });
-                        tables.push((inv_freq.clone(), tv));
+                        tables.push((table.clone(), tv));
                         tv
                     }
                 };
                 let heads = cols_of(&shape_of(&k, ops[0])) / d;
                 let out = new_value(&mut k, &node.ty, ValueKind::Temp)?;
                 k.nodes.push(KNode {
-                    body: KernelBody::Rope { heads, head_dim: d },
+                    body: KernelBody::Rope {
+                        heads,
+                        head_dim: d,
+                        rotary_dim: rot,
+                    },
                     inputs: vec![ops[0], ops[1], tv],
                     outputs: vec![out],
                     nodes: vec![node.name.clone()],
@@ -345,10 +353,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
     for (name, id) in graph.outputs() {
         k.outputs.insert(name.clone(), val[id]);
     }
-    k.rope_tables = tables
-        .into_iter()
-        .map(|(inv_freq, _)| RopeTable { inv_freq })
-        .collect();
+    k.rope_tables = tables.into_iter().map(|(table, _)| table).collect();
     k.validate("select_kernels")?;
     Ok(k)
 }

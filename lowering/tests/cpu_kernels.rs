@@ -547,23 +547,32 @@ fn matmul_in_every_weight_type_with_and_without_bias() {
 #[test]
 fn rope_rotates_every_head() {
     let mut rng = Rng(9);
-    for head_dim in [8usize, 14, 32] {
+    // (head_dim, rotary_dim): whole heads, and partial rotary (Phi-3) with a copied tail.
+    for (head_dim, rot) in [
+        (8usize, 8usize),
+        (14, 14),
+        (32, 32),
+        (32, 24),
+        (12, 4),
+        (10, 2),
+    ] {
         let (t, heads, max_pos) = (5usize, 3usize, 40usize);
-        let half = head_dim / 2;
+        let half = rot / 2;
         let Some(k) = Kernel::new(KernelBody::Rope {
             heads: heads as u64,
             head_dim: head_dim as u64,
+            rotary_dim: rot as u64,
         }) else {
             return;
         };
         let mut x = rng.vec(t * heads * head_dim);
         let mut positions: Vec<i64> = (0..t).map(|_| rng.below(max_pos as u64) as i64).collect();
-        let mut table = rng.vec(max_pos * head_dim);
+        let mut table = rng.vec(max_pos * rot);
         let mut out = vec![f32::NAN; x.len()];
         k.run(&ptrs![x, positions, table, out], dims(t, 1, 1, 1));
-        let mut want = vec![0f64; x.len()];
+        let mut want: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
         for r in 0..t {
-            let row = &table[positions[r] as usize * head_dim..];
+            let row = &table[positions[r] as usize * rot..];
             for h in 0..heads {
                 let base = (r * heads + h) * head_dim;
                 for i in 0..half {
@@ -574,7 +583,12 @@ fn rope_rotates_every_head() {
                 }
             }
         }
-        assert_close(&out, &want, 1e-6, &format!("rope head_dim {head_dim}"));
+        assert_close(
+            &out,
+            &want,
+            1e-6,
+            &format!("rope head_dim {head_dim} rotary {rot}"),
+        );
     }
 }
 
@@ -840,6 +854,7 @@ fn all_kinds() -> Vec<KernelBody> {
         KernelBody::Rope {
             heads: 4,
             head_dim: 16,
+            rotary_dim: 16,
         },
         KernelBody::KvStore {
             layer: 0,

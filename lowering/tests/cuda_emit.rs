@@ -251,6 +251,7 @@ fn rope_reads_the_positions_table_row() {
     let k = emit(&KernelBody::Rope {
         heads: 4,
         head_dim: 16,
+        rotary_dim: 16,
     });
     assert_signature(&k, &["x", "positions", "table", "out"]);
     assert_has(
@@ -558,6 +559,7 @@ fn all_kinds() -> Vec<KernelBody> {
         KernelBody::Rope {
             heads: 4,
             head_dim: 16,
+            rotary_dim: 16,
         },
         KernelBody::KvStore {
             layer: 0,
@@ -672,6 +674,7 @@ fn errors_name_the_kernel_and_the_problem() {
     let odd = KernelBody::Rope {
         heads: 1,
         head_dim: 7,
+        rotary_dim: 7,
     };
     assert!(invalid("rope", &odd).contains("even"));
 

@@ -37,6 +37,13 @@ fn all_kinds() -> Vec<KernelBody> {
         KernelBody::Rope {
             heads: 4,
             head_dim: 128,
+            rotary_dim: 128,
+        },
+        // Partial rotary (Phi-3): the first 24 of 32 elements rotated, the rest copied.
+        KernelBody::Rope {
+            heads: 8,
+            head_dim: 32,
+            rotary_dim: 24,
         },
         KernelBody::KvStore {
             layer: 0,

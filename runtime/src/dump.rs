@@ -142,12 +142,20 @@ fn plan(role: &str, p: &Program, dims: Option<&BTreeMap<String, u64>>) -> String
     let _ = writeln!(t, "\ninputs {:?}\noutputs {:?}", p.inputs, p.outputs);
     for (i, r) in p.rope_tables.iter().enumerate() {
         let bits: Vec<u8> = r.inv_freq.iter().flat_map(|f| f.to_le_bytes()).collect();
-        let _ = writeln!(
+        let _ = write!(
             t,
             "rope table {i}: {} frequencies, sha256 {}",
             r.inv_freq.len(),
             sha256_hex(&bits)
         );
+        if r.scale != 1.0 {
+            let _ = write!(t, ", scaled by {}", r.scale);
+        }
+        if let Some(l) = &r.long {
+            let bits: Vec<u8> = l.inv_freq.iter().flat_map(|f| f.to_le_bytes()).collect();
+            let _ = write!(t, ", from position {} sha256 {}", l.from, sha256_hex(&bits));
+        }
+        let _ = writeln!(t);
     }
     let _ = writeln!(t, "\nlaunches");
     for (i, l) in p.launches.iter().enumerate() {

@@ -126,6 +126,9 @@ pub struct DecoderConfig {
     /// Qwen3 has them.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub qk_norm: bool,
+    /// Elements of each head that rotate, where fewer than `head_dim` (`partial_rotary_factor`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotary_dim: Option<usize>,
     /// Each layer's sliding window (`None`: full attention); empty where no layer has one.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub layer_windows: Vec<Option<usize>>,
@@ -171,6 +174,52 @@ impl DecoderConfig {
             }
         }
         let rms_norm_eps = cfg.opt_f64("rms_norm_eps")?.unwrap_or(1e-6);
+        let rope = RopeConfig::read(cfg)?;
+        let partial = match cfg.opt_f64("partial_rotary_factor")? {
+            Some(f) => Some(f),
+            None => match cfg.child("rope_parameters")? {
+                Some(p) => p.opt_f64("partial_rotary_factor")?,
+                None => None,
+            },
+        };
+        let rotary_dim = match partial {
+            None => None,
+            Some(f) if f > 0.0 && f <= 1.0 => {
+                let r = (head_dim as f64 * f) as usize;
+                if r == 0 || !r.is_multiple_of(2) {
+                    return Err(cfg.error(
+                        "partial_rotary_factor",
+                        format!("is {f}: {r} of head_dim {head_dim} rotate; expected an even, positive count"),
+                    ));
+                }
+                (r < head_dim).then_some(r)
+            }
+            Some(f) => {
+                return Err(cfg.error(
+                    "partial_rotary_factor",
+                    format!("is {f}; expected a fraction in (0, 1]"),
+                ))
+            }
+        };
+        if let super::rope::RopeScaling::Longrope {
+            short_factor,
+            long_factor,
+            ..
+        } = &rope.scaling
+        {
+            let want = rotary_dim.unwrap_or(head_dim) / 2;
+            for (key, f) in [("short_factor", short_factor), ("long_factor", long_factor)] {
+                if f.len() != want {
+                    return Err(cfg.error(
+                        &format!("rope_parameters.{key}"),
+                        format!(
+                            "has {} factors; expected one per rotated pair ({want})",
+                            f.len()
+                        ),
+                    ));
+                }
+            }
+        }
         Ok(DecoderConfig {
             hidden_size,
             intermediate_size: cfg.positive("intermediate_size")?,
@@ -181,13 +230,14 @@ impl DecoderConfig {
             rms_norm_eps,
             vocab_size: cfg.positive("vocab_size")?,
             tie_word_embeddings: cfg.opt_bool("tie_word_embeddings")?.unwrap_or(false),
-            rope: RopeConfig::read(cfg)?,
+            rope,
             biases: Biases::default(),
             moe: None,
             checkpoint_dtype: cfg.checkpoint_dtype()?,
             max_position_embeddings: cfg.opt_usize("max_position_embeddings")?,
             qk_norm: false,
             layer_windows: Vec::new(),
+            rotary_dim,
         })
     }
 
@@ -451,7 +501,9 @@ impl DecoderBuilder<'_> {
         let c = self.cfg;
         let (hq, hkv, d, hid) = (c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size);
         let t = || Dim::sym(names::TOTAL_SEQ_LEN);
-        let inv_freq = c.rope.inv_freq(d, self.opts.checkpoint_dtype);
+        let table = c
+            .rope
+            .table(c.rotary_dim.unwrap_or(d), self.opts.checkpoint_dtype);
         let heads = |this: &mut Self, name: &str, n: usize, rope: bool| -> Result<NodeIndex> {
             let proj = p.pp(format!("{name}_proj"));
             let y = this.linear(&proj, x, n * d, hid, c.biases.qkv)?;
@@ -468,7 +520,7 @@ impl DecoderBuilder<'_> {
             this.b.op(
                 &proj.key("rope"),
                 Op::Rope {
-                    inv_freq: inv_freq.clone(),
+                    table: table.clone(),
                 },
                 &[y, s.positions],
             )

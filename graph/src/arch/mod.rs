@@ -9,6 +9,7 @@ pub mod llama;
 pub mod llama_with_draft;
 pub mod mistral;
 pub mod mixtral;
+pub mod phi3;
 pub mod qwen2;
 pub mod qwen3;
 pub mod rope;

@@ -27,6 +27,20 @@ pub enum RopeScaling {
         /// The context length of pre-training.
         original_max_position_embeddings: f64,
     },
+    /// Phi-3's longrope: per-frequency divisors, the short ones below
+    /// `original_max_position_embeddings` and the long ones from it on, and cos and sin
+    /// multiplied by `attention_factor`.
+    Longrope {
+        /// Divisors of the frequencies at positions below the original context.
+        short_factor: Vec<f64>,
+        /// Divisors from the original context on.
+        long_factor: Vec<f64>,
+        /// The context length of pre-training.
+        original_max_position_embeddings: u64,
+        /// What cos and sin are multiplied by: the config's, or
+        /// `sqrt(1 + ln(s) / ln(original))` with `s = max_position_embeddings / original`.
+        attention_factor: f64,
+    },
 }
 
 /// Rotary embedding parameters of one decoder.
@@ -70,8 +84,37 @@ impl RopeConfig {
                         p.error(key, format!("missing; rope_type `{kind}` needs it"))
                     })
                 };
+                let factors = |key: &str| -> Result<Vec<f64>> {
+                    let v = p.get(key).ok_or_else(|| {
+                        p.error(key, format!("missing; rope_type `{kind}` needs it"))
+                    })?;
+                    v.as_array()
+                        .and_then(|a| a.iter().map(|x| x.as_f64()).collect())
+                        .ok_or_else(|| {
+                            p.error(key, format!("expected a list of numbers, found {v}"))
+                        })
+                };
                 match kind {
                     "default" => RopeScaling::Default,
+                    "longrope" | "su" => {
+                        let original = match p.opt_usize("original_max_position_embeddings")? {
+                            Some(o) => o,
+                            None => cfg.positive("original_max_position_embeddings")?,
+                        };
+                        let max = cfg.opt_usize("max_position_embeddings")?.unwrap_or(original);
+                        let scale = max as f64 / original as f64;
+                        let attention_factor = match p.opt_f64("attention_factor")? {
+                            Some(a) => a,
+                            None if scale <= 1.0 => 1.0,
+                            None => (1.0 + scale.ln() / (original as f64).ln()).sqrt(),
+                        };
+                        RopeScaling::Longrope {
+                            short_factor: factors("short_factor")?,
+                            long_factor: factors("long_factor")?,
+                            original_max_position_embeddings: original as u64,
+                            attention_factor,
+                        }
+                    }
                     "linear" => RopeScaling::Linear {
                         factor: num("factor")?,
                     },
@@ -85,7 +128,7 @@ impl RopeConfig {
                         return Err(p.error(
                             "rope_type",
                             format!(
-                                "`{other}` is not supported; expected default, linear or llama3"
+                                "`{other}` is not supported; expected default, linear, llama3 or longrope"
                             ),
                         ))
                     }
@@ -93,6 +136,39 @@ impl RopeConfig {
             }
         };
         Ok(RopeConfig { theta, scaling })
+    }
+
+    /// The rotary table of heads whose first `rotary_dim` elements rotate: [`Self::inv_freq`]'s
+    /// frequencies, and longrope's scale and long frequencies (from the original context on, per
+    /// position: a sequence's keys keep the rotation they were cached with, as transformers'
+    /// keys do once a generation passes the original context).
+    pub fn table(&self, rotary_dim: usize, stored: DType) -> maxc_schema::RopeTable {
+        let mut t = maxc_schema::RopeTable::new(self.inv_freq(rotary_dim, stored));
+        if let RopeScaling::Longrope {
+            long_factor,
+            short_factor,
+            original_max_position_embeddings,
+            attention_factor,
+        } = &self.scaling
+        {
+            t.scale = *attention_factor as f32;
+            if long_factor != short_factor {
+                let long = RopeConfig {
+                    theta: self.theta,
+                    scaling: RopeScaling::Longrope {
+                        short_factor: long_factor.clone(),
+                        long_factor: long_factor.clone(),
+                        original_max_position_embeddings: *original_max_position_embeddings,
+                        attention_factor: *attention_factor,
+                    },
+                };
+                t.long = Some(maxc_schema::LongFreqs {
+                    inv_freq: long.inv_freq(rotary_dim, stored),
+                    from: *original_max_position_embeddings,
+                });
+            }
+        }
+        t
     }
 
     /// The `head_dim / 2` inverse frequencies, computed in f32 as transformers does, then rounded
@@ -113,12 +189,19 @@ impl RopeConfig {
 
     fn unrounded_inv_freq(&self, head_dim: usize) -> Vec<f32> {
         let base = self.theta as f32;
-        let default: Vec<f32> = (0..head_dim)
+        let pow: Vec<f32> = (0..head_dim)
             .step_by(2)
-            .map(|i| 1.0 / base.powf(i as f32 / head_dim as f32))
+            .map(|i| base.powf(i as f32 / head_dim as f32))
             .collect();
+        let default: Vec<f32> = pow.iter().map(|p| 1.0 / p).collect();
         match &self.scaling {
             RopeScaling::Default => default,
+            // 1 / (factor · base^(2i/d)), the factor in f32 as transformers holds it.
+            RopeScaling::Longrope { short_factor, .. } => pow
+                .iter()
+                .zip(short_factor)
+                .map(|(&p, &s)| 1.0 / (s as f32 * p))
+                .collect(),
             RopeScaling::Linear { factor } => default.iter().map(|f| f / *factor as f32).collect(),
             RopeScaling::Llama3 {
                 factor,
@@ -216,5 +299,29 @@ mod tests {
             err.contains("rope_parameters.rope_type") && err.contains("yarn"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn longrope_uses_short_factors_then_long_ones_from_the_original_context() {
+        let cfg = read(json!({"max_position_embeddings": 512, "rope_parameters": {
+            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 128,
+            "short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0]}}))
+        .unwrap();
+        let t = cfg.table(4, DType::F32);
+        let pow = [1.0f32, 10000f32.powf(0.5)];
+        assert_eq!(t.inv_freq, vec![1.0 / pow[0], 1.0 / (2.0 * pow[1])]);
+        let long = t.long.as_ref().unwrap();
+        assert_eq!(long.from, 128);
+        assert_eq!(
+            long.inv_freq,
+            vec![1.0 / (3.0 * pow[0]), 1.0 / (4.0 * pow[1])]
+        );
+        // sqrt(1 + ln(512 / 128) / ln(128)), transformers' attention factor.
+        let want = (1.0 + 4f64.ln() / 128f64.ln()).sqrt() as f32;
+        assert_eq!(t.scale, want);
+        assert_eq!(t.freqs(127), &t.inv_freq[..]);
+        assert_eq!(t.freqs(128), &long.inv_freq[..]);
+        let (c, _) = t.cos_sin(0, 0);
+        assert_eq!(c, want);
     }
 }

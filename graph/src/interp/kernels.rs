@@ -66,16 +66,21 @@ pub fn top_k(x: &[f32], n: usize, k: usize, renormalize: bool) -> Vec<f32> {
 }
 
 /// Rotary embedding, rotate-half layout, on `x [T, H, D]`.
-pub fn rope(x: &[f32], positions: &[i64], heads: usize, inv_freq: &[f32]) -> Vec<f32> {
-    let half = inv_freq.len();
-    let d = 2 * half;
+pub fn rope(
+    x: &[f32],
+    positions: &[i64],
+    heads: usize,
+    table: &maxc_schema::RopeTable,
+) -> Vec<f32> {
+    let half = table.half();
+    // Heads of `d` values, their first `2 · half` rotated (the rest as they are).
+    let d = x.len() / positions.len().max(1) / heads.max(1);
     let mut out = x.to_vec();
     for (t, &pos) in positions.iter().enumerate() {
         for h in 0..heads {
             let base = (t * heads + h) * d;
-            for (i, f) in inv_freq.iter().enumerate() {
-                let angle = pos as f32 * f;
-                let (sin, cos) = (angle.sin(), angle.cos());
+            for i in 0..half {
+                let (cos, sin) = table.cos_sin(pos as u64, i);
                 let (x1, x2) = (x[base + i], x[base + half + i]);
                 out[base + i] = x1 * cos - x2 * sin;
                 out[base + half + i] = x2 * cos + x1 * sin;

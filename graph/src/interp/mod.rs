@@ -327,9 +327,7 @@ impl Interpreter {
                     Val::I(x) => Val::I(x.clone()),
                 },
                 Op::Positions => Val::I(batch.rows().map(|(_, _, pos)| pos as i64).collect()),
-                Op::Rope { inv_freq } => {
-                    Val::F(kernels::rope(v(0).f(), v(1).i(), shape[1], inv_freq))
-                }
+                Op::Rope { table } => Val::F(kernels::rope(v(0).f(), v(1).i(), shape[1], table)),
                 Op::PagedAttention {
                     layer,
                     scale,

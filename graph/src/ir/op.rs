@@ -103,9 +103,11 @@ pub enum Op {
     /// position in its sequence (cache length plus its index within the step's rows).
     Positions,
     /// `(x [T, H, D], positions [T]) -> [T, H, D]`: rotary embedding, rotate-half layout.
+    /// The first `2 · table.half()` elements of each head rotate (partial rotary where that is
+    /// less than `D`); the rest pass through.
     Rope {
-        /// Inverse frequencies, `D / 2` of them, with any rope scaling applied.
-        inv_freq: Vec<f32>,
+        /// The frequencies (with any rope scaling applied), and the scale of cos and sin.
+        table: maxc_schema::RopeTable,
     },
     /// `(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], kv_cache, kv_lookup_table [B, P],
     /// cache_lengths [B], input_row_offsets [B+1]) -> [T, Hq, D]`: writes the step's K and V into
@@ -273,7 +275,8 @@ impl Op {
                 }
                 Ok(TensorType::new(DType::I64, [xs[0].shape[0].clone()]))
             }
-            Op::Rope { inv_freq } => {
+            Op::Rope { table } => {
+                let inv_freq = &table.inv_freq;
                 arity(xs, 2)?;
                 let (x, pos) = (xs[0], xs[1]);
                 float(x, "x")?;
@@ -281,12 +284,15 @@ impl Op {
                 rank(pos, 1, "positions")?;
                 integer(pos, "positions")?;
                 same_dim(&x.shape[0], &pos.shape[0], "x's rows", "positions' length")?;
-                same_dim(
-                    &x.shape[2],
-                    &Dim::Fixed(2 * inv_freq.len()),
-                    "x's head dim",
-                    "2 × inv_freq count",
-                )?;
+                match x.shape[2] {
+                    Dim::Fixed(d) if d >= 2 * inv_freq.len() && !inv_freq.is_empty() => {}
+                    ref d => {
+                        return Err(format!(
+                            "x's head dim {d} is less than the rotated dims (2 × {} inv_freq)",
+                            inv_freq.len()
+                        ))
+                    }
+                }
                 Ok(TensorType::new(DType::F32, x.shape.clone()))
             }
             Op::PagedAttention { window, .. } => {

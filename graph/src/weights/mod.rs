@@ -95,6 +95,29 @@ impl WeightTensor {
         }
     }
 
+    /// Rows `rows` of a tensor of two or more dims (its first dim split; rows of any dtype,
+    /// GGUF blocks included, are whole bytes).
+    pub fn rows(&self, rows: std::ops::Range<usize>, key: &str) -> Result<WeightTensor> {
+        let n = *self.shape.first().unwrap_or(&0);
+        if self.shape.len() < 2 || rows.end > n || rows.start > rows.end {
+            return Err(Error::WeightDtype {
+                key: key.into(),
+                message: format!(
+                    "cannot take rows {}..{} of a tensor of shape {:?}",
+                    rows.start, rows.end, self.shape
+                ),
+            });
+        }
+        let row_bytes = self.bytes().len() / n;
+        let mut shape = self.shape.clone();
+        shape[0] = rows.len();
+        WeightTensor::from_bytes(
+            self.dtype,
+            shape,
+            self.bytes()[rows.start * row_bytes..rows.end * row_bytes].to_vec(),
+        )
+    }
+
     /// Elements.
     pub fn numel(&self) -> usize {
         self.shape.iter().product()

@@ -118,7 +118,11 @@ fn emit_body(kb: &mut KernelBuilder, body: &KernelBody) -> Result<(), CpuError> 
             program,
             ..
         } => elementwise::emit(kb, *cols, inputs, program),
-        KernelBody::Rope { heads, head_dim } => rope::emit(kb, *heads, *head_dim),
+        KernelBody::Rope {
+            heads,
+            head_dim,
+            rotary_dim,
+        } => rope::emit(kb, *heads, *head_dim, *rotary_dim),
         KernelBody::KvStore { .. } => {
             paged::emit_kv_store(kb, &paged::cache_view(kb.kind(), body)?)
         }

@@ -6,19 +6,28 @@ use cranelift_codegen::ir::InstBuilder;
 
 /// Emits [`maxc_schema::KernelBody::Rope`]: per row, looks up its position's cos/sin
 /// table row, then for every head rotates the pairs `(x[i], x[i + h])` with f32x4 lanes over
-/// `i < h = head_dim / 2` (scalar tail for `h % 4`).
-pub(crate) fn emit(kb: &mut KernelBuilder, heads: u64, head_dim: u64) -> Result<(), CpuError> {
+/// `i < h = rotary_dim / 2` (scalar tail for `h % 4`), and copies the head's elements past
+/// `rotary_dim`.
+pub(crate) fn emit(
+    kb: &mut KernelBuilder,
+    heads: u64,
+    head_dim: u64,
+    rotary_dim: u64,
+) -> Result<(), CpuError> {
     let kind = kb.kind();
     let heads = check_size(kind, "heads", heads)?;
     let head_dim = check_size(kind, "head_dim", head_dim)?;
-    if head_dim % 2 != 0 {
+    let rotary_dim = check_size(kind, "rotary_dim", rotary_dim)?;
+    if rotary_dim % 2 != 0 || rotary_dim > head_dim {
         return Err(CpuError::Invalid {
             kind,
-            what: format!("`head_dim` is {head_dim}, expected an even number"),
+            what: format!(
+                "`rotary_dim` is {rotary_dim}, expected an even number at most `head_dim` ({head_dim})"
+            ),
         });
     }
     check_product(kind, "heads × head_dim × 4", &[heads, head_dim, 4])?;
-    let half = head_dim / 2;
+    let half = rotary_dim / 2;
     let x = kb.buf(0);
     let positions = kb.buf(1);
     let table = kb.buf(2);
@@ -26,7 +35,7 @@ pub(crate) fn emit(kb: &mut KernelBuilder, heads: u64, head_dim: u64) -> Result<
     let (start, end) = (kb.start(), kb.end());
     kb.for_range(start, end, 1, |kb, r| {
         let pos = kb.load_i64(positions, r);
-        let cos_row = kb.addr(table, pos, head_dim * 4);
+        let cos_row = kb.addr(table, pos, rotary_dim * 4);
         let sin_row = kb.offset(cos_row, half * 4);
         let x_row = kb.addr(x, r, heads * head_dim * 4);
         let out_row = kb.addr(out, r, heads * head_dim * 4);
@@ -51,6 +60,14 @@ pub(crate) fn emit(kb: &mut KernelBuilder, heads: u64, head_dim: u64) -> Result<
                 kb.store_f32(lo, out_lo, i);
                 kb.store_f32(hi, out_hi, i);
             });
+            if rotary_dim < head_dim {
+                let x_pass = kb.offset(x_lo, rotary_dim * 4);
+                let out_pass = kb.offset(out_lo, rotary_dim * 4);
+                kb.map_cols(head_dim - rotary_dim, |kb, ty, i| {
+                    let v = kb.load_f32(ty, x_pass, i);
+                    kb.store_f32(v, out_pass, i);
+                });
+            }
         });
     });
     Ok(())

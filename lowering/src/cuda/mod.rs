@@ -91,7 +91,11 @@ pub fn emit_kernel(
             inputs,
             program,
         } => elementwise::emit(cx, *rows, *cols, inputs, program)?,
-        KernelBody::Rope { heads, head_dim } => rope::emit(cx, *heads, *head_dim)?,
+        KernelBody::Rope {
+            heads,
+            head_dim,
+            rotary_dim,
+        } => rope::emit(cx, *heads, *head_dim, *rotary_dim)?,
         KernelBody::KvStore { .. } => paged::emit_kv_store(cx, &paged::cache_view(cx, body)?)?,
         KernelBody::Attention {
             heads,

@@ -174,16 +174,20 @@ pub enum KernelBody {
         /// The expression; the last instruction is the output.
         program: Vec<EwInstr>,
     },
-    /// Rotary embedding (rotate-half layout) of `x [T, heads, head_dim]`:
-    /// `out[i] = x[i]·cos - x[i+h]·sin`, `out[i+h] = x[i+h]·cos + x[i]·sin` for `i < h =
-    /// head_dim/2`, with `cos = table[pos, 0, i]`, `sin = table[pos, 1, i]`.
-    /// Buffers: `x`, `positions i64 [T]`, `table f32 [max_pos, 2, head_dim/2]`, `out`.
+    /// Rotary embedding (rotate-half layout) of the first `rotary_dim` elements of each head
+    /// of `x [T, heads, head_dim]`: `out[i] = x[i]·cos - x[i+h]·sin`,
+    /// `out[i+h] = x[i+h]·cos + x[i]·sin` for `i < h = rotary_dim/2`, with
+    /// `cos = table[pos, 0, i]`, `sin = table[pos, 1, i]`; the other elements are copied.
+    /// Buffers: `x`, `positions i64 [T]`, `table f32 [max_pos, 2, rotary_dim/2]`, `out`.
     /// Parallel range: rows `0..T`.
     Rope {
         /// Heads per row.
         heads: u64,
-        /// Elements per head (even).
+        /// Elements per head.
         head_dim: u64,
+        /// Elements rotated, from each head's start (even, at most `head_dim`; Phi-3's
+        /// `partial_rotary_factor` makes it less).
+        rotary_dim: u64,
     },
     /// Writes the step's keys and values into layer `layer` of the paged cache: for row `r` of
     /// sequence `b` at position `p = cache_lengths[b] + r - input_row_offsets[b]`, page
@@ -478,7 +482,9 @@ impl KernelBody {
             | KernelBody::Softmax { cols, .. }
             | KernelBody::TopK { cols, .. } => *cols,
             KernelBody::Positions => t / dims[StepDim::BatchSize as usize].max(1),
-            KernelBody::Rope { heads, head_dim } => heads * head_dim,
+            KernelBody::Rope {
+                heads, head_dim, ..
+            } => heads * head_dim,
             KernelBody::KvStore {
                 kv_heads, head_dim, ..
             } => 2 * kv_heads * head_dim,

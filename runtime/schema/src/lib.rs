@@ -125,11 +125,70 @@ pub struct Launch {
     pub nodes: Vec<String>,
 }
 
-/// A rotary table's parameters.
+/// A rotary table's parameters: the one definition of the cos/sin rows that the interpreter
+/// and both executors rotate with.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RopeTable {
-    /// Inverse frequencies (`head_dim / 2`).
+    /// Inverse frequencies (`rotary_dim / 2`).
     pub inv_freq: Vec<f32>,
+    /// What cos and sin are multiplied by (longrope's attention factor; 1 otherwise).
+    pub scale: f32,
+    /// Other frequencies for positions from some position on (longrope's long factors).
+    pub long: Option<LongFreqs>,
+}
+
+/// Frequencies a rotary table uses from position `from` on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LongFreqs {
+    /// Inverse frequencies, as many as the table's.
+    pub inv_freq: Vec<f32>,
+    /// The first position that uses them.
+    pub from: u64,
+}
+
+impl RopeTable {
+    /// The table of `inv_freq`, unscaled.
+    pub fn new(inv_freq: Vec<f32>) -> Self {
+        RopeTable {
+            inv_freq,
+            scale: 1.0,
+            long: None,
+        }
+    }
+
+    /// Frequencies per row: `rotary_dim / 2`.
+    pub fn half(&self) -> usize {
+        self.inv_freq.len()
+    }
+
+    /// The frequencies position `pos` rotates with.
+    pub fn freqs(&self, pos: u64) -> &[f32] {
+        match &self.long {
+            Some(l) if pos >= l.from => &l.inv_freq,
+            _ => &self.inv_freq,
+        }
+    }
+
+    /// Position `pos`'s `(cos, sin)` of frequency `i`: of the angle `pos · f` in f32, times
+    /// the scale.
+    pub fn cos_sin(&self, pos: u64, i: usize) -> (f32, f32) {
+        let angle = pos as f32 * self.freqs(pos)[i];
+        (angle.cos() * self.scale, angle.sin() * self.scale)
+    }
+
+    /// The rows for positions `0..max_seq_len`: `[max_seq_len, 2, half]` (cos, then sin).
+    pub fn rows(&self, max_seq_len: usize) -> Vec<f32> {
+        let half = self.half();
+        let mut out = vec![0.0; max_seq_len * 2 * half];
+        for (pos, row) in out.chunks_exact_mut(2 * half).enumerate() {
+            for i in 0..half {
+                let (c, s) = self.cos_sin(pos as u64, i);
+                row[i] = c;
+                row[half + i] = s;
+            }
+        }
+        out
+    }
 }
 
 /// Layout of a role's paged KV cache, `[pages, num_layers, 2, page_size, kv_heads, head_dim]`.

@@ -720,12 +720,18 @@ fn operand_uses(body: &KernelBody, cx: &Ctx, what: &str) -> Result<Vec<Use>, Val
             v.push(f32s(n, true));
             v
         }
-        KernelBody::Rope { heads, head_dim } => {
+        KernelBody::Rope {
+            heads,
+            head_dim,
+            rotary_dim,
+        } => {
             let n = mul(&[t()?, *heads, *head_dim], what)?;
             vec![
                 f32s(n, false),
                 Use::Positions { elements: t()? },
-                Use::RopeTable { half: head_dim / 2 },
+                Use::RopeTable {
+                    half: rotary_dim / 2,
+                },
                 f32s(n, true),
             ]
         }
@@ -889,10 +895,14 @@ fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(),
             }
             Ok(())
         }
-        KernelBody::Rope { heads, head_dim } => {
-            if *head_dim == 0 || head_dim % 2 != 0 || *heads == 0 {
+        KernelBody::Rope {
+            heads,
+            head_dim,
+            rotary_dim,
+        } => {
+            if *rotary_dim == 0 || rotary_dim % 2 != 0 || *heads == 0 || rotary_dim > head_dim {
                 return err(format!(
-                    "heads {heads}, head_dim {head_dim} (even, non-zero)"
+                    "heads {heads}, head_dim {head_dim}, rotary_dim {rotary_dim} (even, non-zero, at most head_dim)"
                 ));
             }
             Ok(())

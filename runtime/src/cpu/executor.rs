@@ -304,16 +304,9 @@ impl CpuExecutor {
         let max_seq_len = limits.max_seq_len as usize;
         let mut rope = Vec::new();
         for t in &program.rope_tables {
-            let half = t.inv_freq.len();
-            let mut a = Aligned::zeroed((max_seq_len * 2 * half * 4) as u64, "rotary table")?;
-            let s = a.slice_mut();
-            for pos in 0..max_seq_len {
-                for (i, f) in t.inv_freq.iter().enumerate() {
-                    let angle = pos as f32 * f;
-                    s[pos * 2 * half + i] = angle.cos();
-                    s[pos * 2 * half + half + i] = angle.sin();
-                }
-            }
+            let rows = t.rows(max_seq_len);
+            let mut a = Aligned::zeroed((rows.len() * 4) as u64, "rotary table")?;
+            a.slice_mut()[..rows.len()].copy_from_slice(&rows);
             rope.push(a);
         }
         let arena = Aligned::zeroed(program.arena_bytes, "arena")?;

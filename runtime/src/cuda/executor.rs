@@ -170,16 +170,11 @@ impl CudaExecutor {
         let kv = DeviceBuf::zeroed(program.kv_cache_bytes(bounds) as usize, &stream)?;
         let mut rope = Vec::new();
         for t in &program.rope_tables {
-            let half = t.inv_freq.len();
-            let mut table = vec![0f32; max_seq_len * 2 * half];
-            for pos in 0..max_seq_len {
-                for (i, f) in t.inv_freq.iter().enumerate() {
-                    let angle = pos as f32 * f;
-                    table[pos * 2 * half + i] = angle.cos();
-                    table[pos * 2 * half + half + i] = angle.sin();
-                }
-            }
-            let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let bytes: Vec<u8> = t
+                .rows(max_seq_len)
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
             rope.push(DeviceBuf::upload(&bytes, &stream)?);
         }
         let mut bufs = Vec::with_capacity(program.buffers.len());

@@ -241,7 +241,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_ea044a09(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) rope_b6c23618(
+extern "C" __global__ void __launch_bounds__(128) rope_1219be5e(
     const float* __restrict__ x,
     const long long* __restrict__ positions,
     const float* __restrict__ table,
@@ -371,7 +371,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_3875416f(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32) rope_b6a03a18(
+extern "C" __global__ void __launch_bounds__(32) rope_bb7b305e(
     const float* __restrict__ x,
     const long long* __restrict__ positions,
     const float* __restrict__ table,

@@ -268,7 +268,7 @@ extern "C" __global__ void __launch_bounds__(64) rms_norm_6441d6b8(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) rope_b6c21618(
+extern "C" __global__ void __launch_bounds__(256) rope_11ad5e5e(
     const float* __restrict__ x,
     const long long* __restrict__ positions,
     const float* __restrict__ table,
@@ -425,7 +425,7 @@ extern "C" __global__ void __launch_bounds__(64) rms_norm_15784e72(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) rope_b6a01a18(
+extern "C" __global__ void __launch_bounds__(64) rope_bb0e105e(
     const float* __restrict__ x,
     const long long* __restrict__ positions,
     const float* __restrict__ table,

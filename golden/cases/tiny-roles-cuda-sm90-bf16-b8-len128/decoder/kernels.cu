@@ -241,7 +241,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_2ee6cb0a(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) rope_b6b4de18(
+extern "C" __global__ void __launch_bounds__(64) rope_f04d925e(
     const float* __restrict__ x,
     const long long* __restrict__ positions,
     const float* __restrict__ table,
@@ -371,7 +371,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_32e5c4c9(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32) rope_b6a03a18(
+extern "C" __global__ void __launch_bounds__(32) rope_bb7b305e(
     const float* __restrict__ x,
     const long long* __restrict__ positions,
     const float* __restrict__ table,

@@ -241,7 +241,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_088704c8(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32) rope_b6a03a18(
+extern "C" __global__ void __launch_bounds__(32) rope_bb7b305e(
     const float* __restrict__ x,
     const long long* __restrict__ positions,
     const float* __restrict__ table,
@@ -371,7 +371,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_07dc85d3(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32) rope_b6a3e018(
+extern "C" __global__ void __launch_bounds__(32) rope_c4fe2b5e(
     const float* __restrict__ x,
     const long long* __restrict__ positions,
     const float* __restrict__ table,
