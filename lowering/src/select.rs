@@ -163,7 +163,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                     bias: false,
                 }
             }
-            Op::Add | Op::Mul | Op::Silu => {
+            Op::Add | Op::Mul | Op::Silu | Op::GeluTanh => {
                 let shape = shape_of(&k, ops[0]);
                 let inputs: Vec<EwInput> = ops
                     .iter()
@@ -175,6 +175,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                 let program = match &node.op {
                     Op::Add => vec![EwInstr::Input(0), EwInstr::Input(1), EwInstr::Add(0, 1)],
                     Op::Mul => vec![EwInstr::Input(0), EwInstr::Input(1), EwInstr::Mul(0, 1)],
+                    Op::GeluTanh => vec![EwInstr::Input(0), EwInstr::GeluTanh(0)],
                     _ => vec![EwInstr::Input(0), EwInstr::Silu(0)],
                 };
                 if inputs.iter().any(|i| i.broadcast)

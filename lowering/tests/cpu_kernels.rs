@@ -393,6 +393,34 @@ fn elementwise_programs_with_broadcast_and_weight_inputs() {
     }
 }
 
+/// GeGLU's activation (Gemma): the tanh GELU against its tanh form in f64, over the range where
+/// it bends and far into both tails.
+#[test]
+fn gelu_tanh_matches_its_tanh_form() {
+    let gelu = |x: f64| {
+        0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
+    };
+    let cols = 403usize;
+    let Some(k) = Kernel::new(KernelBody::Elementwise {
+        rows: Rows::Fixed(1),
+        cols: cols as u64,
+        inputs: vec![EwInput {
+            dtype: DType::F32,
+            broadcast: false,
+        }],
+        program: vec![EwInstr::Input(0), EwInstr::GeluTanh(0)],
+    }) else {
+        return;
+    };
+    let mut x: Vec<f32> = (0..cols).map(|i| (i as f32 - 201.0) * 0.06).collect();
+    x[0] = -90.0;
+    x[1] = 90.0;
+    let mut out = vec![f32::NAN; cols];
+    k.run(&ptrs![x, out], dims(0, 0, 0, 0));
+    let want: Vec<f64> = x.iter().map(|&v| gelu(f64::from(v))).collect();
+    assert_close(&out, &want, 2e-6, "gelu_tanh");
+}
+
 #[test]
 fn elementwise_in_place_add() {
     let mut rng = Rng(5);

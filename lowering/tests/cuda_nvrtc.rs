@@ -168,6 +168,27 @@ fn all_kinds() -> Vec<KernelBody> {
                     EwInstr::Add(3, 0),
                 ],
             },
+            // GeGLU (Gemma): gelu_tanh(gate) · up.
+            KernelBody::Elementwise {
+                rows: STEP,
+                cols: 512,
+                inputs: vec![
+                    EwInput {
+                        dtype: DType::F32,
+                        broadcast: false,
+                    },
+                    EwInput {
+                        dtype: DType::F32,
+                        broadcast: false,
+                    },
+                ],
+                program: vec![
+                    EwInstr::Input(0),
+                    EwInstr::GeluTanh(0),
+                    EwInstr::Input(1),
+                    EwInstr::Mul(1, 2),
+                ],
+            },
             KernelBody::Matmul {
                 rows: STEP,
                 n: 1000,

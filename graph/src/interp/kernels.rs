@@ -28,6 +28,12 @@ pub fn silu(x: f32) -> f32 {
 }
 
 /// RMSNorm over rows of `w.len()`.
+/// GELU, tanh approximation, as transformers' `gelu_pytorch_tanh` writes it.
+pub fn gelu_tanh(x: f32) -> f32 {
+    let inner = (2.0f32 / std::f32::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+    0.5 * x * (1.0 + inner.tanh())
+}
+
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let h = w.len();
     let mut out = Vec::with_capacity(x.len());

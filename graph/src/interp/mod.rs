@@ -317,6 +317,7 @@ impl Interpreter {
                     |a, b| a * b,
                 )),
                 Op::Silu => Val::F(v(0).f().iter().map(|&x| kernels::silu(x)).collect()),
+                Op::GeluTanh => Val::F(v(0).f().iter().map(|&x| kernels::gelu_tanh(x)).collect()),
                 Op::RmsNorm { eps } => Val::F(kernels::rms_norm(
                     self.f(&vals, ops[0]),
                     self.f(&vals, ops[1]),

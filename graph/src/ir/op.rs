@@ -89,6 +89,8 @@ pub enum Op {
     Mul,
     /// `x -> x`: `x · sigmoid(x)`.
     Silu,
+    /// `x -> x`: GELU with the tanh approximation (`gelu_pytorch_tanh`), elementwise.
+    GeluTanh,
     /// `(x [.., H], w [H]) -> [.., H]`: `x / sqrt(mean(x²) + eps) · w`.
     RmsNorm {
         /// Added to the mean square.
@@ -172,6 +174,7 @@ impl Op {
             Op::Add => "add",
             Op::Mul => "mul",
             Op::Silu => "silu",
+            Op::GeluTanh => "gelu_tanh",
             Op::RmsNorm { .. } => "rms_norm",
             Op::Reshape { .. } => "reshape",
             Op::Positions => "positions",
@@ -239,7 +242,7 @@ impl Op {
                 }
                 Ok(TensorType::new(DType::F32, a.shape.clone()))
             }
-            Op::Silu | Op::Softmax => {
+            Op::Silu | Op::GeluTanh | Op::Softmax => {
                 arity(xs, 1)?;
                 float(xs[0], "x")?;
                 Ok(TensorType::new(DType::F32, xs[0].shape.clone()))

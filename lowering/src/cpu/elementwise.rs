@@ -62,7 +62,7 @@ fn validate(kind: &'static str, inputs: usize, program: &[EwInstr]) -> Result<()
         let (operands, input): (&[u32], Option<u32>) = match instr {
             EwInstr::Input(j) => (&[], Some(*j)),
             EwInstr::Add(a, b) | EwInstr::Mul(a, b) => (&[*a, *b], None),
-            EwInstr::Silu(a) => (&[*a], None),
+            EwInstr::Silu(a) | EwInstr::GeluTanh(a) => (&[*a], None),
         };
         let bad = |what: String| CpuError::Invalid { kind, what };
         if let Some(j) = input.filter(|&j| j as usize >= inputs) {
@@ -106,6 +106,7 @@ fn eval(
             EwInstr::Add(a, b) => kb.b.ins().fadd(vals[a as usize], vals[b as usize]),
             EwInstr::Mul(a, b) => kb.b.ins().fmul(vals[a as usize], vals[b as usize]),
             EwInstr::Silu(a) => math::silu(kb, vals[a as usize]),
+            EwInstr::GeluTanh(a) => math::gelu_tanh(kb, vals[a as usize]),
         };
         vals.push(v);
     }

@@ -67,6 +67,22 @@ pub(crate) fn silu(kb: &mut KernelBuilder, x: Value) -> Value {
     kb.b.ins().fdiv(x, d)
 }
 
+/// `x · sigmoid(s·(x + c·x³))` (the tanh GELU; `s`, `c` from the kernel IR's constants), lane-wise.
+pub(crate) fn gelu_tanh(kb: &mut KernelBuilder, x: Value) -> Value {
+    let ty = kb.b.func.dfg.value_type(x);
+    let x2 = kb.b.ins().fmul(x, x);
+    let c = kb.fconst(ty, maxc_schema::GELU_TANH_CUBIC);
+    let cx2 = kb.b.ins().fmul(c, x2);
+    let one = kb.fconst(ty, 1.0);
+    let inner = kb.b.ins().fadd(one, cx2);
+    let u = kb.b.ins().fmul(x, inner);
+    let s = kb.fconst(ty, -maxc_schema::GELU_TANH_SLOPE);
+    let arg = kb.b.ins().fmul(s, u);
+    let e = exp(kb, arg);
+    let d = kb.b.ins().fadd(one, e);
+    kb.b.ins().fdiv(x, d)
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::{compile_function, CpuTarget};

@@ -41,6 +41,7 @@ pub(crate) fn emit(
             EwInstr::Add(a, b) => format!("v{a} + v{b}"),
             EwInstr::Mul(a, b) => format!("v{a} * v{b}"),
             EwInstr::Silu(a) => format!("maxc_silu(v{a})"),
+            EwInstr::GeluTanh(a) => format!("maxc_gelu_tanh(v{a})"),
         };
         expr.push_str(&format!("        const float v{n} = {value};\n"));
     }
@@ -82,7 +83,7 @@ fn validate(cx: Ctx, inputs: usize, program: &[EwInstr]) -> Result<(), CudaError
         let (operands, input): (&[u32], Option<u32>) = match instr {
             EwInstr::Input(j) => (&[], Some(*j)),
             EwInstr::Add(a, b) | EwInstr::Mul(a, b) => (&[*a, *b], None),
-            EwInstr::Silu(a) => (&[*a], None),
+            EwInstr::Silu(a) | EwInstr::GeluTanh(a) => (&[*a], None),
         };
         if let Some(j) = input.filter(|&j| j as usize >= inputs) {
             return Err(cx.invalid(format!(

@@ -133,6 +133,7 @@ impl Pass for FuseElementwise {
                     EwInstr::Add(a, b) => EwInstr::Add(shift(a, &remap), shift(b, &remap)),
                     EwInstr::Mul(a, b) => EwInstr::Mul(shift(a, &remap), shift(b, &remap)),
                     EwInstr::Silu(a) => EwInstr::Silu(shift(a, &remap)),
+                    EwInstr::GeluTanh(a) => EwInstr::GeluTanh(shift(a, &remap)),
                 };
                 program.push(new);
                 remap.push((program.len() - 1) as u32);

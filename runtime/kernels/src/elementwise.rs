@@ -82,6 +82,26 @@ pub unsafe fn rows(
                                 _mm512_mask_storeu_ps(dst.add(i), m, y);
                             });
                         }
+                        EwInstr::GeluTanh(a) => {
+                            let xs = src(a);
+                            lanes(len, |i, m| {
+                                let x = _mm512_maskz_loadu_ps(m, xs.add(i));
+                                let one = _mm512_set1_ps(1.0);
+                                let x2 = _mm512_mul_ps(x, x);
+                                let inner = _mm512_fmadd_ps(
+                                    _mm512_set1_ps(maxc_schema::GELU_TANH_CUBIC),
+                                    x2,
+                                    one,
+                                );
+                                let arg = _mm512_mul_ps(
+                                    _mm512_set1_ps(-maxc_schema::GELU_TANH_SLOPE),
+                                    _mm512_mul_ps(x, inner),
+                                );
+                                let e = crate::math::exp16(arg);
+                                let y = _mm512_div_ps(x, _mm512_add_ps(one, e));
+                                _mm512_mask_storeu_ps(dst.add(i), m, y);
+                            });
+                        }
                     }
                 }
             }
@@ -140,16 +160,28 @@ mod tests {
             eprintln!("skipped: no AVX-512 on this CPU");
             return;
         }
-        // silu(a · w + b), w broadcast, over widths that end mid-vector.
-        let program = [
-            EwInstr::Input(0),
-            EwInstr::Input(1),
-            EwInstr::Mul(0, 1),
-            EwInstr::Input(2),
-            EwInstr::Add(2, 3),
-            EwInstr::Silu(4),
+        // silu(a · w + b) and gelu_tanh(a · w + b), w broadcast, over widths that end
+        // mid-vector.
+        let gelu = |x: f32| {
+            let inner = (2.0f32 / std::f32::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+            0.5 * x * (1.0 + inner.tanh())
+        };
+        let cases: [(EwInstr, &dyn Fn(f32) -> f32); 2] = [
+            (EwInstr::Silu(4), &|x: f32| x / (1.0 + (-x).exp())),
+            (EwInstr::GeluTanh(4), &gelu),
         ];
-        for cols in [1, 15, 16, 17, 40, 300] {
+        for ((act, f), cols) in cases
+            .iter()
+            .flat_map(|c| [1, 15, 16, 17, 40, 300].map(|cols| (c, cols)))
+        {
+            let program = [
+                EwInstr::Input(0),
+                EwInstr::Input(1),
+                EwInstr::Mul(0, 1),
+                EwInstr::Input(2),
+                EwInstr::Add(2, 3),
+                *act,
+            ];
             let rows = 3;
             let a: Vec<f32> = (0..rows * cols)
                 .map(|i| (i as f32 * 0.77).sin() * 30.0)
@@ -176,11 +208,11 @@ mod tests {
             for r in 0..rows {
                 for c in 0..cols {
                     let x = a[r * cols + c] * w[c] + b[r * cols + c];
-                    let want = x / (1.0 + (-x).exp());
+                    let want = f(x);
                     let got = out[r * cols + c];
                     assert!(
-                        (got - want).abs() <= 1e-6 * (1.0 + want.abs()),
-                        "cols {cols} ({r}, {c}): {got} vs {want}"
+                        (got - want).abs() <= 2e-6 * (1.0 + want.abs()),
+                        "{act:?} cols {cols} ({r}, {c}): {got} vs {want}"
                     );
                 }
             }

@@ -98,7 +98,15 @@ pub enum EwInstr {
     Mul(u32, u32),
     /// `a · sigmoid(a)`.
     Silu(u32),
+    /// GELU, tanh approximation: `0.5·a·(1 + tanh(√(2/π)·(a + 0.044715·a³)))`, computed as
+    /// `a · sigmoid(2·√(2/π)·(a + 0.044715·a³))` (the same function).
+    GeluTanh(u32),
 }
+
+/// `2·√(2/π)`, the tanh GELU's slope inside its sigmoid form.
+pub const GELU_TANH_SLOPE: f32 = 1.595_769_1;
+/// The tanh GELU's cubic coefficient.
+pub const GELU_TANH_CUBIC: f32 = 0.044_715;
 
 /// An input of a fused elementwise kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -23,6 +23,7 @@ use std::collections::BTreeMap;
 
 pub use kernel::{
     CudaLaunch, EwInput, EwInstr, GatherIndex, GridExtent, KernelBody, KvView, Rows, StepDim,
+    GELU_TANH_CUBIC, GELU_TANH_SLOPE,
 };
 pub use manifest::{
     FileEntry, Manifest, RoleEntry, RuntimeSettings, Targets, MANIFEST_FILE, TOKENIZER_FILE,

@@ -885,7 +885,7 @@ fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(),
                 let ok = match *instr {
                     EwInstr::Input(x) => (x as usize) < inputs.len(),
                     EwInstr::Add(a, b) | EwInstr::Mul(a, b) => (a as usize) < i && (b as usize) < i,
-                    EwInstr::Silu(a) => (a as usize) < i,
+                    EwInstr::Silu(a) | EwInstr::GeluTanh(a) => (a as usize) < i,
                 };
                 if !ok {
                     return err(format!(
