@@ -104,7 +104,7 @@ pub enum EwInstr {
 }
 
 /// `2·√(2/π)`, the tanh GELU's slope inside its sigmoid form.
-pub const GELU_TANH_SLOPE: f32 = 1.595_769_1;
+pub const GELU_TANH_SLOPE: f32 = 1.595_769;
 /// The tanh GELU's cubic coefficient.
 pub const GELU_TANH_CUBIC: f32 = 0.044_715;
 
