@@ -108,7 +108,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                 val.insert(id, v);
                 continue;
             }
-            Op::Embedding => {
+            Op::Embedding { scale } => {
                 let table = &k.values[ops[0]];
                 k.vocab_size = match table.shape[0] {
                     Extent::Fixed(n) => n,
@@ -121,6 +121,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                     cols: cols_of(&table.shape),
                     index: GatherIndex::Tokens,
                     src_dtype: table.dtype,
+                    scale: *scale,
                 }
             }
             Op::LastTokens => {
@@ -135,6 +136,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                     cols: cols_of(&out_shape),
                     index: GatherIndex::LastRows,
                     src_dtype: DType::F32,
+                    scale: 1.0,
                 }
             }
             Op::Positions => {
@@ -192,7 +194,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                     program,
                 }
             }
-            Op::RmsNorm { eps } => {
+            Op::RmsNorm { eps, offset } => {
                 let shape = shape_of(&k, ops[0]);
                 let width = match k.values[ops[1]].shape.first() {
                     Some(Extent::Fixed(w)) => *w,
@@ -202,6 +204,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                     rows: rows_of(&shape),
                     cols: cols_of(&shape),
                     width,
+                    weight_offset: *offset,
                     eps: *eps,
                     residual: false,
                     weight_dtype: k.values[ops[1]].dtype,

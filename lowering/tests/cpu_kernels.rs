@@ -180,6 +180,7 @@ fn gather_tokens_in_every_weight_type() {
                 cols: cols as u64,
                 index: GatherIndex::Tokens,
                 src_dtype: dtype,
+                scale: 1.0,
             }) else {
                 return;
             };
@@ -206,6 +207,7 @@ fn gather_last_rows_returns_the_last_n_rows_of_each_sequence() {
         cols: cols as u64,
         index: GatherIndex::LastRows,
         src_dtype: DType::F32,
+        scale: 1.0,
     }) else {
         return;
     };
@@ -243,6 +245,7 @@ fn f16_widening_is_exact_for_every_bit_pattern() {
         cols: cols as u64,
         index: GatherIndex::Tokens,
         src_dtype: DType::F16,
+        scale: 1.0,
     }) else {
         return;
     };
@@ -299,6 +302,7 @@ fn rms_norm_with_and_without_residual() {
                     rows: Rows::Step(StepDim::TotalSeqLen),
                     cols: cols as u64,
                     width: width as u64,
+                    weight_offset: 0.0,
                     eps,
                     residual,
                     weight_dtype: dtype,
@@ -860,12 +864,14 @@ fn all_kinds() -> Vec<KernelBody> {
             cols: 13,
             index: GatherIndex::Tokens,
             src_dtype: DType::BF16,
+            scale: 1.0,
         },
         KernelBody::Positions,
         KernelBody::RmsNorm {
             rows: step,
             cols: 37,
             width: 37,
+            weight_offset: 0.0,
             eps: 1e-6,
             residual: true,
             weight_dtype: DType::F16,

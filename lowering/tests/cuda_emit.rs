@@ -79,6 +79,7 @@ fn gather_guards_rows_and_reads_the_chosen_row() {
         cols: 13,
         index: GatherIndex::Tokens,
         src_dtype: DType::BF16,
+        scale: 1.0,
     });
     assert_signature(&k, &["src", "index", "out"]);
     assert_has(
@@ -99,6 +100,7 @@ fn gather_guards_rows_and_reads_the_chosen_row() {
         cols: 300,
         index: GatherIndex::LastRows,
         src_dtype: DType::F32,
+        scale: 1.0,
     });
     assert_signature(&last, &["src", "index", "out"]);
     assert_has(
@@ -120,6 +122,7 @@ fn gather_guards_rows_and_reads_the_chosen_row() {
         cols: 8,
         index: GatherIndex::Tokens,
         src_dtype: DType::F16,
+        scale: 1.0,
     });
     assert_has(&fixed, &["if (i >= 5ULL) return;", "const __half*"]);
     assert_eq!(fixed.launch.grid[0], ceil_rows(Rows::Fixed(5), 1));
@@ -150,6 +153,7 @@ fn rms_norm_with_and_without_residual() {
         rows: STEP,
         cols: 37,
         width: 37,
+        weight_offset: 0.0,
         eps: 1e-6,
         residual: true,
         weight_dtype: DType::F16,
@@ -171,6 +175,7 @@ fn rms_norm_with_and_without_residual() {
         rows: Rows::Fixed(3),
         cols: 4096,
         width: 4096,
+        weight_offset: 0.0,
         eps: 1e-5,
         residual: false,
         weight_dtype: DType::F32,
@@ -537,12 +542,14 @@ fn all_kinds() -> Vec<KernelBody> {
             cols: 13,
             index: GatherIndex::Tokens,
             src_dtype: DType::BF16,
+            scale: 1.0,
         },
         KernelBody::Positions,
         KernelBody::RmsNorm {
             rows: STEP,
             cols: 37,
             width: 37,
+            weight_offset: 0.0,
             eps: 1e-6,
             residual: true,
             weight_dtype: DType::F16,

@@ -405,6 +405,7 @@ impl DecoderBuilder<'_> {
             &path.0,
             Op::RmsNorm {
                 eps: self.cfg.rms_norm_eps as f32,
+                offset: 0.0,
             },
             &[x, w],
         )
@@ -445,9 +446,11 @@ impl DecoderBuilder<'_> {
             model.pp("embed_tokens").key("weight"),
             &[c.vocab_size, c.hidden_size],
         )?;
-        let mut h = self
-            .b
-            .op("model.embed_tokens", Op::Embedding, &[embed, tokens])?;
+        let mut h = self.b.op(
+            "model.embed_tokens",
+            Op::Embedding { scale: 1.0 },
+            &[embed, tokens],
+        )?;
         let positions = self.b.op(
             "positions",
             Op::Positions,
@@ -515,7 +518,9 @@ impl DecoderBuilder<'_> {
                 let norm = p.pp(format!("{name}_norm"));
                 let w = this.weight(norm.key("weight"), &[d])?;
                 let eps = c.rms_norm_eps as f32;
-                y = this.b.op(&norm.0, Op::RmsNorm { eps }, &[y, w])?;
+                y = this
+                    .b
+                    .op(&norm.0, Op::RmsNorm { eps, offset: 0.0 }, &[y, w])?;
             }
             this.b.op(
                 &proj.key("rope"),

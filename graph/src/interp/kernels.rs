@@ -34,13 +34,13 @@ pub fn gelu_tanh(x: f32) -> f32 {
     0.5 * x * (1.0 + inner.tanh())
 }
 
-pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+pub fn rms_norm(x: &[f32], w: &[f32], (eps, offset): (f32, f32)) -> Vec<f32> {
     let h = w.len();
     let mut out = Vec::with_capacity(x.len());
     for row in x.chunks_exact(h) {
         let ms = row.iter().map(|v| v * v).sum::<f32>() / h as f32;
         let r = 1.0 / (ms + eps).sqrt();
-        out.extend(row.iter().zip(w).map(|(v, g)| g * (v * r)));
+        out.extend(row.iter().zip(w).map(|(v, g)| (g + offset) * (v * r)));
     }
     out
 }

@@ -153,7 +153,7 @@ impl Interpreter {
                     })?;
                     params.insert(id, w.to_f32(&node.name)?);
                 }
-                Op::Embedding => {
+                Op::Embedding { .. } => {
                     let table = graph.operands(id)[0];
                     vocab_size = graph.node(table).ty.shape[0].fixed().unwrap_or(0);
                 }
@@ -287,7 +287,7 @@ impl Interpreter {
                 }),
                 Op::KvCache(_) => continue,
                 Op::Param => continue,
-                Op::Embedding => {
+                Op::Embedding { scale } => {
                     let h = shape[1];
                     let table = self
                         .params
@@ -297,7 +297,9 @@ impl Interpreter {
                     Val::F(
                         v(1).i()
                             .iter()
-                            .flat_map(|&t| table[t as usize * h..][..h].iter().copied())
+                            .flat_map(|&t| {
+                                table[t as usize * h..][..h].iter().map(move |v| v * scale)
+                            })
                             .collect(),
                     )
                 }
@@ -318,10 +320,10 @@ impl Interpreter {
                 )),
                 Op::Silu => Val::F(v(0).f().iter().map(|&x| kernels::silu(x)).collect()),
                 Op::GeluTanh => Val::F(v(0).f().iter().map(|&x| kernels::gelu_tanh(x)).collect()),
-                Op::RmsNorm { eps } => Val::F(kernels::rms_norm(
+                Op::RmsNorm { eps, offset } => Val::F(kernels::rms_norm(
                     self.f(&vals, ops[0]),
                     self.f(&vals, ops[1]),
-                    *eps,
+                    (*eps, *offset),
                 )),
                 Op::Reshape { .. } => match v(0) {
                     Val::F(x) => Val::F(x.clone()),

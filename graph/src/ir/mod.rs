@@ -113,7 +113,7 @@ impl Graph {
                 self.dag.edges_directed(n, Direction::Outgoing).all(|e| {
                     matches!(
                         (&self.dag[e.target()].op, *e.weight()),
-                        (Op::Linear, 1) | (Op::Embedding, 0)
+                        (Op::Linear, 1) | (Op::Embedding { .. }, 0)
                     )
                 })
             })

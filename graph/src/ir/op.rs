@@ -79,8 +79,11 @@ pub enum Op {
     KvCache(KvLayout),
     /// A weight; the node's name is its key in the role's weights.
     Param,
-    /// `(table [V, H], ids [T]) -> [T, H]`: rows of `table`.
-    Embedding,
+    /// `(table [V, H], ids [T]) -> [T, H]`: rows of `table`, times `scale`.
+    Embedding {
+        /// What the rows are multiplied by (1 but for Gemma's `sqrt(hidden)`).
+        scale: f32,
+    },
     /// `(x [.., K], w [N, K]) -> [.., N]`: `x · wᵀ`, the layout of a Hugging Face linear weight.
     Linear,
     /// `(a, b) -> a`: elementwise sum; `b`'s shape is `a`'s or a suffix of it (broadcast).
@@ -91,10 +94,13 @@ pub enum Op {
     Silu,
     /// `x -> x`: GELU with the tanh approximation (`gelu_pytorch_tanh`), elementwise.
     GeluTanh,
-    /// `(x [.., H], w [H]) -> [.., H]`: `x / sqrt(mean(x²) + eps) · w`.
+    /// `(x [.., W], w [W]) -> [.., W]`: `x / sqrt(mean(x²) + eps) · (w + offset)` over the
+    /// last axis.
     RmsNorm {
         /// Added to the mean square.
         eps: f32,
+        /// Added to the weight (Gemma's `(1 + w)`: 1).
+        offset: f32,
     },
     /// `x -> shape`: same elements, new shape.
     Reshape {
@@ -169,7 +175,7 @@ impl Op {
             Op::Input => "input",
             Op::KvCache(_) => "kv_cache",
             Op::Param => "param",
-            Op::Embedding => "embedding",
+            Op::Embedding { .. } => "embedding",
             Op::Linear => "linear",
             Op::Add => "add",
             Op::Mul => "mul",
@@ -202,7 +208,7 @@ impl Op {
                 arity(xs, 0)?;
                 Ok(layout.tensor_type())
             }
-            Op::Embedding => {
+            Op::Embedding { .. } => {
                 arity(xs, 2)?;
                 let (table, ids) = (xs[0], xs[1]);
                 real(table, "table")?;

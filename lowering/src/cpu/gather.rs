@@ -8,13 +8,14 @@ use cranelift_codegen::ir::{InstBuilder, Value};
 use maxc_schema::{DType, GatherIndex, StepDim};
 
 /// Emits [`maxc_schema::KernelBody::Gather`]: for each output row `i` of this call's
-/// slice, copies (and widens to f32) the chosen source row with f32x4 stores; a last row
-/// before its sequence's first gets zeros.
+/// slice, copies (and widens to f32, times `scale` where that is not 1) the chosen source row
+/// with f32x4 stores; a last row before its sequence's first gets zeros.
 pub(crate) fn emit(
     kb: &mut KernelBuilder,
     cols: u64,
     index: GatherIndex,
     src_dtype: DType,
+    scale: f32,
 ) -> Result<(), CpuError> {
     let kind = kb.kind();
     let cols = check_size(kind, "cols", cols)?;
@@ -28,7 +29,7 @@ pub(crate) fn emit(
         match index {
             GatherIndex::Tokens => {
                 let token = kb.load_i64(idx, i);
-                copy_row(kb, ft, cols, src, token, out_row);
+                copy_row(kb, (ft, scale), cols, src, token, out_row);
             }
             GatherIndex::LastRows => {
                 // Rows per sequence n = logit_rows / batch_size (batch_size ≥ 1 where a row
@@ -47,7 +48,7 @@ pub(crate) fn emit(
                 let has_row = kb.b.ins().icmp(IntCC::SignedGreaterThanOrEqual, row, lo);
                 kb.if_else(
                     has_row,
-                    |kb| copy_row(kb, ft, cols, src, row, out_row),
+                    |kb| copy_row(kb, (ft, scale), cols, src, row, out_row),
                     |kb| {
                         kb.map_cols(cols, |kb, ty, c| {
                             let zero = kb.fconst(ty, 0.0);
@@ -61,10 +62,10 @@ pub(crate) fn emit(
     Ok(())
 }
 
-/// Copies source row `row` (stored as `ft`) to `out_row` as f32.
+/// Copies source row `row` (stored as `ft`) to `out_row` as f32, times `scale`.
 fn copy_row(
     kb: &mut KernelBuilder,
-    ft: FloatType,
+    (ft, scale): (FloatType, f32),
     cols: u64,
     src: Value,
     row: Value,
@@ -73,6 +74,12 @@ fn copy_row(
     let src_row = kb.addr(src, row, cols * ft.size());
     kb.map_cols(cols, |kb, ty, c| {
         let v = dtype::load(kb, ty, ft, src_row, c);
+        let v = if scale == 1.0 {
+            v
+        } else {
+            let s = kb.fconst(ty, scale);
+            kb.b.ins().fmul(v, s)
+        };
         kb.store_f32(v, out_row, c);
     });
 }

@@ -98,8 +98,9 @@ fn emit_body(kb: &mut KernelBuilder, body: &KernelBody) -> Result<(), CpuError> 
             cols,
             index,
             src_dtype,
+            scale,
             ..
-        } => gather::emit(kb, *cols, *index, *src_dtype),
+        } => gather::emit(kb, *cols, *index, *src_dtype, *scale),
         KernelBody::Positions => {
             paged::emit_positions(kb);
             Ok(())
@@ -107,11 +108,19 @@ fn emit_body(kb: &mut KernelBuilder, body: &KernelBody) -> Result<(), CpuError> 
         KernelBody::RmsNorm {
             cols,
             width,
+            weight_offset,
             eps,
             residual,
             weight_dtype,
             ..
-        } => norm::emit(kb, *cols, *width, *eps, *residual, *weight_dtype),
+        } => norm::emit(
+            kb,
+            (*cols, *width),
+            *weight_offset,
+            *eps,
+            *residual,
+            *weight_dtype,
+        ),
         KernelBody::Elementwise {
             cols,
             inputs,

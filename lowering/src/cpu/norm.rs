@@ -15,8 +15,8 @@ use maxc_schema::DType;
 /// (`g = cols / width`), so one loop serves both.
 pub(crate) fn emit(
     kb: &mut KernelBuilder,
-    cols: u64,
-    width: u64,
+    (cols, width): (u64, u64),
+    weight_offset: f32,
     eps: f32,
     residual: bool,
     weight_dtype: DType,
@@ -86,6 +86,12 @@ pub(crate) fn emit(
         kb.map_cols(cols, |kb, ty, c| {
             let v = kb.load_f32(ty, x_row, c);
             let wv = dtype::load(kb, ty, wt, w, c);
+            let wv = if weight_offset == 0.0 {
+                wv
+            } else {
+                let o = kb.fconst(ty, weight_offset);
+                kb.b.ins().fadd(wv, o)
+            };
             let inv = if ty.is_vector() { inv_v } else { inv };
             let v = kb.b.ins().fmul(v, inv);
             let v = kb.b.ins().fmul(v, wv);

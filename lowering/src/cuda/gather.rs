@@ -14,11 +14,21 @@ pub(crate) fn emit(
     cols: u64,
     index: GatherIndex,
     src_dtype: DType,
+    scale: f32,
 ) -> Result<Emitted, CudaError> {
     let cols = cx.size("cols", cols)?;
     let src_ty = cx.float_type("src_dtype", src_dtype)?;
     let threads = source::row_threads(cols, 256);
-    let vars = [("ROWS", rows_expr(rows)), ("COLS", ull(cols))];
+    let scale = if scale == 1.0 {
+        String::new()
+    } else {
+        format!(" * {}", source::f32_lit(scale))
+    };
+    let vars = [
+        ("ROWS", rows_expr(rows)),
+        ("COLS", ull(cols)),
+        ("SCALE", scale),
+    ];
     let (index_buf, body) = match index {
         GatherIndex::Tokens => (
             Buf::input("long long", "index"),
@@ -28,7 +38,7 @@ pub(crate) fn emit(
     if (i >= ${ROWS}) return;
     const maxc_u64 token = (maxc_u64)index[i];
     for (maxc_u64 c = threadIdx.x; c < ${COLS}; c += blockDim.x)
-        out[i * ${COLS} + c] = maxc_ld(src, token * ${COLS} + c);
+        out[i * ${COLS} + c] = maxc_ld(src, token * ${COLS} + c)${SCALE};
 "#,
                 &vars,
             ),
@@ -49,7 +59,7 @@ pub(crate) fn emit(
     }
     const bool has_row = row >= 0 && (maxc_u64)row < total_seq_len;
     for (maxc_u64 c = threadIdx.x; c < ${COLS}; c += blockDim.x)
-        out[i * ${COLS} + c] = has_row ? maxc_ld(src, (maxc_u64)row * ${COLS} + c) : 0.0f;
+        out[i * ${COLS} + c] = has_row ? maxc_ld(src, (maxc_u64)row * ${COLS} + c)${SCALE} : 0.0f;
 "#,
                 &vars,
             ),

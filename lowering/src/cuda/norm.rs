@@ -13,19 +13,24 @@ use maxc_schema::{CudaLaunch, DType, GridExtent, Rows};
 pub(crate) fn emit(
     cx: Ctx,
     rows: Rows,
-    cols: u64,
-    width: u64,
+    (cols, width): (u64, u64),
+    weight_offset: f32,
     eps: f32,
     residual: bool,
     weight_dtype: DType,
 ) -> Result<Emitted, CudaError> {
+    let w = if weight_offset == 0.0 {
+        "maxc_ld(w, c)".to_string()
+    } else {
+        format!("(maxc_ld(w, c) + {})", f32_lit(weight_offset))
+    };
     let cols = cx.size("cols", cols)?;
     let width = cx.size("width", width)?;
     if cols % width != 0 {
         return Err(cx.invalid(format!("`width` {width} does not divide `cols` {cols}")));
     }
     if width < cols {
-        return grouped(cx, rows, cols, width, eps, residual, weight_dtype);
+        return grouped(cx, rows, (cols, width), &w, eps, residual, weight_dtype);
     }
     let w_ty = cx.float_type("weight_dtype", weight_dtype)?;
     let threads = source::row_threads(cols, 256);
@@ -42,7 +47,7 @@ pub(crate) fn emit(
     sq = maxc_block_sum(sq);
     const float inv = 1.0f / sqrtf(sq / ${{COLS_F}} + ${{EPS}});
     for (maxc_u64 c = threadIdx.x; c < ${{COLS}}; c += blockDim.x)
-        out[r * ${{COLS}} + c] = {x_row}[r * ${{COLS}} + c] * inv * maxc_ld(w, c);
+        out[r * ${{COLS}} + c] = {x_row}[r * ${{COLS}} + c] * inv * {w};
 "#
     );
     let body = fill(
@@ -66,8 +71,8 @@ pub(crate) fn emit(
 fn grouped(
     cx: Ctx,
     rows: Rows,
-    cols: u64,
-    width: u64,
+    (cols, width): (u64, u64),
+    w: &str,
     eps: f32,
     residual: bool,
     weight_dtype: DType,
@@ -89,7 +94,7 @@ fn grouped(
         sq = maxc_block_sum(sq);
         const float inv = 1.0f / sqrtf(sq / ${{WIDTH_F}} + ${{EPS}});
         for (maxc_u64 c = threadIdx.x; c < ${{WIDTH}}; c += blockDim.x)
-            out[o + c] = {x_row}[o + c] * inv * maxc_ld(w, c);
+            out[o + c] = {x_row}[o + c] * inv * {w};
     }}
 "#
     );

@@ -133,7 +133,7 @@ pub enum GatherIndex {
 /// parallel range.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum KernelBody {
-    /// `out[i, :] = src[idx(i), :]`, converted to f32.
+    /// `out[i, :] = src[idx(i), :] · scale`, converted to f32.
     /// Buffers: `src [V, cols]` (`src_dtype`), `index`, `out f32 [rows, cols]`.
     /// Parallel range: output rows.
     Gather {
@@ -145,6 +145,8 @@ pub enum KernelBody {
         index: GatherIndex,
         /// The source's element type.
         src_dtype: DType,
+        /// What every value is multiplied by (Gemma's embeddings: `sqrt(hidden)`; else 1).
+        scale: f32,
     },
     /// Each token row's position: `cache_lengths[b] + (r - input_row_offsets[b])`.
     /// Buffers: `input_row_offsets i32 [B+1]`, `cache_lengths i32 [B]`, `out i64 [T]`.
@@ -152,7 +154,8 @@ pub enum KernelBody {
     Positions,
     /// RMSNorm of each `width` values of rows (the whole row where `width == cols`; each head
     /// of q or k for the per-head norms), optionally of a residual sum:
-    /// without residual: `x`, `w [width]`, `out` with `out = x / sqrt(mean(x²) + eps) · w`;
+    /// without residual: `x`, `w [width]`, `out` with
+    /// `out = x / sqrt(mean(x²) + eps) · (w + weight_offset)`;
     /// with residual: `a`, `b`, `w [width]`, `sum`, `out` with `sum = a + b` and
     /// `out = rmsnorm(sum) · w`. All rows `[rows, cols]` f32; `w` in `weight_dtype`.
     /// Parallel range: rows.
@@ -163,6 +166,8 @@ pub enum KernelBody {
         cols: u64,
         /// Values normalized together: `cols`, or a divisor of it.
         width: u64,
+        /// Added to each weight (Gemma's `(1 + w)` norms: 1; else 0).
+        weight_offset: f32,
         /// Added to the mean square.
         eps: f32,
         /// Whether the kernel first adds a residual.

@@ -650,6 +650,7 @@ fn operand_uses(body: &KernelBody, cx: &Ctx, what: &str) -> Result<Vec<Use>, Val
             cols,
             index,
             src_dtype,
+            ..
         } => {
             if matches!(index, GatherIndex::LastRows) && *rows != Rows::Step(StepDim::LogitRows) {
                 return err(format!(
@@ -855,17 +856,28 @@ fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(),
         view.check().map_err(ValidationError)?;
     }
     match body {
-        KernelBody::Gather { src_dtype, .. } => real(*src_dtype, "src_dtype"),
+        KernelBody::Gather {
+            src_dtype, scale, ..
+        } => {
+            if !scale.is_finite() {
+                return err(format!("scale is {scale}"));
+            }
+            real(*src_dtype, "src_dtype")
+        }
         KernelBody::Positions => Ok(()),
         KernelBody::RmsNorm {
             cols,
             width,
+            weight_offset,
             eps,
             weight_dtype,
             ..
         } => {
             if !eps.is_finite() || *eps < 0.0 {
                 return err(format!("eps is {eps}"));
+            }
+            if !weight_offset.is_finite() {
+                return err(format!("weight_offset is {weight_offset}"));
             }
             if *width == 0 || cols % width != 0 {
                 return err(format!("width {width} does not divide cols {cols}"));

@@ -669,6 +669,7 @@ impl CpuExecutor {
                 cols,
                 index,
                 src_dtype,
+                scale,
             } => {
                 let (rows, cols) = (rows_of(rows), *cols as usize);
                 let p = &self.params[&buffers[0]];
@@ -702,7 +703,12 @@ impl CpuExecutor {
                         }
                     };
                     match src {
-                        Some(i) => matmul::gather_row(table, *src_dtype, cols, i as usize, o),
+                        Some(i) => {
+                            matmul::gather_row(table, *src_dtype, cols, i as usize, o);
+                            if *scale != 1.0 {
+                                o.iter_mut().for_each(|v| *v *= scale);
+                            }
+                        }
                         None => o.fill(0.0),
                     }
                 }
