@@ -523,6 +523,7 @@ every_backend!(tiny_qwen3, "tiny-qwen3", GraphRole::Decoder, "");
 every_backend!(tiny_qwen3_moe, "tiny-qwen3-moe", GraphRole::Decoder, "");
 every_backend!(tiny_mistral_swa, "tiny-mistral-swa", GraphRole::Decoder, "");
 every_backend!(tiny_phi3, "tiny-phi3", GraphRole::Decoder, "");
+every_backend!(tiny_gemma3, "tiny-gemma3", GraphRole::Decoder, "");
 
 /// The Qwen families as GGUF files (`general.architecture` `qwen2`, `qwen3`: q and k as the
 /// converter leaves them, q/k norms renamed back) give the fixture's logits, as their Hugging

@@ -71,6 +71,7 @@ pub fn cases() -> Vec<Case> {
         "tiny-llama",
         "tiny-qwen2",
         "tiny-qwen3",
+        "tiny-gemma3",
         "tiny-mixtral",
         "tiny-roles",
     ] {
@@ -95,6 +96,7 @@ pub fn cases() -> Vec<Case> {
         "tiny-llama",
         "tiny-qwen2",
         "tiny-qwen3",
+        "tiny-gemma3",
         "tiny-mixtral",
         "tiny-roles",
     ] {

@@ -1,7 +1,7 @@
 //! The registry of architectures, by their Hugging Face `architectures` name.
 
 use crate::arch::{
-    config::ConfigReader, llama, llama_with_draft, mistral, mixtral, phi3, qwen2, qwen3,
+    config::ConfigReader, gemma3, llama, llama_with_draft, mistral, mixtral, phi3, qwen2, qwen3,
     Architecture, ModelSpec,
 };
 use crate::{Error, Result};
@@ -24,7 +24,8 @@ impl Registry {
     /// Every architecture maxc ships.
     pub fn builtin() -> Self {
         let mut r = Registry::new();
-        let archs: [Arc<dyn Architecture>; 8] = [
+        let archs: [Arc<dyn Architecture>; 9] = [
+            Arc::new(gemma3::Gemma3),
             Arc::new(llama::Llama),
             Arc::new(mistral::Mistral),
             Arc::new(qwen2::Qwen2),

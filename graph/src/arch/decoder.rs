@@ -80,6 +80,25 @@ impl MoeConfig {
     }
 }
 
+/// How Gemma's decoder layers differ from Llama's.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GemmaStyle {
+    /// Every RMSNorm multiplies by `1 + w` (the weights are stored as offsets from 1).
+    pub unit_offset_norms: bool,
+    /// Embeddings are multiplied by `sqrt(hidden_size)`.
+    pub scaled_embeddings: bool,
+    /// Norms after attention and around the MLP: `post_attention_layernorm` on the attention's
+    /// output, `pre_feedforward_layernorm` and `post_feedforward_layernorm` around the MLP.
+    pub sandwich_norms: bool,
+    /// The MLP's activation is GELU (tanh) instead of SiLU.
+    pub gelu_tanh: bool,
+    /// The score scale (`query_pre_attn_scalar^-1/2`), instead of `head_dim^-1/2`.
+    pub attention_scale: f32,
+    /// Rotary parameters of the sliding-window layers (`rope_local_base_freq`, or
+    /// `rope_parameters.sliding_attention`).
+    pub local_rope: RopeConfig,
+}
+
 /// Which projections carry a bias.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Biases {
@@ -129,6 +148,9 @@ pub struct DecoderConfig {
     /// Elements of each head that rotate, where fewer than `head_dim` (`partial_rotary_factor`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rotary_dim: Option<usize>,
+    /// Gemma's variations on the layer, where the model has them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemma: Option<GemmaStyle>,
     /// Each layer's sliding window (`None`: full attention); empty where no layer has one.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub layer_windows: Vec<Option<usize>>,
@@ -165,7 +187,12 @@ impl DecoderConfig {
                 format!("is {head_dim}; rotary embedding needs an even, positive head_dim"),
             ));
         }
-        if let Some(act) = cfg.opt_str("hidden_act")? {
+        // Gemma configs name the MLP's activation `hidden_activation` (theirs to check); their
+        // `hidden_act`, where present, is not what the MLP uses.
+        if let Some(act) = cfg
+            .opt_str("hidden_act")?
+            .filter(|_| cfg.get("hidden_activation").is_none())
+        {
             if act != "silu" {
                 return Err(cfg.error(
                     "hidden_act",
@@ -238,6 +265,7 @@ impl DecoderConfig {
             qk_norm: false,
             layer_windows: Vec::new(),
             rotary_dim,
+            gemma: None,
         })
     }
 
@@ -400,15 +428,32 @@ impl DecoderBuilder<'_> {
     }
 
     fn rms_norm(&mut self, path: &KeyPath, x: NodeIndex) -> Result<NodeIndex> {
-        let w = self.weight(path.key("weight"), &[self.cfg.hidden_size])?;
+        self.rms_norm_of(path, x, self.cfg.hidden_size)
+    }
+
+    /// RMSNorm over the last `width` values (the hidden size, or a head's).
+    fn rms_norm_of(&mut self, path: &KeyPath, x: NodeIndex, width: usize) -> Result<NodeIndex> {
+        let w = self.weight(path.key("weight"), &[width])?;
+        let offset = match &self.cfg.gemma {
+            Some(g) if g.unit_offset_norms => 1.0,
+            _ => 0.0,
+        };
         self.b.op(
             &path.0,
             Op::RmsNorm {
                 eps: self.cfg.rms_norm_eps as f32,
-                offset: 0.0,
+                offset,
             },
             &[x, w],
         )
+    }
+
+    /// What the embeddings are multiplied by: `sqrt(hidden_size)` in f32 for Gemma, else 1.
+    fn embed_scale(&self) -> f32 {
+        match &self.cfg.gemma {
+            Some(g) if g.scaled_embeddings => (self.cfg.hidden_size as f64).sqrt() as f32,
+            _ => 1.0,
+        }
     }
 
     fn reshape(&mut self, name: String, x: NodeIndex, shape: Vec<Dim>) -> Result<NodeIndex> {
@@ -448,7 +493,9 @@ impl DecoderBuilder<'_> {
         )?;
         let mut h = self.b.op(
             "model.embed_tokens",
-            Op::Embedding { scale: 1.0 },
+            Op::Embedding {
+                scale: self.embed_scale(),
+            },
             &[embed, tokens],
         )?;
         let positions = self.b.op(
@@ -466,16 +513,28 @@ impl DecoderBuilder<'_> {
 
         for layer in 0..c.num_layers {
             let lp = model.pp("layers").pp(layer);
+            let sandwich = c.gemma.as_ref().is_some_and(|g| g.sandwich_norms);
             let x = self.rms_norm(&lp.pp("input_layernorm"), h)?;
-            let attn = self.attention(&lp.pp("self_attn"), layer, x, &step)?;
+            let mut attn = self.attention(&lp.pp("self_attn"), layer, x, &step)?;
+            if sandwich {
+                attn = self.rms_norm(&lp.pp("post_attention_layernorm"), attn)?;
+            }
             h = self.b.op(&lp.key("attn_residual"), Op::Add, &[h, attn])?;
-            let x = self.rms_norm(&lp.pp("post_attention_layernorm"), h)?;
-            let mlp = match &c.moe {
+            let pre_mlp = if sandwich {
+                "pre_feedforward_layernorm"
+            } else {
+                "post_attention_layernorm"
+            };
+            let x = self.rms_norm(&lp.pp(pre_mlp), h)?;
+            let mut mlp = match &c.moe {
                 Some(moe) if !moe.dense_layers.contains(&layer) => {
                     self.moe(&lp.pp(moe.naming.names().0), x, moe)?
                 }
                 _ => self.mlp(&lp.pp("mlp"), x)?,
             };
+            if sandwich {
+                mlp = self.rms_norm(&lp.pp("post_feedforward_layernorm"), mlp)?;
+            }
             h = self.b.op(&lp.key("mlp_residual"), Op::Add, &[h, mlp])?;
         }
         let mut h = self.rms_norm(&model.pp("norm"), h)?;
@@ -504,9 +563,12 @@ impl DecoderBuilder<'_> {
         let c = self.cfg;
         let (hq, hkv, d, hid) = (c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size);
         let t = || Dim::sym(names::TOTAL_SEQ_LEN);
-        let table = c
-            .rope
-            .table(c.rotary_dim.unwrap_or(d), self.opts.checkpoint_dtype);
+        let window = c.layer_windows.get(layer).copied().flatten();
+        let rope = match &c.gemma {
+            Some(g) if window.is_some() => &g.local_rope,
+            _ => &c.rope,
+        };
+        let table = rope.table(c.rotary_dim.unwrap_or(d), self.opts.checkpoint_dtype);
         let heads = |this: &mut Self, name: &str, n: usize, rope: bool| -> Result<NodeIndex> {
             let proj = p.pp(format!("{name}_proj"));
             let y = this.linear(&proj, x, n * d, hid, c.biases.qkv)?;
@@ -515,12 +577,7 @@ impl DecoderBuilder<'_> {
                 return Ok(y);
             }
             if c.qk_norm {
-                let norm = p.pp(format!("{name}_norm"));
-                let w = this.weight(norm.key("weight"), &[d])?;
-                let eps = c.rms_norm_eps as f32;
-                y = this
-                    .b
-                    .op(&norm.0, Op::RmsNorm { eps, offset: 0.0 }, &[y, w])?;
+                y = this.rms_norm_of(&p.pp(format!("{name}_norm")), y, d)?;
             }
             this.b.op(
                 &proj.key("rope"),
@@ -533,13 +590,16 @@ impl DecoderBuilder<'_> {
         let q = heads(self, "q", hq, true)?;
         let k = heads(self, "k", hkv, true)?;
         let v = heads(self, "v", hkv, false)?;
-        let scale = 1.0 / (d as f32).sqrt();
+        let scale = match &c.gemma {
+            Some(g) => g.attention_scale,
+            None => 1.0 / (d as f32).sqrt(),
+        };
         let a = self.b.op(
             &p.key("attention"),
             Op::PagedAttention {
                 layer,
                 scale,
-                window: c.layer_windows.get(layer).copied().flatten(),
+                window,
             },
             &[
                 q,
@@ -563,7 +623,11 @@ impl DecoderBuilder<'_> {
         );
         let gate = self.linear(&p.pp("gate_proj"), x, f, h, bias)?;
         let up = self.linear(&p.pp("up_proj"), x, f, h, bias)?;
-        let act = self.b.op(&p.key("act"), Op::Silu, &[gate])?;
+        let act = match &self.cfg.gemma {
+            Some(g) if g.gelu_tanh => Op::GeluTanh,
+            _ => Op::Silu,
+        };
+        let act = self.b.op(&p.key("act"), act, &[gate])?;
         let prod = self.b.op(&p.key("gate_up"), Op::Mul, &[act, up])?;
         self.linear(&p.pp("down_proj"), prod, h, f, bias)
     }

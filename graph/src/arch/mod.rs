@@ -4,6 +4,7 @@
 pub mod config;
 pub mod decoder;
 pub mod ep_init;
+pub mod gemma3;
 pub mod gguf;
 pub mod llama;
 pub mod llama_with_draft;

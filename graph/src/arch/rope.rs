@@ -55,8 +55,21 @@ pub struct RopeConfig {
 impl RopeConfig {
     /// Reads `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (transformers 4).
     pub fn read(cfg: &ConfigReader<'_>) -> Result<Self> {
-        let params = cfg.child("rope_parameters")?;
-        let legacy = cfg.child("rope_scaling")?;
+        Self::read_from(
+            cfg,
+            cfg.child("rope_parameters")?,
+            cfg.child("rope_scaling")?,
+        )
+    }
+
+    /// Reads rotary parameters from `params` (a `rope_parameters` object, or one of its
+    /// per-layer-type entries) or `legacy` (a `rope_scaling` object), `cfg` holding the
+    /// top-level fields (`rope_theta`, the context lengths).
+    pub fn read_from(
+        cfg: &ConfigReader<'_>,
+        params: Option<ConfigReader<'_>>,
+        legacy: Option<ConfigReader<'_>>,
+    ) -> Result<Self> {
         let theta = match params
             .as_ref()
             .map(|p| p.opt_f64("rope_theta"))

@@ -18,6 +18,9 @@ static __device__ __forceinline__ unsigned maxc_f16_bits(float v) { return __hal
 
 // x * sigmoid(x), as the CPU backend computes it.
 static __device__ __forceinline__ float maxc_silu(float x) { return x / (1.0f + expf(-x)); }
+static __device__ __forceinline__ float maxc_gelu_tanh(float x) {
+    return x / (1.0f + expf(-1.5957691f * x * (1.0f + 0.044715f * x * x)));
+}
 
 // Butterfly reductions over a full warp: every lane gets the same bits.
 static __device__ __forceinline__ float maxc_warp_sum(float v) {

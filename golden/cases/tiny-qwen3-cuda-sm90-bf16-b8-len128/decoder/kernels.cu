@@ -18,6 +18,9 @@ static __device__ __forceinline__ unsigned maxc_f16_bits(float v) { return __hal
 
 // x * sigmoid(x), as the CPU backend computes it.
 static __device__ __forceinline__ float maxc_silu(float x) { return x / (1.0f + expf(-x)); }
+static __device__ __forceinline__ float maxc_gelu_tanh(float x) {
+    return x / (1.0f + expf(-1.5957691f * x * (1.0f + 0.044715f * x * x)));
+}
 
 // Butterfly reductions over a full warp: every lane gets the same bits.
 static __device__ __forceinline__ float maxc_warp_sum(float v) {
@@ -80,7 +83,7 @@ static __device__ __forceinline__ void maxc_mma_f16(float* d, const unsigned* a,
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(256) gather_6458826f(
+extern "C" __global__ void __launch_bounds__(256) gather_93f3359c(
     const __nv_bfloat16* __restrict__ src,
     const long long* __restrict__ index,
     float* __restrict__ out,
@@ -118,7 +121,7 @@ extern "C" __global__ void __launch_bounds__(128) positions_af63bc4c(
         if (r >= 0 && (maxc_u64)r < total_seq_len) out[r] = base + r;
 }
 
-extern "C" __global__ void __launch_bounds__(256) rms_norm_d899f31b(
+extern "C" __global__ void __launch_bounds__(256) rms_norm_21f2c0a0(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -241,7 +244,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_e2f5b59a(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) rms_norm_6441d6b8(
+extern "C" __global__ void __launch_bounds__(64) rms_norm_7371d0d4(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -398,7 +401,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_51ced263(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) rms_norm_15784e72(
+extern "C" __global__ void __launch_bounds__(64) rms_norm_50a1373a(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -681,7 +684,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_0400bb09(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) rms_norm_d89d551b(
+extern "C" __global__ void __launch_bounds__(256) rms_norm_21f622a0(
     const float* __restrict__ a,
     const float* __restrict__ b,
     const __nv_bfloat16* __restrict__ w,
@@ -731,7 +734,7 @@ extern "C" __global__ void __launch_bounds__(256) elementwise_54fcc802(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) gather_34274645(
+extern "C" __global__ void __launch_bounds__(256) gather_f97b7340(
     const float* __restrict__ src,
     const int* __restrict__ index,
     float* __restrict__ out,

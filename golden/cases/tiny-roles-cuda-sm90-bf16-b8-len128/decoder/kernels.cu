@@ -18,6 +18,9 @@ static __device__ __forceinline__ unsigned maxc_f16_bits(float v) { return __hal
 
 // x * sigmoid(x), as the CPU backend computes it.
 static __device__ __forceinline__ float maxc_silu(float x) { return x / (1.0f + expf(-x)); }
+static __device__ __forceinline__ float maxc_gelu_tanh(float x) {
+    return x / (1.0f + expf(-1.5957691f * x * (1.0f + 0.044715f * x * x)));
+}
 
 // Butterfly reductions over a full warp: every lane gets the same bits.
 static __device__ __forceinline__ float maxc_warp_sum(float v) {
@@ -80,7 +83,7 @@ static __device__ __forceinline__ void maxc_mma_f16(float* d, const unsigned* a,
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(128) gather_83277af7(
+extern "C" __global__ void __launch_bounds__(128) gather_a584814e(
     const __nv_bfloat16* __restrict__ src,
     const long long* __restrict__ index,
     float* __restrict__ out,
@@ -118,7 +121,7 @@ extern "C" __global__ void __launch_bounds__(128) positions_af63bc4c(
         if (r >= 0 && (maxc_u64)r < total_seq_len) out[r] = base + r;
 }
 
-extern "C" __global__ void __launch_bounds__(128) rms_norm_e3fb2cf7(
+extern "C" __global__ void __launch_bounds__(128) rms_norm_f7f9f9d3(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -528,7 +531,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_58abfe14(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) rms_norm_e3fe8ef7(
+extern "C" __global__ void __launch_bounds__(128) rms_norm_f7fd5bd3(
     const float* __restrict__ a,
     const float* __restrict__ b,
     const __nv_bfloat16* __restrict__ w,
@@ -776,7 +779,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_50a47436(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) gather_0cc086d2(
+extern "C" __global__ void __launch_bounds__(128) gather_530e56fa(
     const float* __restrict__ src,
     const int* __restrict__ index,
     float* __restrict__ out,

@@ -18,6 +18,9 @@ static __device__ __forceinline__ unsigned maxc_f16_bits(float v) { return __hal
 
 // x * sigmoid(x), as the CPU backend computes it.
 static __device__ __forceinline__ float maxc_silu(float x) { return x / (1.0f + expf(-x)); }
+static __device__ __forceinline__ float maxc_gelu_tanh(float x) {
+    return x / (1.0f + expf(-1.5957691f * x * (1.0f + 0.044715f * x * x)));
+}
 
 // Butterfly reductions over a full warp: every lane gets the same bits.
 static __device__ __forceinline__ float maxc_warp_sum(float v) {
@@ -80,7 +83,7 @@ static __device__ __forceinline__ void maxc_mma_f16(float* d, const unsigned* a,
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(64) gather_0243bafb(
+extern "C" __global__ void __launch_bounds__(64) gather_a6c7290b(
     const __nv_bfloat16* __restrict__ src,
     const long long* __restrict__ index,
     float* __restrict__ out,
@@ -118,7 +121,7 @@ extern "C" __global__ void __launch_bounds__(128) positions_af63bc4c(
         if (r >= 0 && (maxc_u64)r < total_seq_len) out[r] = base + r;
 }
 
-extern "C" __global__ void __launch_bounds__(64) rms_norm_34a0efdd(
+extern "C" __global__ void __launch_bounds__(64) rms_norm_bcf29835(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -528,7 +531,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_1c1eed5d(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) rms_norm_34a451dd(
+extern "C" __global__ void __launch_bounds__(64) rms_norm_bcf5fa35(
     const float* __restrict__ a,
     const float* __restrict__ b,
     const __nv_bfloat16* __restrict__ w,
@@ -776,7 +779,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_b5c4a0c9(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) gather_e261c6d1(
+extern "C" __global__ void __launch_bounds__(64) gather_fe6f7466(
     const float* __restrict__ src,
     const int* __restrict__ index,
     float* __restrict__ out,
