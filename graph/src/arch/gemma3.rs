@@ -27,7 +27,10 @@ impl Architecture for Gemma3 {
         &[GraphRole::Decoder]
     }
     fn parse_config(&self, cfg: &ConfigReader<'_>) -> Result<Box<dyn ModelSpec>> {
-        Ok(Box::new(DecoderModel::new(self.name(), read_gemma3(cfg)?)))
+        Ok(Box::new(DecoderModel::unpermuted(
+            self.name(),
+            read_gemma3(cfg)?,
+        )))
     }
 }
 
@@ -104,8 +107,11 @@ pub fn read_gemma3(cfg: &ConfigReader<'_>) -> Result<DecoderConfig> {
             format!("is {scalar}; expected a positive number"),
         ));
     }
+    let from_gguf = cfg
+        .opt_bool(super::gguf::NORMS_INCLUDE_ONE)?
+        .unwrap_or(false);
     config.gemma = Some(GemmaStyle {
-        unit_offset_norms: true,
+        unit_offset_norms: !from_gguf,
         scaled_embeddings: true,
         sandwich_norms: true,
         gelu_tanh: true,

@@ -9,11 +9,16 @@ use crate::{Error, Result};
 use serde_json::{json, Map, Value};
 
 /// The GGUF architectures maxc reads, with the Hugging Face architecture each maps to.
-pub const ARCHITECTURES: [(&str, &str); 3] = [
+pub const ARCHITECTURES: [(&str, &str); 4] = [
     ("llama", "LlamaForCausalLM"),
     ("qwen2", "Qwen2ForCausalLM"),
     ("qwen3", "Qwen3ForCausalLM"),
+    ("gemma3", "Gemma3ForCausalLM"),
 ];
+
+/// The config key that tells Gemma's reader its norm weights already hold the `+ 1`
+/// (llama.cpp's converter adds it), so the kernels must not add it again.
+pub const NORMS_INCLUDE_ONE: &str = "maxc_gguf_norms_include_one";
 
 /// The Hugging Face style config of a GGUF file's model (see [`ARCHITECTURES`]).
 pub fn config_from_gguf(gguf: &GgufFile) -> Result<Value> {
@@ -127,7 +132,18 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<Value> {
             cfg.insert(field.into(), json!(id));
         }
     }
-    cfg.insert("hidden_act".into(), json!("silu"));
+    if arch == "gemma3" {
+        // llama.cpp's Gemma 3: the sliding window from the file, every sixth layer full, local
+        // layers at base 10000 and scores at head_dim^-1/2 (its defaults, which the reader
+        // shares); norm weights stored with their `+ 1`.
+        if let Some(w) = num("attention.sliding_window") {
+            cfg.insert("sliding_window".into(), json!(w));
+        }
+        cfg.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+        cfg.insert(NORMS_INCLUDE_ONE.into(), json!(true));
+    } else {
+        cfg.insert("hidden_act".into(), json!("silu"));
+    }
     Ok(Value::Object(cfg))
 }
 
@@ -137,8 +153,9 @@ fn known() -> String {
     names.join(", ")
 }
 
-/// The Hugging Face name of a GGUF Llama-family tensor.
-pub fn hf_name(gguf: &str) -> Option<String> {
+/// The Hugging Face name of a GGUF Llama-family tensor (Gemma's norms with `gemma`: its
+/// `ffn_norm` is the MLP's pre-norm, and it has post-norms).
+pub fn hf_name(gguf: &str, gemma: bool) -> Option<String> {
     let fixed = match gguf {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
         "output_norm.weight" => Some("model.norm.weight"),
@@ -160,6 +177,9 @@ pub fn hf_name(gguf: &str) -> Option<String> {
         "attn_output" => "self_attn.o_proj",
         "attn_q_norm" => "self_attn.q_norm",
         "attn_k_norm" => "self_attn.k_norm",
+        "ffn_norm" if gemma => "pre_feedforward_layernorm",
+        "post_attention_norm" if gemma => "post_attention_layernorm",
+        "post_ffw_norm" if gemma => "post_feedforward_layernorm",
         "ffn_norm" => "post_attention_layernorm",
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
@@ -202,11 +222,11 @@ pub fn gguf_to_hf(
     weights: StateDict,
     heads: usize,
     kv_heads: usize,
-    permuted: bool,
+    (permuted, gemma): (bool, bool),
 ) -> Result<StateDict> {
     let mut out = StateDict::new();
     for (key, w) in weights {
-        let name = hf_name(&key).ok_or_else(|| Error::UnusedWeights {
+        let name = hf_name(&key, gemma).ok_or_else(|| Error::UnusedWeights {
             role: "(GGUF import)".into(),
             count: 1,
             keys: format!("`{key}` (no Llama equivalent)"),
@@ -237,18 +257,18 @@ mod tests {
     #[test]
     fn names_map_to_the_hugging_face_layout() {
         assert_eq!(
-            hf_name("blk.12.attn_output.weight").unwrap(),
+            hf_name("blk.12.attn_output.weight", false).unwrap(),
             "model.layers.12.self_attn.o_proj.weight"
         );
         assert_eq!(
-            hf_name("blk.0.ffn_norm.weight").unwrap(),
+            hf_name("blk.0.ffn_norm.weight", false).unwrap(),
             "model.layers.0.post_attention_layernorm.weight"
         );
         assert_eq!(
-            hf_name("token_embd.weight").unwrap(),
+            hf_name("token_embd.weight", false).unwrap(),
             "model.embed_tokens.weight"
         );
-        assert_eq!(hf_name("rope_freqs.weight"), None);
+        assert_eq!(hf_name("rope_freqs.weight", false), None);
     }
 
     #[test]

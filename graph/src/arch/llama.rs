@@ -106,8 +106,11 @@ pub struct LlamaFamilyHooks {
     /// KV heads (for GGUF un-permutation).
     pub num_kv_heads: usize,
     /// Whether a GGUF file of this architecture has q and k permuted for llama.cpp's rotary
-    /// layout (`llama` files; llama.cpp's converter leaves Qwen's as they are).
+    /// layout (`llama` files; llama.cpp's converter leaves Qwen's and Gemma's as they are).
     pub gguf_qk_permuted: bool,
+    /// Whether its GGUF files name their norms as Gemma's (`post_attention_norm`, `ffn_norm`
+    /// before the MLP, `post_ffw_norm`).
+    pub gguf_gemma_norms: bool,
 }
 
 impl LlamaFamilyHooks {
@@ -118,6 +121,7 @@ impl LlamaFamilyHooks {
             num_heads: config.num_heads,
             num_kv_heads: config.num_kv_heads,
             gguf_qk_permuted: true,
+            gguf_gemma_norms: config.gemma.is_some(),
         }
     }
 }
@@ -129,7 +133,7 @@ impl DeploymentHooks for LlamaFamilyHooks {
                 weights,
                 self.num_heads,
                 self.num_kv_heads,
-                self.gguf_qk_permuted,
+                (self.gguf_qk_permuted, self.gguf_gemma_norms),
             )?
         } else {
             weights
