@@ -452,6 +452,10 @@ fn write_dir(
     total += entry.bytes;
     entries.insert(WEIGHTS_FILE.into(), entry);
     let tokenizer = read_tokenizer(model)?;
+    if let Some(why) = &tokenizer.left_out {
+        tracing::warn!("{why}");
+        progress(&format!("warning: {why}"));
+    }
     if let Some(json) = &tokenizer.json {
         let bytes = json.as_bytes();
         let path = tmp.join(TOKENIZER_FILE);

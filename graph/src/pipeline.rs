@@ -6,7 +6,7 @@ use crate::arch::gguf::config_from_gguf;
 use crate::arch::{BuildOptions, ModelSpec};
 use crate::deployment::ModelLoadContext;
 use crate::ir::TensorType;
-use crate::weights::gguf::GgufFile;
+use crate::weights::gguf::{GgufFile, GgufValue};
 use crate::weights::{load_checkpoint_weights, StateDict};
 use crate::{DType, DeploymentConfig, Error, Graph, GraphRole, ModuleRuntime, Registry, Result};
 use std::collections::{BTreeMap, BTreeSet};
@@ -137,6 +137,9 @@ pub struct TokenizerFiles {
     pub json: Option<String>,
     /// A Jinja chat template.
     pub chat_template: Option<String>,
+    /// Why a GGUF's tokenizer was left out (a tokenizer model maxc does not build yet): the
+    /// model still compiles, to be run on token ids.
+    pub left_out: Option<String>,
 }
 
 /// The tokenizer of a checkpoint: a folder's `tokenizer.json` and `tokenizer_config.json`'s
@@ -145,12 +148,24 @@ pub struct TokenizerFiles {
 pub fn read_tokenizer(path: &Path) -> Result<TokenizerFiles> {
     if is_gguf(path) {
         let gguf = GgufFile::open(path)?;
-        if gguf.get("tokenizer.ggml.model").is_none() {
-            return Ok(TokenizerFiles::default());
+        let model = gguf.get("tokenizer.ggml.model").and_then(GgufValue::as_str);
+        match model {
+            None => return Ok(TokenizerFiles::default()),
+            Some(m) if m != "gpt2" => {
+                return Ok(TokenizerFiles {
+                    left_out: Some(format!(
+                        "{}: `tokenizer.ggml.model` is `{m}`; maxc builds `gpt2` (byte-level BPE) tokenizers only, so the artifact has none: send token ids",
+                        path.display()
+                    )),
+                    ..Default::default()
+                })
+            }
+            Some(_) => {}
         }
         return Ok(TokenizerFiles {
             json: Some(crate::tokenizer::tokenizer_json_from_gguf(&gguf)?),
             chat_template: crate::tokenizer::chat_template_from_gguf(&gguf),
+            left_out: None,
         });
     }
     let json_path = path.join("tokenizer.json");
@@ -176,6 +191,7 @@ pub fn read_tokenizer(path: &Path) -> Result<TokenizerFiles> {
         None
     };
     Ok(TokenizerFiles {
+        left_out: None,
         json,
         chat_template,
     })

@@ -196,3 +196,25 @@ fn an_architecture_maxc_does_not_read_names_the_key_and_the_ones_it_does() {
         "{e}"
     );
 }
+
+#[test]
+fn a_tokenizer_maxc_does_not_build_is_left_out_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("spm.gguf");
+    write_gguf(
+        &path,
+        &[
+            ("general.architecture", "gemma3"),
+            ("tokenizer.ggml.model", "llama"),
+        ],
+        &[],
+        0,
+    );
+    let t = maxc_graph::pipeline::read_tokenizer(&path).unwrap();
+    assert!(t.json.is_none());
+    let why = t.left_out.unwrap();
+    assert!(
+        why.contains("spm.gguf") && why.contains("tokenizer.ggml.model") && why.contains("`llama`"),
+        "{why}"
+    );
+}
