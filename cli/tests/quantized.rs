@@ -169,6 +169,9 @@ macro_rules! formats {
 formats!(tiny_llama, "tiny-llama", GraphRole::Decoder, "");
 formats!(tiny_qwen2, "tiny-qwen2", GraphRole::Decoder, "");
 formats!(tiny_mixtral, "tiny-mixtral", GraphRole::Decoder, "");
+formats!(tiny_qwen3, "tiny-qwen3", GraphRole::Decoder, "");
+formats!(tiny_gemma3, "tiny-gemma3", GraphRole::Decoder, "");
+formats!(tiny_phi3, "tiny-phi3", GraphRole::Decoder, "");
 formats!(tiny_roles_draft, "tiny-roles", GraphRole::Draft, "draft.");
 
 /// The generated kernels (Cranelift; what CPUs without AVX-512 run under `auto`) and the
