@@ -714,3 +714,26 @@ fn bench_measures_each_shape_against_its_probe() {
     // The fresh artifact's bounds allow at least a 128-token prefill and batch-1 decode.
     assert!(measured >= 2, "{v}");
 }
+
+#[test]
+fn inspect_gives_the_kv_bytes_of_a_token_and_of_a_sequence() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = fresh(tmp.path(), "kv.maxc");
+    let o = maxc(&["inspect", a.to_str().unwrap(), "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let kv = &r["roles"]["decoder"]["kv"];
+    // tiny-llama: 4 layers, 2 KV heads of 32, f32 keys and values.
+    assert_eq!(kv["bytes_per_token"], 2 * 4 * 2 * 32 * 4, "{kv}");
+    let (len, page) = (
+        r["runtime"]["max_seq_len"].as_u64().unwrap(),
+        kv["page_size"].as_u64().unwrap(),
+    );
+    assert_eq!(
+        kv["bytes_per_sequence"],
+        len.div_ceil(page) * page * 2048,
+        "{kv}"
+    );
+    let text = String::from_utf8_lossy(&maxc(&["inspect", a.to_str().unwrap()]).stdout).to_string();
+    assert!(text.contains("kv cache 2048 bytes per token"), "{text}");
+}

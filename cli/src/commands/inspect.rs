@@ -63,12 +63,25 @@ pub fn report(a: &Artifact) -> Value {
             .iter()
             .filter(|b| matches!(b.storage, Storage::Param { .. }))
             .count();
+        // The layout, and what one token and one sequence at max_seq_len hold (every layer keeps
+        // a sequence's every page: sliding-window layers do not return theirs yet).
+        let kv = p.kv.as_ref().map(|kv| {
+            let mut v = serde_json::to_value(kv).unwrap_or_default();
+            if let Some(o) = v.as_object_mut() {
+                o.insert("bytes_per_token".into(), json!(kv.bytes_per_token()));
+                o.insert(
+                    "bytes_per_sequence".into(),
+                    json!(kv.bytes_per_sequence(m.runtime.max_seq_len)),
+                );
+            }
+            v
+        });
         roles.insert(
             role.clone(),
             json!({
                 "dims": m.roles[role].dims,
                 "arena_bytes": p.arena_bytes,
-                "kv": p.kv,
+                "kv": kv,
                 "vocab_size": p.vocab_size,
                 "launches": p.launches.len(),
                 "kernels": kernels,
@@ -160,6 +173,12 @@ pub fn run(args: Args) -> Result<()> {
             println!("  dims     (none: every size is fixed)");
         } else {
             println!("  dims     {}", dims.join(", "));
+        }
+        if let Some(kv) = r["kv"].as_object() {
+            println!(
+                "  kv cache {} bytes per token, {} bytes per sequence at max_seq_len {}",
+                kv["bytes_per_token"], kv["bytes_per_sequence"], m.runtime.max_seq_len
+            );
         }
         println!("  kernels");
         for k in r["kernels"].as_array().into_iter().flatten() {

@@ -213,6 +213,18 @@ impl KvLayout {
         2 * self.page_size * self.kv_heads * self.head_dim * self.dtype.size() as u64
     }
 
+    /// Bytes one token's keys and values take in every layer.
+    pub fn bytes_per_token(&self) -> u64 {
+        2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.size() as u64
+    }
+
+    /// Bytes the pages of one sequence of `len` tokens take (whole pages, every layer).
+    pub fn bytes_per_sequence(&self, len: u64) -> u64 {
+        len.div_ceil(self.page_size.max(1))
+            .saturating_mul(self.page_size)
+            .saturating_mul(self.bytes_per_token())
+    }
+
     /// Bytes of the whole cache at the bounds `dims` (its `total_num_pages` slot).
     pub fn cache_bytes(&self, dims: [u64; StepDim::COUNT]) -> u64 {
         dims[StepDim::TotalNumPages as usize]
