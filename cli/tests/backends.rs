@@ -540,6 +540,96 @@ mod gguf_families {
         Kind::Gguf
     );
 }
+
+/// tiny-gemma3 as the language model of a `Gemma3ForConditionalGeneration` checkpoint, in
+/// either transformers layout, with a vision tower beside it: the interpreter gives the
+/// fixture's logits at every position of every prompt.
+#[test]
+fn gemma3_vision_checkpoints_compile_their_language_model() {
+    let fixture = fixtures().join("tiny-gemma3");
+    let text: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture.join("config.json")).unwrap()).unwrap();
+    let weights = read_safetensors_file(&fixture.join("model.safetensors")).unwrap();
+    let case = Case::new("tiny-gemma3", GraphRole::Decoder, "");
+    // transformers 5 (`model.language_model.`, layer types and rotary bases by layer type) and
+    // transformers 4 (`language_model.model.`; the pattern, rotary bases and eps left to
+    // Gemma3TextConfig's defaults, which are the fixture's values).
+    for tf5 in [true, false] {
+        let mut text = text.clone();
+        let fields = text.as_object_mut().unwrap();
+        fields.remove("architectures");
+        if !tf5 {
+            for k in [
+                "layer_types",
+                "rope_parameters",
+                "rms_norm_eps",
+                "_sliding_window_pattern",
+            ] {
+                fields.remove(k);
+            }
+        }
+        let config = serde_json::json!({
+            "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+            "text_config": text, "vision_config": {"hidden_size": 8}, "mm_tokens_per_image": 4
+        });
+        let mut wrapped = StateDict::new();
+        for (k, w) in weights.iter() {
+            let rest = k.strip_prefix("model.").unwrap();
+            let k = if tf5 {
+                format!("model.language_model.{rest}")
+            } else {
+                format!("language_model.model.{rest}")
+            };
+            wrapped.insert(k, w.clone());
+        }
+        let tower = if tf5 {
+            "model.vision_tower"
+        } else {
+            "vision_tower"
+        };
+        let patch = maxc_graph::weights::WeightTensor::from_f32(vec![2, 2], &[0.5; 4]);
+        wrapped.insert(
+            format!("{tower}.vision_model.embeddings.patch.weight"),
+            patch.clone(),
+        );
+        wrapped.insert(
+            format!(
+                "{}multi_modal_projector.mm_input_projection_weight",
+                if tf5 { "model." } else { "" }
+            ),
+            patch,
+        );
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+        maxc_graph::weights::write_safetensors(
+            &dir.path().join("model.safetensors"),
+            &wrapped,
+            None,
+        )
+        .unwrap();
+        let opts = LoadOptions {
+            runtime: runtime(),
+            all_logits: true,
+            ..Default::default()
+        };
+        let mut loaded = load_model(dir.path(), &Registry::builtin(), &opts).expect("loads");
+        let rg = loaded.roles.remove(&GraphRole::Decoder).unwrap();
+        let interp = Interpreter::new(rg.graph, &rg.weights).unwrap();
+        for i in case.prompts() {
+            let mut session = Session::new(&interp, 48, MAX_LEN.div_ceil(PAGE));
+            let tokens = case.i64s(&format!("p{i}.tokens"));
+            let got = session.step(&[(0, &tokens)]).unwrap().data;
+            let want = case.f32s(&format!("p{i}.logits"));
+            let d = max_diff(&got, 0..tokens.len(), &want, 0, 1024);
+            assert!(
+                d < TOL,
+                "transformers {} layout, prompt {i}: max |diff| {d}",
+                if tf5 { 5 } else { 4 }
+            );
+        }
+    }
+}
+
 every_backend!(tiny_mixtral, "tiny-mixtral", GraphRole::Decoder, "");
 
 /// tiny-mixtral with its experts over 2 and 4 in-process ranks gives the fixture's logits.

@@ -24,8 +24,9 @@ impl Registry {
     /// Every architecture maxc ships.
     pub fn builtin() -> Self {
         let mut r = Registry::new();
-        let archs: [Arc<dyn Architecture>; 9] = [
+        let archs: [Arc<dyn Architecture>; 10] = [
             Arc::new(gemma3::Gemma3),
+            Arc::new(gemma3::Gemma3ConditionalGeneration),
             Arc::new(llama::Llama),
             Arc::new(mistral::Mistral),
             Arc::new(qwen2::Qwen2),

@@ -26,6 +26,24 @@ impl<'a> ConfigReader<'a> {
         })
     }
 
+    /// A reader of `value` whose errors name its fields as `path.<key>` (a section of the
+    /// config that the caller has completed, such as a `text_config` with its defaults).
+    pub fn nested(file: &Path, path: &str, value: &'a Value) -> Result<Self> {
+        let obj = value
+            .as_object()
+            .ok_or_else(|| Error::config(file, path, "expected a JSON object"))?;
+        Ok(ConfigReader {
+            file: file.to_path_buf(),
+            path: path.to_string(),
+            obj,
+        })
+    }
+
+    /// The fields this reader reads.
+    pub fn fields(&self) -> &'a Map<String, Value> {
+        self.obj
+    }
+
     /// The file the config came from.
     pub fn file(&self) -> &Path {
         &self.file

@@ -5,13 +5,23 @@
 //! after attention and the MLP; q and k have per-head norms; the MLP is GeGLU (tanh GELU);
 //! embeddings are scaled by `sqrt(hidden_size)` and tied to the LM head; scores are scaled by
 //! `query_pre_attn_scalar^-1/2`.
+//!
+//! `Gemma3ForConditionalGeneration` checkpoints (Gemma 3 4B and up: text and vision) are
+//! compiled as their language model: its config is `text_config` completed with transformers'
+//! `Gemma3TextConfig` defaults (those checkpoints write only what differs), its weights sit under
+//! `language_model.` (the role prefix), and the vision tower and projector are left out.
 
 use super::config::ConfigReader;
 use super::decoder::{read_layer_windows, Biases, DecoderConfig, GemmaStyle};
 use super::llama::DecoderModel;
 use super::rope::RopeConfig;
 use super::{Architecture, ModelSpec};
+use crate::deployment::DeploymentHooks;
+use crate::weights::StateDict;
+use crate::DeploymentConfig;
 use crate::{GraphRole, Result};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 /// The Gemma 3 (text) architecture.
 pub struct Gemma3;
@@ -31,6 +41,123 @@ impl Architecture for Gemma3 {
             self.name(),
             read_gemma3(cfg)?,
         )))
+    }
+}
+
+/// Gemma 3 with vision: its language model.
+pub struct Gemma3ConditionalGeneration;
+
+/// The prefix of the language model's weights in `Gemma3ForConditionalGeneration` checkpoints
+/// (transformers 4's layout; transformers 5 writes `model.language_model.`, renamed to it).
+const LANGUAGE_MODEL: &str = "language_model.";
+
+/// transformers' `Gemma3TextConfig` defaults, for the fields a `text_config` leaves out.
+fn text_config_defaults() -> serde_json::Value {
+    serde_json::json!({
+        "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": true,
+        "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "attention_bias": false,
+        "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6
+    })
+}
+
+impl Architecture for Gemma3ConditionalGeneration {
+    fn name(&self) -> &'static str {
+        "Gemma3ForConditionalGeneration"
+    }
+    fn description(&self) -> &'static str {
+        "Gemma 3 with vision (4B and up): its language model (`text_config`, weights under `language_model.`); the vision tower is left out"
+    }
+    fn roles(&self) -> &'static [GraphRole] {
+        &[GraphRole::Decoder]
+    }
+    fn parse_config(&self, cfg: &ConfigReader<'_>) -> Result<Box<dyn ModelSpec>> {
+        let text = cfg.require_child("text_config")?;
+        let mut completed = text_config_defaults();
+        if let Some(fields) = completed.as_object_mut() {
+            for (k, v) in text.fields() {
+                if !v.is_null() {
+                    fields.insert(k.clone(), v.clone());
+                }
+            }
+            // A config that names its layer types does not also take the default pattern.
+            if text.get("layer_types").is_some() {
+                fields.remove("sliding_window_pattern");
+            }
+            // transformers 5 keys the rotary bases by layer type: the defaults' 4 fields go.
+            if text.get("rope_parameters").is_some() {
+                fields.remove("rope_theta");
+                fields.remove("rope_local_base_freq");
+            }
+        }
+        let reader = ConfigReader::nested(cfg.file(), "text_config", &completed)?;
+        let config = read_gemma3(&reader)?;
+        Ok(Box::new(Gemma3VisionModel {
+            language: DecoderModel::unpermuted(self.name(), config),
+        }))
+    }
+}
+
+/// A `Gemma3ForConditionalGeneration` checkpoint's language model.
+#[derive(Clone, Debug)]
+pub struct Gemma3VisionModel {
+    language: DecoderModel,
+}
+
+impl ModelSpec for Gemma3VisionModel {
+    fn architecture(&self) -> &'static str {
+        "Gemma3ForConditionalGeneration"
+    }
+    fn roles(&self) -> Vec<GraphRole> {
+        vec![GraphRole::Decoder]
+    }
+    fn deployment(&self) -> DeploymentConfig {
+        let mut d = DeploymentConfig::with_hooks(Arc::new(LanguageModelWeights {
+            tie_word_embeddings: self.language.config.tie_word_embeddings,
+        }));
+        d.weight_prefixes = BTreeMap::from([(GraphRole::Decoder, LANGUAGE_MODEL.to_string())]);
+        d
+    }
+    fn decoder(&self, role: GraphRole) -> Option<&DecoderConfig> {
+        self.language.decoder(role)
+    }
+}
+
+/// The language model's weights of a Gemma 3 vision checkpoint, all under `language_model.`.
+#[derive(Debug)]
+struct LanguageModelWeights {
+    tie_word_embeddings: bool,
+}
+
+impl DeploymentHooks for LanguageModelWeights {
+    fn prepare_weights(&self, weights: StateDict) -> Result<StateDict> {
+        let vision = ["vision_tower.", "multi_modal_projector."];
+        let mut out = StateDict::new();
+        for (key, w) in weights {
+            let inner = key.strip_prefix("model.").unwrap_or(&key);
+            if vision.iter().any(|v| inner.starts_with(v)) {
+                continue;
+            }
+            // transformers 5: `model.language_model.X` is transformers 4's
+            // `language_model.model.X`, and `lm_head.weight` its `language_model.lm_head.weight`.
+            let key = if let Some(rest) = key.strip_prefix("model.language_model.") {
+                format!("{LANGUAGE_MODEL}model.{rest}")
+            } else if key == "lm_head.weight" {
+                format!("{LANGUAGE_MODEL}lm_head.weight")
+            } else {
+                key
+            };
+            let tied_head = format!("{LANGUAGE_MODEL}lm_head.weight");
+            if (self.tie_word_embeddings && key == tied_head)
+                || key.ends_with("rotary_emb.inv_freq")
+            {
+                continue;
+            }
+            out.insert(key, w);
+        }
+        Ok(out)
     }
 }
 
@@ -176,6 +303,61 @@ mod tests {
         let err = parse(&cfg).unwrap_err().to_string();
         assert!(
             err.contains("hidden_activation") && err.contains("gelu_pytorch_tanh"),
+            "{err}"
+        );
+    }
+
+    /// Gemma 3 4B's config.json as Google ships it: `text_config` writes only what differs
+    /// from `Gemma3TextConfig`'s defaults.
+    #[test]
+    fn a_vision_checkpoint_is_its_language_model_with_the_text_defaults() {
+        let cfg = serde_json::json!({
+            "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+            "mm_tokens_per_image": 256, "image_token_index": 262144,
+            "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                "model_type": "gemma3_text", "num_hidden_layers": 34,
+                "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+            "vision_config": {"hidden_size": 1152, "image_size": 896, "patch_size": 14}
+        });
+        let spec = parse(&cfg).unwrap();
+        assert_eq!(spec.architecture(), "Gemma3ForConditionalGeneration");
+        let c = spec.decoder(GraphRole::Decoder).unwrap();
+        assert_eq!((c.hidden_size, c.num_layers), (2560, 34));
+        assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim), (8, 4, 256));
+        assert_eq!(c.vocab_size, 262208);
+        // Every sixth layer full, the others sliding over 1024 positions.
+        let windows: Vec<_> = (0..34)
+            .map(|l| ((l + 1) % 6 != 0).then_some(1024))
+            .collect();
+        assert_eq!(c.layer_windows, windows);
+        let g = c.gemma.as_ref().unwrap();
+        assert_eq!((c.rope.theta, g.local_rope.theta), (1e6, 1e4));
+        assert_eq!(
+            c.rope.scaling,
+            crate::arch::rope::RopeScaling::Linear { factor: 8.0 }
+        );
+        assert_eq!(
+            g.local_rope.scaling,
+            crate::arch::rope::RopeScaling::Default
+        );
+        assert_eq!(g.attention_scale, 1.0 / 16.0);
+        let d = spec.deployment();
+        assert_eq!(
+            d.weight_prefixes
+                .get(&GraphRole::Decoder)
+                .map(String::as_str),
+            Some("language_model.")
+        );
+        // An error inside names the section.
+        let mut bad = cfg.clone();
+        bad["text_config"]["num_hidden_layers"] = "many".into();
+        let err = parse(&bad).unwrap_err().to_string();
+        assert!(err.contains("text_config.num_hidden_layers"), "{err}");
+        let mut missing = cfg;
+        missing.as_object_mut().unwrap().remove("text_config");
+        let err = parse(&missing).unwrap_err().to_string();
+        assert!(
+            err.contains("text_config") && err.contains("missing"),
             "{err}"
         );
     }
