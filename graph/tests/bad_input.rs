@@ -242,6 +242,33 @@ fn unknown_dim_and_zero_bound() {
 }
 
 #[test]
+fn dynamic_ntk_past_its_context_names_max_seq_len() {
+    let dir = checkpoint(
+        |c| {
+            c["max_position_embeddings"] = serde_json::json!(256);
+            c["rope_parameters"] =
+                serde_json::json!({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0});
+        },
+        Some(&weights()),
+    );
+    let at = |len: usize| {
+        let mut runtime = ModuleRuntime::default();
+        runtime.batch.max_seq_len = len;
+        let opts = LoadOptions {
+            runtime,
+            ..Default::default()
+        };
+        load_model(dir.path(), &Registry::builtin(), &opts)
+    };
+    assert!(at(256).is_ok());
+    let e = at(512).unwrap_err().to_string();
+    assert!(
+        e.contains("max_seq_len") && e.contains("512") && e.contains("dynamic"),
+        "{e}"
+    );
+}
+
+#[test]
 fn bad_step_inputs_are_errors() {
     let dir = checkpoint(|_| {}, Some(&weights()));
     let mut loaded = load(dir.path()).unwrap();

@@ -389,6 +389,16 @@ struct StepInputs {
 /// KV cache, then a dense SwiGLU or MoE MLP, each with a residual add), the final norm and the
 /// LM head. Weight keys are those of the Hugging Face checkpoint, without any role prefix.
 pub fn build_decoder(cfg: &DecoderConfig, role: GraphRole, opts: &BuildOptions) -> Result<Graph> {
+    let max_seq_len = opts.runtime.batch.max_seq_len;
+    let local = cfg.gemma.as_ref().map(|g| &g.local_rope);
+    for rope in std::iter::once(&cfg.rope).chain(local) {
+        rope.check_context(max_seq_len)
+            .map_err(|message| crate::Error::Setting {
+                field: "max_seq_len".into(),
+                value: max_seq_len.to_string(),
+                message,
+            })?;
+    }
     let b = DecoderBuilder {
         b: GraphBuilder::new(role),
         cfg,

@@ -41,6 +41,33 @@ pub enum RopeScaling {
         /// `sqrt(1 + ln(s) / ln(original))` with `s = max_position_embeddings / original`.
         attention_factor: f64,
     },
+    /// YaRN: frequencies that turn fewer than `beta_slow` times over the original context are
+    /// divided by `factor`, those that turn more than `beta_fast` times are kept, a linear ramp
+    /// between; cos and sin multiplied by `attention_factor`.
+    Yarn {
+        /// The context extension.
+        factor: f64,
+        /// The context length of pre-training.
+        original_max_position_embeddings: f64,
+        /// What cos and sin are multiplied by: the config's, or `0.1 ln(factor) + 1` (with
+        /// `mscale` / `mscale_all_dim`, their ratio of that form).
+        attention_factor: f64,
+        /// Rotations over the original context above which a frequency is kept.
+        beta_fast: f64,
+        /// Rotations below which a frequency is divided by `factor`.
+        beta_slow: f64,
+        /// The ramp's ends rounded outwards to whole dims.
+        truncate: bool,
+    },
+    /// Dynamic NTK: the base grows once a sequence passes `max_position_embeddings`; below it
+    /// the frequencies are the default ones. maxc compiles it for contexts up to
+    /// `max_position_embeddings`, where it is exact ([`RopeConfig::check_context`]).
+    Dynamic {
+        /// The scaling factor past the context.
+        factor: f64,
+        /// The context below which the frequencies are the default ones.
+        max_position_embeddings: u64,
+    },
 }
 
 /// Rotary embedding parameters of one decoder.
@@ -131,6 +158,11 @@ impl RopeConfig {
                     "linear" => RopeScaling::Linear {
                         factor: num("factor")?,
                     },
+                    "yarn" => read_yarn(cfg, &p)?,
+                    "dynamic" => RopeScaling::Dynamic {
+                        factor: num("factor")?,
+                        max_position_embeddings: cfg.positive("max_position_embeddings")? as u64,
+                    },
                     "llama3" => RopeScaling::Llama3 {
                         factor: num("factor")?,
                         low_freq_factor: num("low_freq_factor")?,
@@ -141,7 +173,7 @@ impl RopeConfig {
                         return Err(p.error(
                             "rope_type",
                             format!(
-                                "`{other}` is not supported; expected default, linear, llama3 or longrope"
+                                "`{other}` is not supported; expected default, linear, llama3, longrope, yarn or dynamic"
                             ),
                         ))
                     }
@@ -151,12 +183,33 @@ impl RopeConfig {
         Ok(RopeConfig { theta, scaling })
     }
 
+    /// A compiled context of `max_seq_len` positions is one these frequencies are exact for:
+    /// dynamic NTK changes its frequencies past `max_position_embeddings`, which maxc does not
+    /// (every cached key keeps the rotation it was stored with).
+    pub fn check_context(&self, max_seq_len: usize) -> std::result::Result<(), String> {
+        match self.scaling {
+            RopeScaling::Dynamic {
+                max_position_embeddings,
+                ..
+            } if max_seq_len as u64 > max_position_embeddings => Err(format!(
+                "is {max_seq_len}, past max_position_embeddings ({max_position_embeddings}), where rope_type `dynamic` would rescale its frequencies; maxc compiles dynamic NTK up to that context (expected at most {max_position_embeddings})"
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// The rotary table of heads whose first `rotary_dim` elements rotate: [`Self::inv_freq`]'s
     /// frequencies, and longrope's scale and long frequencies (from the original context on, per
     /// position: a sequence's keys keep the rotation they were cached with, as transformers'
     /// keys do once a generation passes the original context).
     pub fn table(&self, rotary_dim: usize, stored: DType) -> maxc_schema::RopeTable {
         let mut t = maxc_schema::RopeTable::new(self.inv_freq(rotary_dim, stored));
+        if let RopeScaling::Yarn {
+            attention_factor, ..
+        } = &self.scaling
+        {
+            t.scale = *attention_factor as f32;
+        }
         if let RopeScaling::Longrope {
             long_factor,
             short_factor,
@@ -208,7 +261,43 @@ impl RopeConfig {
             .collect();
         let default: Vec<f32> = pow.iter().map(|p| 1.0 / p).collect();
         match &self.scaling {
-            RopeScaling::Default => default,
+            RopeScaling::Default | RopeScaling::Dynamic { .. } => default,
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate,
+                ..
+            } => {
+                // transformers' _compute_yarn_parameters: the correction range in f64, the
+                // frequencies and the ramp in f32.
+                let (dim, base) = (head_dim as f64, self.theta);
+                let correction = |rotations: f64| {
+                    dim * (original_max_position_embeddings
+                        / (rotations * 2.0 * std::f64::consts::PI))
+                        .ln()
+                        / (2.0 * base.ln())
+                };
+                let (mut low, mut high) = (correction(*beta_fast), correction(*beta_slow));
+                if *truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                let span = (high - low) as f32;
+                pow.iter()
+                    .enumerate()
+                    .map(|(i, &p)| {
+                        let ramp = ((i as f32 - low as f32) / span).clamp(0.0, 1.0);
+                        let extrapolation = 1.0 - ramp;
+                        let interpolated = 1.0 / (*factor as f32 * p);
+                        interpolated * (1.0 - extrapolation) + (1.0 / p) * extrapolation
+                    })
+                    .collect()
+            }
             // 1 / (factor · base^(2i/d)), the factor in f32 as transformers holds it.
             RopeScaling::Longrope { short_factor, .. } => pow
                 .iter()
@@ -247,6 +336,61 @@ impl RopeConfig {
             }
         }
     }
+}
+
+/// YaRN's parameters, with transformers' defaults: `original_max_position_embeddings` from the
+/// rope parameters, else the config's (Phi's place for it), else `max_position_embeddings`;
+/// `factor` absent is their ratio; the attention factor from `mscale` / `mscale_all_dim` or the
+/// factor; `beta_fast` 32, `beta_slow` 1, `truncate` true.
+fn read_yarn(cfg: &ConfigReader<'_>, p: &ConfigReader<'_>) -> Result<RopeScaling> {
+    let original = match p.opt_f64("original_max_position_embeddings")? {
+        Some(o) => o,
+        None => match cfg.opt_f64("original_max_position_embeddings")? {
+            Some(o) => o,
+            None => cfg.positive("max_position_embeddings")? as f64,
+        },
+    };
+    if original <= 0.0 {
+        return Err(p.error(
+            "original_max_position_embeddings",
+            format!("is {original}; expected a positive context length"),
+        ));
+    }
+    let factor = match p.opt_f64("factor")? {
+        Some(f) => f,
+        None => cfg.positive("max_position_embeddings")? as f64 / original,
+    };
+    if factor <= 0.0 {
+        return Err(p.error("factor", format!("is {factor}; expected a positive number")));
+    }
+    let mscale = |scale: f64, m: f64| {
+        if scale <= 1.0 {
+            1.0
+        } else {
+            0.1 * m * scale.ln() + 1.0
+        }
+    };
+    let attention_factor = match p.opt_f64("attention_factor")? {
+        Some(a) => a,
+        None => match (p.opt_f64("mscale")?, p.opt_f64("mscale_all_dim")?) {
+            (Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
+                mscale(factor, m) / mscale(factor, all)
+            }
+            _ => mscale(factor, 1.0),
+        },
+    };
+    // transformers reads `x or default`: 0 takes the default too.
+    let beta = |key: &str, default: f64| -> Result<f64> {
+        Ok(p.opt_f64(key)?.filter(|b| *b != 0.0).unwrap_or(default))
+    };
+    Ok(RopeScaling::Yarn {
+        factor,
+        original_max_position_embeddings: original,
+        attention_factor,
+        beta_fast: beta("beta_fast", 32.0)?,
+        beta_slow: beta("beta_slow", 1.0)?,
+        truncate: p.opt_bool("truncate")?.unwrap_or(true),
+    })
 }
 
 #[cfg(test)]
@@ -305,11 +449,14 @@ mod tests {
 
     #[test]
     fn unknown_rope_type_names_the_field() {
-        let err = read(json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}))
-            .unwrap_err()
-            .to_string();
+        let err =
+            read(json!({"rope_parameters": {"rope_type": "ntk-by-parts", "rope_theta": 1.0}}))
+                .unwrap_err()
+                .to_string();
         assert!(
-            err.contains("rope_parameters.rope_type") && err.contains("yarn"),
+            err.contains("rope_parameters.rope_type")
+                && err.contains("ntk-by-parts")
+                && err.contains("yarn"),
             "{err}"
         );
     }
