@@ -129,12 +129,12 @@ impl LlamaFamilyHooks {
 impl DeploymentHooks for LlamaFamilyHooks {
     fn prepare_weights(&self, weights: StateDict) -> Result<StateDict> {
         let weights = if super::gguf::is_gguf_layout(&weights) {
-            super::gguf::gguf_to_hf(
-                weights,
-                self.num_heads,
-                self.num_kv_heads,
-                (self.gguf_qk_permuted, self.gguf_gemma_norms),
-            )?
+            let layout = super::gguf::GgufLayout {
+                qk_permuted: self.gguf_qk_permuted,
+                gemma_norms: self.gguf_gemma_norms,
+                ..Default::default()
+            };
+            super::gguf::gguf_to_hf(weights, self.num_heads, self.num_kv_heads, layout)?
         } else {
             weights
         };

@@ -49,6 +49,7 @@ impl Architecture for Mixtral {
         Ok(Box::new(MixtralModel {
             architecture: "MixtralForCausalLM",
             config,
+            gguf_qk_permuted: true,
         }))
     }
 }
@@ -61,6 +62,9 @@ pub struct MixtralModel {
     pub architecture: &'static str,
     /// The decoder's config (with `moe` set).
     pub config: DecoderConfig,
+    /// Whether its GGUF files have q and k permuted for llama.cpp's rotary layout (Mixtral's,
+    /// written as `llama`; not Qwen3-MoE's).
+    pub gguf_qk_permuted: bool,
 }
 
 impl ModelSpec for MixtralModel {
@@ -79,7 +83,10 @@ impl ModelSpec for MixtralModel {
             .clone()
             .unwrap_or_else(|| MoeConfig::new(1, 1));
         let mut d = DeploymentConfig::with_hooks(Arc::new(MixtralHooks {
-            llama: LlamaFamilyHooks::new(&self.config),
+            llama: LlamaFamilyHooks {
+                gguf_qk_permuted: self.gguf_qk_permuted,
+                ..LlamaFamilyHooks::new(&self.config)
+            },
             num_experts: moe.num_experts,
             top_k: moe.top_k,
             hidden_size: self.config.hidden_size,

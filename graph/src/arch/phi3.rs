@@ -2,6 +2,9 @@
 //! `self_attn.qkv_proj` (q, k and v rows in turn) and `mlp.gate_up_proj` (gate, then up rows),
 //! partial rotary (`partial_rotary_factor`) and longrope.
 //!
+//! A GGUF file (`general.architecture` `phi3`) keeps the fused weights as the checkpoint has
+//! them (`attn_qkv`, `ffn_up`): they are renamed to the fused Hugging Face names first.
+//!
 //! The fused weights are split into the Llama names in weight preparation: the graph then is
 //! the Llama family's, three matmuls reading one activation where one would do. Split, each
 //! weight keeps its own format and its matmul its own plan; fusing matmuls that share an input
@@ -64,7 +67,8 @@ impl ModelSpec for Phi3Model {
     }
 }
 
-/// Phi-3's weight preparation: the fused projections split by rows, then the Llama family's.
+/// Phi-3's weight preparation: GGUF names mapped to Hugging Face's, the fused projections split
+/// by rows, then the Llama family's.
 #[derive(Debug)]
 struct Phi3Hooks {
     llama: LlamaFamilyHooks,
@@ -75,6 +79,12 @@ struct Phi3Hooks {
 
 impl DeploymentHooks for Phi3Hooks {
     fn prepare_weights(&self, weights: StateDict) -> Result<StateDict> {
+        let weights = if super::gguf::is_gguf_layout(&weights) {
+            let (heads, kv_heads) = (self.llama.num_heads, self.llama.num_kv_heads);
+            super::gguf::gguf_to_hf(weights, heads, kv_heads, super::gguf::GgufLayout::PHI3)?
+        } else {
+            weights
+        };
         let (q, kv, f) = (self.q_rows, self.kv_rows, self.ffn);
         let qkv = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)];
         let gate_up = [("gate_proj", f), ("up_proj", f)];

@@ -98,6 +98,7 @@ impl Architecture for Qwen3Moe {
         Ok(Box::new(MixtralModel {
             architecture: "Qwen3MoeForCausalLM",
             config,
+            gguf_qk_permuted: false,
         }))
     }
 }

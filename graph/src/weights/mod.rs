@@ -96,7 +96,7 @@ impl WeightTensor {
     }
 
     /// Rows `rows` of a tensor of two or more dims (its first dim split; rows of any dtype,
-    /// GGUF blocks included, are whole bytes).
+    /// GGUF blocks included, are whole bytes). Rows of a memory-mapped tensor stay mapped.
     pub fn rows(&self, rows: std::ops::Range<usize>, key: &str) -> Result<WeightTensor> {
         let n = *self.shape.first().unwrap_or(&0);
         if self.shape.len() < 2 || rows.end > n || rows.start > rows.end {
@@ -111,11 +111,17 @@ impl WeightTensor {
         let row_bytes = self.bytes().len() / n;
         let mut shape = self.shape.clone();
         shape[0] = rows.len();
-        WeightTensor::from_bytes(
-            self.dtype,
-            shape,
-            self.bytes()[rows.start * row_bytes..rows.end * row_bytes].to_vec(),
-        )
+        let (from, to) = (rows.start * row_bytes, rows.end * row_bytes);
+        if let Bytes::Mapped { map, start, .. } = &self.bytes {
+            return Ok(WeightTensor::mapped(
+                self.dtype,
+                shape,
+                map.clone(),
+                start + from,
+                start + to,
+            ));
+        }
+        WeightTensor::from_bytes(self.dtype, shape, self.bytes()[from..to].to_vec())
     }
 
     /// Elements.

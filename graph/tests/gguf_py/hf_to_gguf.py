@@ -1,16 +1,31 @@
 """A Hugging Face fixture (config.json + bf16 model.safetensors) written as GGUF the way
-llama.cpp's convert_hf_to_gguf.py writes it for the Qwen2, Qwen3 and Gemma 3 families, without
-torch (which the converter imports and CI does not install): gguf-py's own GGUFWriter, its
-tensor-name map for the architecture (the table the converter renames with), the metadata keys
-the converter's Qwen2Model/Qwen3Model/Gemma3Model set, the weights kept in bf16, and q/k left
-unpermuted (the converter permutes only for `llama`). Gemma's norm weights are written as f32
-with their `+ 1` added, as the converter does (it adds in the checkpoint's dtype; here the sum
-is exact in f32, so that the file holds the reference's values). `{arch}.vocab_size` stands
-in for the tokenizer metadata (the fixtures' test tokenizer has no GGUF form).
+llama.cpp's convert_hf_to_gguf.py writes it for the Qwen2, Qwen3, Qwen3-MoE, Phi-3 and Gemma 3
+families, without torch (which the converter imports and CI does not install): gguf-py's own
+GGUFWriter, its tensor-name map for the architecture (the table the converter renames with), the
+metadata keys the converter's Qwen2Model/Qwen3Model/Qwen3MoeModel/Phi3MiniModel/Gemma3Model set,
+the weights kept in bf16, and q/k left unpermuted (the converter permutes only for `llama`).
+
+Per family, as the converter does:
+- Gemma 3: norm weights written as f32 with their `+ 1` added (the converter adds in the
+  checkpoint's dtype; here the sum is exact in f32, so that the file holds the reference's
+  values).
+- Qwen3-MoE (Qwen2MoeModel.modify_tensors): each layer's experts stacked into one 3-D tensor per
+  projection, experts outermost (`ffn_{gate,up,down}_exps`); the router is `ffn_gate_inp`.
+  A dense layer (`mlp_only_layers`) is something the converter refuses (its Qwen3-MoE name table
+  has no dense MLP); it is written under the dense names of the Qwen3 table.
+- Phi-3 (Phi3MiniModel): `qkv_proj` and `gate_up_proj` kept fused (`attn_qkv`, `ffn_up`), no
+  key_length, `rope.dimension_count` the rotary width `int(partial_rotary_factor * hidden) //
+  heads`, the sliding window (0 for none), the original context, and with longrope the
+  attention factor and the factors as f32 tensors `rope_factors_long` / `rope_factors_short`.
+
+`{arch}.vocab_size` stands in for the tokenizer metadata (the fixtures' test tokenizer has no
+GGUF form). transformers 5 configs keep the rotary fields in `rope_parameters`, where older
+configs (the converter's) had `rope_theta` and `rope_scaling`: both are read.
 
 Usage: hf_to_gguf.py FIXTURE_DIR OUT.gguf
 """
 import json
+import math
 import struct
 import sys
 
@@ -22,11 +37,15 @@ cfg = json.load(open(f"{src}/config.json"))
 arch_name = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
 }[cfg["architectures"][0]]
 arch = {
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
+    "phi3": gguf.MODEL_ARCH.PHI3,
     "gemma3": gguf.MODEL_ARCH.GEMMA3,
 }[arch_name]
 
@@ -35,40 +54,107 @@ with open(f"{src}/model.safetensors", "rb") as f:
     header = json.loads(f.read(n))
     data = f.read()
 
+rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+n_layers = cfg["num_hidden_layers"]
+
 w = gguf.GGUFWriter(dst, arch_name)
-w.add_block_count(cfg["num_hidden_layers"])
-w.add_context_length(cfg["max_position_embeddings"])
-w.add_embedding_length(cfg["hidden_size"])
-w.add_feed_forward_length(cfg["intermediate_size"])
-w.add_head_count(cfg["num_attention_heads"])
-w.add_head_count_kv(cfg["num_key_value_heads"])
-rope = cfg.get("rope_parameters") or {}
-w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-if cfg.get("head_dim"):
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
+if arch_name == "phi3":
+    # Phi3MiniModel.set_gguf_parameters (it does not call TextModel's).
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    rot_pct = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    rope_dims = int(rot_pct * hidden) // heads
+    orig = cfg["original_max_position_embeddings"]
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_rope_scaling_orig_ctx_len(orig)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_block_count(n_layers)
+    w.add_head_count(heads)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_dimension_count(rope_dims)
+    w.add_rope_freq_base(rope_theta)
+    w.add_sliding_window(cfg.get("sliding_window") or 0)
+    # Phi3MiniModel.generate_extra_tensors.
+    if rope.get("rope_type", rope.get("type", "default")) in ("longrope", "su"):
+        scale = cfg["max_position_embeddings"] / orig
+        attn = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
+        w.add_rope_scaling_attn_factors(attn)
+        long, short = rope["long_factor"], rope["short_factor"]
+        assert len(long) == len(short) == rope_dims // 2, (len(long), rope_dims)
+        w.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_LONG] + ".weight",
+                     np.array(long, dtype=np.float32))
+        w.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT] + ".weight",
+                     np.array(short, dtype=np.float32))
+else:
+    # TextModel.set_gguf_parameters, then the family's.
+    w.add_block_count(n_layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    n_experts = cfg.get("num_local_experts", cfg.get("num_experts"))
+    if n_experts is not None:
+        w.add_expert_count(n_experts)
+    if cfg.get("num_experts_per_tok") is not None:
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    if arch_name == "qwen3moe":
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if arch_name == "gemma3":
+        w.add_sliding_window(cfg["sliding_window"])
+        rope = cfg["rope_parameters"]["full_attention"]
+        w.add_rope_freq_base(rope["rope_theta"])
 w.add_vocab_size(cfg["vocab_size"])
-if arch_name == "gemma3":
-    w.add_sliding_window(cfg["sliding_window"])
-    rope = cfg["rope_parameters"]["full_attention"]
-    w.add_rope_freq_base(rope["rope_theta"])
 w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
 
-names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
-for key, info in sorted(header.items()):
-    if key == "__metadata__":
-        continue
+
+def tensor(key):
+    """The bf16 bits of checkpoint tensor `key`, shaped."""
+    info = header[key]
     assert info["dtype"] == "BF16", key
     a, b = info["data_offsets"]
-    raw = np.frombuffer(data[a:b], dtype=np.uint16).reshape(info["shape"])
+    return np.frombuffer(data[a:b], dtype=np.uint16).reshape(info["shape"])
+
+
+def add_bf16(name, raw):
+    w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+
+
+names = gguf.get_tensor_name_map(arch, n_layers)
+dense_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, n_layers)
+experts = {}
+for key in sorted(header):
+    if key == "__metadata__":
+        continue
+    if arch_name == "qwen3moe" and ".mlp.experts." in key:
+        # model.layers.L.mlp.experts.E.PROJ.weight, gathered and stacked below.
+        parts = key.split(".")
+        layer, expert, proj = int(parts[2]), int(parts[5]), parts[6]
+        experts.setdefault((layer, proj), {})[expert] = tensor(key)
+        continue
+    raw = tensor(key)
     name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+    if name is None and arch_name == "qwen3moe":
+        name = dense_names.get_name(key, try_suffixes=(".weight", ".bias"))
     assert name is not None, key
     if arch_name == "gemma3" and key.endswith("norm.weight"):
         values = (raw.astype(np.uint32) << 16).view(np.float32) + np.float32(1.0)
         w.add_tensor(name, values)
         continue
-    w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+    add_bf16(name, raw)
+for (layer, proj), by_expert in sorted(experts.items()):
+    assert sorted(by_expert) == list(range(n_experts)), (layer, proj, sorted(by_expert))
+    stacked = np.stack([by_expert[e] for e in range(n_experts)], axis=0)
+    name = names.get_name(f"model.layers.{layer}.mlp.experts.{proj}.weight", try_suffixes=(".weight",))
+    assert name is not None, (layer, proj)
+    add_bf16(name, stacked)
 
 w.write_header_to_file()
 w.write_kv_data_to_file()
