@@ -5,7 +5,7 @@
 #   bash scripts/bench-peers.sh [GGUF]      (default: the SmolLM2 Q4_1 file of scripts/fetch-smollm2.sh)
 #
 # llama.cpp comes from PyPI's llama-cpp-python source distribution (its vendored llama.cpp),
-# built once with CMake (from PyPI too) into .tools/peers (git-ignored, cached). The variants
+# built once with CMake (from PyPI too) into .tools/peers by scripts/llama-cpp.sh. The variants
 # (Q8_0, BF16, F32, and Q4_K_M: the mix most downloads are) are made from GGUF with llama.cpp's
 # own llama-quantize, so both engines read the very same files. llama-bench reports prefill
 # (pp128) and decode (tg64) means over 3 repetitions; maxc bench the median of its prefill_128
@@ -16,7 +16,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 peers=.tools/peers
-version=0.3.36
 threads=${THREADS:-$(nproc)}
 mkdir -p "$peers"
 
@@ -25,56 +24,8 @@ if [ -z "$gguf" ]; then
   gguf=$(bash scripts/fetch-smollm2.sh)
 fi
 
-# CMake from PyPI where the machine has none.
-if ! command -v cmake >/dev/null; then
-  if [ ! -x "$peers/cmake/bin/cmake" ]; then
-    python3 -m pip install --quiet --disable-pip-version-check --target "$peers/cmake-py" cmake==4.4.5 >&2
-    mkdir -p "$peers/cmake/bin"
-    printf '#!/usr/bin/env bash\nPYTHONPATH=%s exec python3 -m cmake "$@"\n' "$root/$peers/cmake-py" > "$peers/cmake/bin/cmake"
-    chmod +x "$peers/cmake/bin/cmake"
-  fi
-  export PATH="$root/$peers/cmake/bin:$PATH"
-fi
-
-# llama.cpp's sources from the llama-cpp-python sdist.
-src="$peers/llama_cpp_python-$version/vendor/llama.cpp"
-if [ ! -f "$src/CMakeLists.txt" ]; then
-  # The sdist file itself, from PyPI's simple index (JSON), its sha256 checked. (`pip download
-  # --no-binary :all:` would build the sdist's build tools, CMake included, from source first.)
-  sdist="$peers/sdist/llama_cpp_python-$version.tar.gz"
-  mkdir -p "$peers/sdist"
-  read -r url sha < <(curl -sfL -H "Accept: application/vnd.pypi.simple.v1+json" \
-    https://pypi.org/simple/llama-cpp-python/ | python3 -c "
-import json, sys
-f = [f for f in json.load(sys.stdin)['files'] if f['filename'] == 'llama_cpp_python-$version.tar.gz'][0]
-print(f['url'], f['hashes']['sha256'])")
-  curl -sfL -o "$sdist" "$url"
-  echo "$sha  $sdist" | sha256sum -c --quiet >&2
-  tar -xzf "$sdist" -C "$peers"
-fi
-# build_llama DIR [CMAKE FLAGS...]: llama-bench, llama-quantize and llama-server (for
-# `scripts/load-test.sh --llama-server`) into DIR/bin, once.
-build_llama() {
-  local dir=$1
-  shift
-  if [ ! -x "$dir/bin/llama-bench" ] || [ ! -x "$dir/bin/llama-quantize" ] || [ ! -x "$dir/bin/llama-server" ]; then
-    cmake -S "$src" -B "$dir" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "$@" >&2
-    cmake --build "$dir" --target llama-bench llama-quantize llama-server -j "$threads" >&2
-  fi
-}
-build_llama "$src/build"
-bin="$src/build/bin"
-# Some virtual machines advertise AMX in CPUID but trap its instructions (llama.cpp's native build
-# then dies of SIGILL in its AMX matmul); there llama.cpp is built a second time without AMX, its
-# best on such a machine (maxc does not use AMX either).
-if ! "$bin/llama-bench" -m "$gguf" -t "$threads" -p 32 -n 0 -r 1 >/dev/null 2>&1; then
-  echo "llama.cpp's native build fails here (AMX advertised but trapped?): using a build without AMX" >&2
-  # (GCC keeps explicit -mno-* flags over -march=native's, which GGML_NATIVE adds.)
-  build_llama "$src/build-noamx" "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \
-    "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-  bin="$src/build-noamx/bin"
-fi
+# llama.cpp's tools, built once (scripts/llama-cpp.sh); the first argument is a file to try them on.
+bin=$(THREADS=$threads bash scripts/llama-cpp.sh "$gguf")
 
 # The variants, made by llama-quantize from the given file.
 base=$(basename "$gguf" .gguf)

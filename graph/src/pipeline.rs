@@ -151,11 +151,12 @@ pub fn read_tokenizer(path: &Path) -> Result<TokenizerFiles> {
         let model = gguf.get("tokenizer.ggml.model").and_then(GgufValue::as_str);
         match model {
             None => return Ok(TokenizerFiles::default()),
-            Some(m) if m != "gpt2" => {
+            Some(m) if !crate::tokenizer::TOKENIZER_MODELS.contains(&m) => {
                 return Ok(TokenizerFiles {
                     left_out: Some(format!(
-                        "{}: `tokenizer.ggml.model` is `{m}`; maxc builds `gpt2` (byte-level BPE) tokenizers only, so the artifact has none: send token ids",
-                        path.display()
+                        "{}: `tokenizer.ggml.model` is `{m}`; maxc builds {} tokenizers only, so the artifact has none: send token ids",
+                        path.display(),
+                        crate::tokenizer::TOKENIZER_MODELS.join(" and ")
                     )),
                     ..Default::default()
                 })

@@ -192,7 +192,7 @@ fn an_architecture_maxc_does_not_read_names_the_key_and_the_ones_it_does() {
         e.contains("m.gguf")
             && e.contains("general.architecture")
             && e.contains("`rwkv7`")
-            && e.contains("llama, qwen2, qwen3"),
+            && e.contains("llama, qwen2, qwen3, qwen3moe, phi3, gemma3"),
         "{e}"
     );
 }
@@ -200,12 +200,12 @@ fn an_architecture_maxc_does_not_read_names_the_key_and_the_ones_it_does() {
 #[test]
 fn a_tokenizer_maxc_does_not_build_is_left_out_with_the_reason() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("spm.gguf");
+    let path = dir.path().join("wordpiece.gguf");
     write_gguf(
         &path,
         &[
             ("general.architecture", "gemma3"),
-            ("tokenizer.ggml.model", "llama"),
+            ("tokenizer.ggml.model", "bert"),
         ],
         &[],
         0,
@@ -214,7 +214,10 @@ fn a_tokenizer_maxc_does_not_build_is_left_out_with_the_reason() {
     assert!(t.json.is_none());
     let why = t.left_out.unwrap();
     assert!(
-        why.contains("spm.gguf") && why.contains("tokenizer.ggml.model") && why.contains("`llama`"),
+        why.contains("wordpiece.gguf")
+            && why.contains("tokenizer.ggml.model")
+            && why.contains("`bert`")
+            && why.contains("gpt2 and llama"),
         "{why}"
     );
 }

@@ -146,13 +146,14 @@ fn other_tokenizer_models_are_refused_by_name() {
     let mut m = metadata();
     m.insert(
         "tokenizer.ggml.model".into(),
-        GgufValue::String("llama".into()),
+        GgufValue::String("bert".into()),
     );
     let err = build(&m).unwrap_err();
     assert!(
         err.contains("model.gguf")
             && err.contains("tokenizer.ggml.model")
-            && err.contains("`llama`"),
+            && err.contains("`bert`")
+            && err.contains("gpt2, llama"),
         "{err}"
     );
 }

@@ -1,27 +1,16 @@
-//! A Hugging Face `tokenizer.json` built from a GGUF file's tokenizer metadata.
-//!
-//! A GGUF carries no `tokenizer.json`: it stores the vocabulary, the merges, the token types and
-//! the special token ids under llama.cpp's `tokenizer.ggml.*` keys. [`tokenizer_json_from_gguf`]
-//! rebuilds from them the tokenizer that transformers' GGUF loader builds (the byte-level BPE of
-//! `GPT2Tokenizer`, control tokens added as special tokens, user-defined tokens as plain added
-//! tokens, a split regex for the `tokenizer.ggml.pre` values transformers knows) and serializes it
-//! as the `tokenizers` crate does. Only the `gpt2` tokenizer model (byte-level BPE) is supported.
+//! Byte-level BPE (`tokenizer.ggml.model` `gpt2`) as transformers' GGUF loader builds it: the
+//! byte-level BPE of `GPT2Tokenizer`, control tokens added as special tokens, user-defined tokens
+//! as plain added tokens, a split regex for the `tokenizer.ggml.pre` values transformers knows.
 
-use crate::weights::gguf::{GgufFile, GgufValue};
-use crate::{Error, Result};
-use std::collections::BTreeMap;
-use std::path::Path;
+use super::{add_error, add_named_tokens, post_processor, Meta};
+use super::{TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED};
+use crate::weights::gguf::GgufValue;
+use crate::Result;
 use tokenizers::decoders::byte_level::ByteLevel;
 use tokenizers::models::bpe::{Merges, Vocab, BPE};
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
-
-/// GGUF token type of a control token (`<|endoftext|>`), added as a special token.
-const TOKEN_TYPE_CONTROL: u64 = 3;
-/// GGUF token type of a user-defined token (`<think>`), added as a plain added token.
-const TOKEN_TYPE_USER_DEFINED: u64 = 4;
 
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const TEKKEN_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -44,81 +33,16 @@ pub fn pre_tokenizer_split(pre: &str) -> Option<&'static str> {
     })
 }
 
-/// A special token a GGUF names by id.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct GgufToken {
-    /// The token id.
-    pub id: u32,
-    /// The token text, as `tokenizer.ggml.tokens` spells it.
-    pub text: String,
-}
-
-/// The special tokens a GGUF names.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct GgufSpecialTokens {
-    /// `tokenizer.ggml.bos_token_id`'s token.
-    pub bos: Option<GgufToken>,
-    /// `tokenizer.ggml.eos_token_id`'s token.
-    pub eos: Option<GgufToken>,
-    /// `tokenizer.ggml.unknown_token_id`'s token.
-    pub unk: Option<GgufToken>,
-    /// `tokenizer.ggml.padding_token_id`'s token.
-    pub pad: Option<GgufToken>,
-    /// `tokenizer.ggml.add_bos_token` (false when absent).
-    pub add_bos: bool,
-    /// `tokenizer.ggml.add_eos_token` (false when absent).
-    pub add_eos: bool,
-}
-
-/// The chat template a GGUF carries (`tokenizer.chat_template`), if any.
-pub fn chat_template_from_gguf(gguf: &GgufFile) -> Option<String> {
-    gguf.get("tokenizer.chat_template")
-        .and_then(GgufValue::as_str)
-        .map(str::to_owned)
-}
-
-/// The special tokens of `gguf`; an id outside the vocabulary is an error naming its key.
-pub fn special_tokens_from_gguf(gguf: &GgufFile) -> Result<GgufSpecialTokens> {
-    let meta = Meta {
-        path: &gguf.path,
-        map: &gguf.metadata,
-    };
-    meta.special_tokens(&meta.strings("tokenizer.ggml.tokens")?)
-}
-
-/// `tokenizer.json` text for the tokenizer `gguf` describes, as transformers builds it from
-/// the same file and the `tokenizers` crate serializes it (pretty-printed). Deterministic.
-pub fn tokenizer_json_from_gguf(gguf: &GgufFile) -> Result<String> {
-    tokenizer_json_from_metadata(&gguf.path, &gguf.metadata)
-}
-
-/// [`tokenizer_json_from_gguf`] over GGUF metadata read from `path` (named in errors).
-pub fn tokenizer_json_from_metadata(
-    path: &Path,
-    metadata: &BTreeMap<String, GgufValue>,
-) -> Result<String> {
-    let meta = Meta {
-        path,
-        map: metadata,
-    };
-    let model = meta.string("tokenizer.ggml.model")?;
-    if model != "gpt2" {
-        return Err(meta.err(
-            "tokenizer.ggml.model",
-            format!("is `{model}`; maxc builds tokenizers for `gpt2` (byte-level BPE) only"),
-        ));
-    }
+/// The byte-level BPE tokenizer of a `gpt2` GGUF, as transformers' GGUF loader builds it.
+pub(super) fn build(meta: &Meta) -> Result<Tokenizer> {
     let tokens = meta.strings("tokenizer.ggml.tokens")?;
-    let token_types = match metadata.get("tokenizer.ggml.token_type") {
-        Some(_) => meta.ints("tokenizer.ggml.token_type")?,
-        None => Vec::new(),
-    };
+    let token_types = meta.token_types(tokens.len())?;
     let special = meta.special_tokens(&tokens)?;
     let vocab: Vocab = (tokens.iter().enumerate())
         .map(|(id, t)| (respell(t), id as u32))
         .collect();
     let bpe = BPE::builder()
-        .vocab_and_merges(vocab, meta.merges()?)
+        .vocab_and_merges(vocab, merges(meta)?)
         .continuing_subword_prefix(String::new())
         .end_of_word_suffix(String::new())
         .build()
@@ -129,16 +53,12 @@ pub fn tokenizer_json_from_metadata(
             )
         })?;
     let mut tok = Tokenizer::new(bpe);
-    tok.with_pre_tokenizer(Some(pre_tokenizer(&meta)?));
+    tok.with_pre_tokenizer(Some(pre_tokenizer(meta)?));
     tok.with_decoder(Some(ByteLevel::default()));
-    tok.with_post_processor(Some(post_processor(&meta, &special)?));
-    add_tokens(&mut tok, &meta, &tokens, &token_types, &special)?;
-    tok.to_string(true).map_err(|e| {
-        meta.err(
-            "tokenizer.ggml.tokens",
-            format!("cannot serialize the tokenizer: {e}"),
-        )
-    })
+    tok.with_post_processor(Some(post_processor(meta, &special)?));
+    add_tokens(&mut tok, meta, &tokens, &token_types)?;
+    add_named_tokens(&mut tok, meta, &special)?;
+    Ok(tok)
 }
 
 /// Byte-level BPE's pre-tokenizer: GPT-2's regex, or the split transformers uses for
@@ -166,14 +86,13 @@ fn pre_tokenizer(meta: &Meta) -> Result<PreTokenizerWrapper> {
     .into())
 }
 
-/// Adds, in transformers' order, control tokens as special tokens, user-defined tokens as plain
-/// added tokens, then the BOS/EOS/UNK/PAD tokens as special tokens.
+/// Adds, in transformers' order, control tokens as special tokens and user-defined tokens as
+/// plain added tokens (the BOS/EOS/UNK/PAD tokens follow: [`add_named_tokens`]).
 fn add_tokens(
     tok: &mut Tokenizer,
     meta: &Meta,
     tokens: &[String],
     token_types: &[u64],
-    special: &GgufSpecialTokens,
 ) -> Result<()> {
     let typed = |ty: u64| {
         let pairs = tokens.iter().zip(token_types);
@@ -183,7 +102,7 @@ fn add_tokens(
     let control = typed(TOKEN_TYPE_CONTROL)
         .filter(|s| s.chars().all(in_byte_alphabet))
         .map(|s| AddedToken::from(s.as_str(), true).normalized(false));
-    let added = |e| meta.err("tokenizer.ggml.tokens", format!("cannot add token: {e}"));
+    let added = |e| add_error(meta, e);
     tok.add_special_tokens(control.collect::<Vec<_>>())
         .map_err(added)?;
     let vocab = tok.get_vocab(true);
@@ -191,47 +110,7 @@ fn add_tokens(
         .filter(|s| vocab.contains_key(s.as_str()))
         .map(|s| AddedToken::from(s.as_str(), false).normalized(false));
     tok.add_tokens(user.collect::<Vec<_>>()).map_err(added)?;
-    let named = [&special.bos, &special.eos, &special.unk, &special.pad];
-    let named = (named.into_iter().flatten())
-        .map(|t| AddedToken::from(t.text.as_str(), true).normalized(false));
-    tok.add_special_tokens(named.collect::<Vec<_>>())
-        .map_err(added)?;
     Ok(())
-}
-
-/// The template transformers sets: BOS before and EOS after the text where the file asks.
-fn post_processor(meta: &Meta, special: &GgufSpecialTokens) -> Result<TemplateProcessing> {
-    let bos = special.bos.as_ref().filter(|_| special.add_bos);
-    let eos = special.eos.as_ref().filter(|_| special.add_eos);
-    let piece = |t: Option<&GgufToken>, seq: u8| t.map(|t| format!("{}:{seq}", t.text));
-    let join =
-        |parts: Vec<Option<String>>| parts.into_iter().flatten().collect::<Vec<_>>().join(" ");
-    let single = join(vec![piece(bos, 0), Some("$A:0".into()), piece(eos, 0)]);
-    let pair = join(vec![
-        Some(single.clone()),
-        piece(bos, 1),
-        Some("$B:1".into()),
-        piece(eos, 1),
-    ]);
-    let tokens: Vec<(String, u32)> = bos
-        .into_iter()
-        .chain(eos)
-        .map(|t| (t.text.clone(), t.id))
-        .collect();
-    let bad = |e: String| {
-        meta.err(
-            "tokenizer.ggml.add_bos_token",
-            format!("post-processor template: {e}"),
-        )
-    };
-    TemplateProcessing::builder()
-        .try_single(single.as_str())
-        .map_err(bad)?
-        .try_pair(pair.as_str())
-        .map_err(bad)?
-        .special_tokens(tokens)
-        .build()
-        .map_err(|e| bad(e.to_string()))
 }
 
 /// Whether GPT-2's byte-level table prints a byte as itself (the other 68 bytes map to
@@ -264,101 +143,21 @@ fn respell(token: &str) -> String {
     }
 }
 
-/// GGUF metadata with the file it came from, for errors.
-struct Meta<'a> {
-    path: &'a Path,
-    map: &'a BTreeMap<String, GgufValue>,
-}
-
-impl Meta<'_> {
-    fn err(&self, key: &str, message: impl Into<String>) -> Error {
-        Error::config(self.path, key, message)
-    }
-    fn get(&self, key: &str) -> Result<&GgufValue> {
-        self.map
-            .get(key)
-            .ok_or_else(|| self.err(key, "missing from the GGUF metadata"))
-    }
-    fn string(&self, key: &str) -> Result<&str> {
-        let v = self.get(key)?;
-        v.as_str()
-            .ok_or_else(|| self.err(key, format!("expected a string, found {v:?}")))
-    }
-    fn array(&self, key: &str) -> Result<&[GgufValue]> {
-        let v = self.get(key)?;
-        v.as_array()
-            .ok_or_else(|| self.err(key, "expected an array"))
-    }
-    fn strings(&self, key: &str) -> Result<Vec<String>> {
-        let items = self.array(key)?.iter().enumerate();
-        items
-            .map(|(i, v)| {
-                v.as_str()
-                    .map(str::to_owned)
-                    .ok_or_else(|| self.err(key, format!("item {i} is {v:?}, expected a string")))
-            })
-            .collect()
-    }
-    fn ints(&self, key: &str) -> Result<Vec<u64>> {
-        let items = self.array(key)?.iter().enumerate();
-        items
-            .map(|(i, v)| {
-                v.as_u64()
-                    .ok_or_else(|| self.err(key, format!("item {i} is {v:?}, expected an integer")))
-            })
-            .collect()
-    }
-    fn merges(&self) -> Result<Merges> {
-        let key = "tokenizer.ggml.merges";
-        let merges = self.strings(key)?;
-        let pair = |(i, m): (usize, &String)| {
-            let (a, b) = m
-                .split_once(' ')
-                .filter(|(_, b)| !b.contains(' '))
-                .ok_or_else(|| {
-                    self.err(
-                        key,
-                        format!("merge {i} is {m:?}, expected two tokens separated by one space"),
-                    )
-                })?;
-            Ok((a.to_owned(), b.to_owned()))
-        };
-        merges.iter().enumerate().map(pair).collect()
-    }
-    fn flag(&self, key: &str) -> Result<bool> {
-        match self.map.get(key) {
-            None => Ok(false),
-            Some(GgufValue::Bool(b)) => Ok(*b),
-            Some(v) => Err(self.err(key, format!("expected a boolean, found {v:?}"))),
-        }
-    }
-    fn special_tokens(&self, tokens: &[String]) -> Result<GgufSpecialTokens> {
-        let token = |name: &str| -> Result<Option<GgufToken>> {
-            let key = format!("tokenizer.ggml.{name}_token_id");
-            let Some(v) = self.map.get(&key) else {
-                return Ok(None);
-            };
-            let id = v
-                .as_u64()
-                .ok_or_else(|| self.err(&key, format!("expected a token id, found {v:?}")))?;
-            let t = tokens.get(id as usize).ok_or_else(|| {
-                self.err(
-                    &key,
-                    format!("is {id}, outside the vocabulary of {} tokens", tokens.len()),
+/// `tokenizer.ggml.merges` as pairs; a merge that is not two tokens is an error naming it.
+fn merges(meta: &Meta) -> Result<Merges> {
+    let key = "tokenizer.ggml.merges";
+    let merges = meta.strings(key)?;
+    let pair = |(i, m): (usize, &String)| {
+        let (a, b) = m
+            .split_once(' ')
+            .filter(|(_, b)| !b.contains(' '))
+            .ok_or_else(|| {
+                meta.err(
+                    key,
+                    format!("merge {i} is {m:?}, expected two tokens separated by one space"),
                 )
             })?;
-            Ok(Some(GgufToken {
-                id: id as u32,
-                text: t.clone(),
-            }))
-        };
-        Ok(GgufSpecialTokens {
-            bos: token("bos")?,
-            eos: token("eos")?,
-            unk: token("unknown")?,
-            pad: token("padding")?,
-            add_bos: self.flag("tokenizer.ggml.add_bos_token")?,
-            add_eos: self.flag("tokenizer.ggml.add_eos_token")?,
-        })
-    }
+        Ok((a.to_owned(), b.to_owned()))
+    };
+    merges.iter().enumerate().map(pair).collect()
 }
