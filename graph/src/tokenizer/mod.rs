@@ -76,7 +76,8 @@ pub fn special_tokens_from_gguf(gguf: &GgufFile) -> Result<GgufSpecialTokens> {
     meta.special_tokens(&meta.strings("tokenizer.ggml.tokens")?)
 }
 
-/// `tokenizer.json` text for the tokenizer `gguf` describes (pretty-printed). Deterministic.
+/// `tokenizer.json` text for the tokenizer `gguf` describes, compact (pretty-printing more than
+/// doubles a large vocabulary's merges). Deterministic.
 pub fn tokenizer_json_from_gguf(gguf: &GgufFile) -> Result<String> {
     tokenizer_json_from_metadata(&gguf.path, &gguf.metadata)
 }
@@ -103,7 +104,7 @@ pub fn tokenizer_json_from_metadata(
             ))
         }
     };
-    tok.to_string(true).map_err(|e| {
+    tok.to_string(false).map_err(|e| {
         meta.err(
             "tokenizer.ggml.tokens",
             format!("cannot serialize the tokenizer: {e}"),
