@@ -284,7 +284,8 @@ impl DecoderConfig {
 /// Each layer's sliding window, from `layer_types` (transformers 5, and Gemma 3's in 4) where
 /// the config has it, else from `use_sliding_window` with `max_window_layers` (Qwen2's rule:
 /// layers from `max_window_layers` on slide), else, with `every_layer` (Mistral), from
-/// `sliding_window` alone. Empty where no layer slides.
+/// `sliding_window` alone. Empty where no layer slides, or where the window is at least
+/// `max_position_embeddings`.
 pub fn read_layer_windows(
     cfg: &ConfigReader<'_>,
     num_layers: usize,
@@ -294,12 +295,12 @@ pub fn read_layer_windows(
     if window == Some(0) {
         return Err(cfg.error("sliding_window", "is 0; expected a positive window or null"));
     }
-    if let (Some(w), Some(ctx)) = (window, cfg.opt_usize("max_position_embeddings")?) {
-        if w > ctx {
-            return Err(cfg.error(
-                "sliding_window",
-                format!("is {w}, larger than the context (max_position_embeddings {ctx}); expected at most {ctx}"),
-            ));
+    // A window that spans the whole context hides nothing: those layers attend fully, as in
+    // transformers' masks (every Phi-3.5 and Phi-4-mini config sets 262144 over a 131072 context).
+    let context = cfg.opt_usize("max_position_embeddings")?;
+    if let (Some(w), Some(ctx)) = (window, context) {
+        if w >= ctx {
+            return Ok(Vec::new());
         }
     }
     let need = |why: &str| {
