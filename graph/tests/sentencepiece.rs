@@ -115,3 +115,35 @@ fn scores_that_do_not_match_the_tokens_are_named() {
     let err = tokenizer_json_from_metadata(Path::new("model.gguf"), &metadata).unwrap_err();
     assert!(err.to_string().contains("tokenizer.ggml.scores"), "{err}");
 }
+
+/// The real Gemma 3 270M file (`scripts/fetch-gemma3.sh`; `MAXC_GEMMA3_GGUF` names another
+/// copy) tokenizes each text as llama.cpp does, and decodes back to it. Skipped, saying so,
+/// where the file has not been fetched.
+#[test]
+fn the_real_gemma3_file_tokenizes_as_llama_cpp() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let path = std::env::var_os("MAXC_GEMMA3_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join(".tools/models/gemma-3-270m-q4_k_m.gguf"));
+    if !path.is_file() {
+        eprintln!(
+            "skipped: {} is absent (bash scripts/fetch-gemma3.sh fetches it)",
+            path.display()
+        );
+        return;
+    }
+    let gguf = maxc_graph::weights::gguf::GgufFile::open(&path).unwrap();
+    let json = maxc_graph::tokenizer::tokenizer_json_from_gguf(&gguf).unwrap();
+    let tok: Tokenizer = json.parse().unwrap();
+    let reference = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/sentencepiece/gemma3-270m-llama-cpp.json");
+    let v: Value = serde_json::from_slice(&std::fs::read(reference).unwrap()).unwrap();
+    for case in v["cases"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+        assert_eq!(ids(&tok, text, true), want, "{text:?}");
+        if !text.contains("<start_of_turn>") {
+            assert_eq!(tok.decode(&want, true).unwrap(), text, "{want:?}");
+        }
+    }
+}
