@@ -75,4 +75,27 @@ mod tests {
         let c = spec.decoder(GraphRole::Decoder).unwrap();
         assert_eq!(c.layer_windows, vec![Some(63), Some(63)]);
     }
+
+    /// Qwen/Qwen2.5-7B-Instruct's config.json: `sliding_window` 131072 over a 32768 context,
+    /// `use_sliding_window` false. No layer slides.
+    #[test]
+    fn the_qwen2_5_config_parses_without_windows() {
+        let cfg = serde_json::json!({
+            "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
+            "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
+            "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
+            "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2",
+            "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+            "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072,
+            "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+            "transformers_version": "4.43.1", "use_cache": true, "use_sliding_window": false,
+            "vocab_size": 152064
+        });
+        let spec = parse(&cfg).unwrap();
+        assert!(spec
+            .decoder(GraphRole::Decoder)
+            .unwrap()
+            .layer_windows
+            .is_empty());
+    }
 }

@@ -173,4 +173,38 @@ mod tests {
             .to_string();
         assert!(err.contains("qkv_proj") && err.contains("16 rows"), "{err}");
     }
+
+    /// microsoft/Phi-4-mini-instruct's config.json (its factor lists shortened to their
+    /// length: 48 per list, one per rotated pair): it parses, its 262144 window over a 131072
+    /// context is full attention, and 96 of each head's 128 dims rotate.
+    #[test]
+    fn the_phi4_mini_config_parses() {
+        let short: Vec<f64> = (0..48).map(|i| 1.0 + i as f64 / 100.0).collect();
+        let long: Vec<f64> = (0..48).map(|i| 1.0 + i as f64).collect();
+        let cfg = serde_json::json!({
+            "architectures": ["Phi3ForCausalLM"], "attention_bias": false,
+            "bos_token_id": 199999, "embd_pdrop": 0.0, "eos_token_id": 199999,
+            "full_attn_mod": 1, "hidden_act": "silu", "hidden_size": 3072,
+            "initializer_range": 0.02, "intermediate_size": 8192, "interpolate_factor": 1,
+            "lm_head_bias": false, "max_position_embeddings": 131072, "mlp_bias": false,
+            "model_type": "phi3", "num_attention_heads": 24, "num_hidden_layers": 32,
+            "num_key_value_heads": 8, "original_max_position_embeddings": 4096,
+            "pad_token_id": 199999, "partial_rotary_factor": 0.75, "resid_pdrop": 0.0,
+            "rms_norm_eps": 1e-05,
+            "rope_scaling": {"long_factor": long, "short_factor": short, "type": "longrope"},
+            "rope_theta": 10000.0, "sliding_window": 262144, "tie_word_embeddings": true,
+            "torch_dtype": "bfloat16", "transformers_version": "4.45.0", "use_cache": true,
+            "vocab_size": 200064
+        });
+        let spec = Registry::builtin()
+            .parse_config(Path::new("config.json"), &cfg)
+            .unwrap();
+        let c = spec.decoder(GraphRole::Decoder).unwrap();
+        assert!(c.layer_windows.is_empty());
+        assert_eq!(c.rotary_dim, Some(96));
+        assert!(matches!(
+            &c.rope.scaling,
+            crate::arch::rope::RopeScaling::Longrope { long_factor, .. } if long_factor.len() == 48
+        ));
+    }
 }
