@@ -37,7 +37,9 @@ pub struct RuntimeArgs {
     /// Tokens per KV cache page.
     #[arg(long, default_value = "128", value_parser = positive, allow_negative_numbers = true)]
     pub page_size: usize,
-    /// Pages in the KV cache [default: every context at max_seq_len].
+    /// The KV cache's size in pages of every layer (page-size tokens' keys and values in each
+    /// layer; a model whose layers form several page groups gets this many pages per group)
+    /// [default: every context at max_seq_len, sliding-window layers only their windows].
     #[arg(long, value_parser = positive, allow_negative_numbers = true)]
     pub kv_cache_pages: Option<usize>,
     /// Draft tokens the decoder verifies per step (speculative decoding); each step can

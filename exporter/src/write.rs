@@ -140,9 +140,15 @@ pub fn compile(
     let mut programs = BTreeMap::new();
     let mut reports = BTreeMap::new();
     for (role, rg) in &loaded.roles {
+        let kv_windows = rg
+            .graph
+            .kv_layout()
+            .map(|l| l.windows())
+            .unwrap_or_default();
         let dims = opts
             .runtime
-            .max_dims(rg.graph.step_dims().iter().map(String::as_str))?;
+            .max_dims(rg.graph.step_dims().iter().map(String::as_str), &kv_windows)?;
+
         progress(&format!("lowering role {role}"));
         let lower = LowerOptions {
             bounds: dims.clone(),
@@ -470,6 +476,15 @@ fn write_dir(
         total += bytes.len() as u64;
     }
     let b = &opts.runtime.batch;
+    // The decoder's KV cache pages (its page groups' windows known; the first role's where
+    // there is no decoder).
+    let kv_windows = loaded
+        .roles
+        .iter()
+        .find(|(role, _)| role.name() == "decoder")
+        .or_else(|| loaded.roles.iter().next())
+        .and_then(|(_, rg)| rg.graph.kv_layout().map(|l| l.windows()))
+        .unwrap_or_default();
     let manifest = Manifest {
         format_version: FORMAT_VERSION,
         maxc_version: env!("CARGO_PKG_VERSION").into(),
@@ -483,7 +498,7 @@ fn write_dir(
             enable_chunked_prefill: b.enable_chunked_prefill,
             data_parallel_degree: b.data_parallel_degree as u64,
             page_size: opts.runtime.kv.page_size as u64,
-            kv_cache_pages: opts.runtime.kv.total_pages(b) as u64,
+            kv_cache_pages: opts.runtime.kv.total_pages(b, &kv_windows) as u64,
             num_speculative_tokens: b.num_speculative_tokens as u64,
         },
         roles,

@@ -90,8 +90,10 @@ impl BatchProcessorRuntime {
 pub struct KvCacheParams {
     /// Tokens per page.
     pub page_size: usize,
-    /// Pages in the cache; `None` means enough for every context at full length
-    /// (`max_global_batch_size * ceil(max_seq_len / page_size)`).
+    /// The cache's size in pages of every layer (`page_size` tokens' keys and values in each
+    /// decoder layer); a cache of several page groups has this many pages per group, each of
+    /// one group's layers, so its memory is the same. `None` means enough for every context at
+    /// full length in every group ([`KvCacheParams::total_pages`]).
     pub num_pages: Option<usize>,
 }
 
@@ -110,10 +112,42 @@ impl KvCacheParams {
         batch.max_seq_len.div_ceil(self.page_size)
     }
 
-    /// Pages in the cache.
-    pub fn total_pages(&self, batch: &BatchProcessorRuntime) -> usize {
-        self.num_pages
-            .unwrap_or_else(|| batch.max_global_batch_size() * self.max_pages_per_context(batch))
+    /// Pages one context holds at most in a page group with sliding window `window` (`None`:
+    /// full attention): every page at `max_seq_len`, or in a sliding group the pages a step
+    /// reads and writes, from the one holding its first row's window start to its last row,
+    /// at most `ceil((window - 1 + max_batch_active_tokens) / page_size) + 1`.
+    pub fn max_pages_in_group(
+        &self,
+        batch: &BatchProcessorRuntime,
+        window: Option<usize>,
+    ) -> usize {
+        let all = self.max_pages_per_context(batch);
+        match window {
+            None => all,
+            Some(w) => all.min(
+                (w.saturating_sub(1) + batch.max_batch_active_tokens()).div_ceil(self.page_size)
+                    + 1,
+            ),
+        }
+    }
+
+    /// Pages in the cache, whose page groups have the sliding windows `windows` (`None`: full
+    /// attention; no entry: one full-attention group): `num_pages` per group where set, else
+    /// enough for every context at full length in every group.
+    pub fn total_pages(&self, batch: &BatchProcessorRuntime, windows: &[Option<usize>]) -> usize {
+        let groups = windows.len().max(1);
+        if let Some(n) = self.num_pages {
+            return n.saturating_mul(groups);
+        }
+        let per_context: usize = if windows.is_empty() {
+            self.max_pages_per_context(batch)
+        } else {
+            windows
+                .iter()
+                .map(|&w| self.max_pages_in_group(batch, w))
+                .sum()
+        };
+        batch.max_global_batch_size() * per_context
     }
 }
 
@@ -182,11 +216,13 @@ impl ModuleRuntime {
         names::TOTAL_SEQ_LEN,
     ];
 
-    /// The largest size of each named per-step dim. A dim it does not bound is an error naming
-    /// the dim and the dims it knows.
+    /// The largest size of each named per-step dim, for a KV cache whose page groups have the
+    /// sliding windows `kv_windows` (see [`KvCacheParams::total_pages`]). A dim it does not
+    /// bound is an error naming the dim and the dims it knows.
     pub fn max_dims<'a>(
         &self,
         dims: impl IntoIterator<Item = &'a str>,
+        kv_windows: &[Option<usize>],
     ) -> Result<BTreeMap<String, usize>> {
         self.validate()?;
         let b = &self.batch;
@@ -198,7 +234,7 @@ impl ModuleRuntime {
                 names::INPUT_ROW_OFFSETS_LEN => b.max_global_batch_size() + 1,
                 names::LOGIT_ROWS => b.max_logit_rows(),
                 names::MAX_NUM_PAGES => self.kv.max_pages_per_context(b),
-                names::TOTAL_NUM_PAGES => self.kv.total_pages(b),
+                names::TOTAL_NUM_PAGES => self.kv.total_pages(b, kv_windows),
                 other => {
                     return Err(Error::Dim {
                         dim: other.into(),
@@ -263,7 +299,9 @@ mod tests {
         let r = rt(8, 8192, 2048, true, 4);
         assert_eq!(r.batch.max_batch_active_tokens(), 8192);
         assert_eq!(r.batch.max_global_batch_size(), 32);
-        let dims = r.max_dims(["batch_size", "input_row_offsets_len"]).unwrap();
+        let dims = r
+            .max_dims(["batch_size", "input_row_offsets_len"], &[])
+            .unwrap();
         assert_eq!(dims["batch_size"], 32);
         assert_eq!(dims["input_row_offsets_len"], 33);
     }
@@ -271,9 +309,9 @@ mod tests {
     #[test]
     fn logit_rows_grow_with_the_speculation_depth() {
         let mut r = rt(8, 512, 512, true, 2);
-        assert_eq!(r.max_dims(["logit_rows"]).unwrap()["logit_rows"], 16);
+        assert_eq!(r.max_dims(["logit_rows"], &[]).unwrap()["logit_rows"], 16);
         r.batch.num_speculative_tokens = 3;
-        assert_eq!(r.max_dims(["logit_rows"]).unwrap()["logit_rows"], 64);
+        assert_eq!(r.max_dims(["logit_rows"], &[]).unwrap()["logit_rows"], 64);
     }
 
     #[test]
@@ -300,13 +338,13 @@ mod tests {
     #[test]
     fn page_dims() {
         let r = rt(3, 100, 64, true, 2);
-        let dims = r.max_dims(ModuleRuntime::KNOWN_DIMS).unwrap();
+        let dims = r.max_dims(ModuleRuntime::KNOWN_DIMS, &[]).unwrap();
         assert_eq!(dims["max_num_pages"], 7); // ceil(100 / 16)
         assert_eq!(dims["total_num_pages"], 6 * 7);
         let mut fixed = r.clone();
         fixed.kv.num_pages = Some(10);
         assert_eq!(
-            fixed.max_dims(["total_num_pages"]).unwrap()["total_num_pages"],
+            fixed.max_dims(["total_num_pages"], &[]).unwrap()["total_num_pages"],
             10
         );
     }
@@ -314,7 +352,7 @@ mod tests {
     #[test]
     fn unknown_dim_names_the_dim_and_the_known_ones() {
         let err = rt(1, 8, 8, true, 1)
-            .max_dims(["image_rows"])
+            .max_dims(["image_rows"], &[])
             .unwrap_err()
             .to_string();
         assert!(
@@ -331,13 +369,13 @@ mod tests {
             (rt(1, 8, 0, true, 1), "max_batch_input_tokens"),
             (rt(1, 8, 8, true, 0), "data_parallel_degree"),
         ] {
-            let err = r.max_dims(["batch_size"]).unwrap_err().to_string();
+            let err = r.max_dims(["batch_size"], &[]).unwrap_err().to_string();
             assert!(err.contains(field), "{err}");
         }
         let mut r = rt(1, 8, 8, true, 1);
         r.kv.page_size = 0;
         assert!(r
-            .max_dims(["max_num_pages"])
+            .max_dims(["max_num_pages"], &[])
             .unwrap_err()
             .to_string()
             .contains("page_size"));

@@ -226,7 +226,7 @@ fn config_that_is_not_json() {
 #[test]
 fn unknown_dim_and_zero_bound() {
     let rt = ModuleRuntime::default();
-    let e = rt.max_dims(["num_images"]).unwrap_err().to_string();
+    let e = rt.max_dims(["num_images"], &[]).unwrap_err().to_string();
     assert!(e.contains("num_images") && e.contains("batch_size"), "{e}");
     let mut rt = ModuleRuntime::default();
     rt.batch.max_seq_len = 0;
@@ -281,6 +281,7 @@ fn bad_step_inputs_are_errors() {
         cache_lengths: vec![0],
         kv_lookup_table: vec![1],
         pages_per_seq: 1,
+        kv_groups: 1,
         return_n_logits: 1,
     };
     assert!(interp.step(&good, &mut cache).is_ok());

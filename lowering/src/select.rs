@@ -6,7 +6,8 @@ use crate::kgraph::{KGraph, KNode, KValue, ValueId, ValueKind};
 use maxc_graph::ir::{Dim, Op, TensorType};
 use maxc_graph::Graph;
 use maxc_schema::{
-    DType, EwInput, EwInstr, Extent, GatherIndex, KernelBody, KvLayout, RopeTable, Rows, StepDim,
+    DType, EwInput, EwInstr, Extent, GatherIndex, KernelBody, KvGroup, KvLayout, RopeTable, Rows,
+    StepDim,
 };
 use std::collections::BTreeMap;
 
@@ -43,6 +44,8 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
         ..Default::default()
     };
     let mut val: BTreeMap<maxc_graph::ir::NodeIndex, ValueId> = BTreeMap::new();
+    // The graph's KV layout: which page group and slot each decoder layer has.
+    let mut kv_graph: Option<maxc_graph::ir::KvLayout> = None;
     let mut tables: Vec<(RopeTable, ValueId)> = Vec::new();
     for id in graph.node_ids() {
         let node = graph.node(id);
@@ -78,7 +81,16 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                     head_dim: l.head_dim as u64,
                     page_size: l.page_size as u64,
                     dtype: l.dtype,
+                    groups: l
+                        .groups
+                        .iter()
+                        .map(|g| KvGroup {
+                            window: g.window.map(|w| w as u64),
+                            layers: g.layers.iter().map(|&l| l as u64).collect(),
+                        })
+                        .collect(),
                 });
+                kv_graph = Some(l.clone());
                 val.insert(id, v);
                 continue;
             }
@@ -253,13 +265,18 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                 let l =
                     k.kv.clone()
                         .ok_or_else(|| unsupported("attention before the KV cache input"))?;
+                // The layer's slot in its page group's pages (its lookup table is the operand).
+                let slot = kv_graph
+                    .as_ref()
+                    .and_then(|g| g.slot(*layer))
+                    .ok_or_else(|| unsupported("attention of a layer in no KV page group"))?;
                 let (q, kk, v, lut, lens, offs) = (ops[0], ops[1], ops[2], ops[4], ops[5], ops[6]);
                 // Every layer's kernels see a view of the cache at their layer's slot, so the
                 // kernels of all layers are one kernel.
                 let whole = k.values[ops[3]].clone();
                 let cache = k.value(KValue {
                     name: format!("kv_cache.layer{layer}"),
-                    kind: ValueKind::KvCacheLayer(*layer as u64),
+                    kind: ValueKind::KvCacheLayer(slot.slot as u64),
                     ..whole
                 });
                 let heads = match k.values[q].shape[1] {

@@ -135,7 +135,10 @@ fn the_memory_plan_never_overlaps_live_values() {
         let mut k = select_kernels(&g, "decoder/").unwrap();
         run_passes(&mut k, &default_passes(), None).unwrap();
         let dims = rt
-            .max_dims(g.step_dims().iter().map(String::as_str))
+            .max_dims(
+                g.step_dims().iter().map(String::as_str),
+                &g.kv_layout().map(|l| l.windows()).unwrap_or_default(),
+            )
             .unwrap();
         let bounds: BTreeMap<StepDim, u64> = StepDim::ALL
             .into_iter()
@@ -198,7 +201,10 @@ fn the_memory_plan_never_overlaps_live_values() {
 fn programs_dedupe_kernels_and_reference_weights_by_role_key() {
     let (g, rt) = graph("tiny-llama");
     let dims = rt
-        .max_dims(g.step_dims().iter().map(String::as_str))
+        .max_dims(
+            g.step_dims().iter().map(String::as_str),
+            &g.kv_layout().map(|l| l.windows()).unwrap_or_default(),
+        )
         .unwrap();
     let p = lower_graph(
         &g,

@@ -346,6 +346,11 @@ impl Artifact {
             vocab_size: program.vocab_size,
             page_size: program.page_size(),
             max_seq_len: self.manifest.runtime.max_seq_len,
+            kv_windows: program
+                .kv
+                .as_ref()
+                .map(|kv| kv.windows())
+                .unwrap_or_default(),
         };
         Ok((bounds, limits))
     }

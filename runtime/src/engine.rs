@@ -97,8 +97,10 @@ pub struct RoleInfo {
     pub page_size: usize,
     /// Pages in the KV cache.
     pub total_pages: usize,
-    /// Lookup-table columns: pages one sequence may hold.
+    /// Lookup-table columns: pages one sequence may hold in one page group.
     pub pages_per_seq: usize,
+    /// Each KV page group's sliding window (`None`: full attention), in lookup-table order.
+    pub kv_windows: Vec<Option<usize>>,
     /// Whether a step returns logits for every token row (else the last rows of each sequence).
     pub all_logits: bool,
     /// Most logit rows a step returns per sequence (`num_speculative_tokens + 1`; 1 where
@@ -113,7 +115,12 @@ pub struct RoleInfo {
 impl RoleInfo {
     /// An empty page table the size of this role's KV cache.
     pub fn page_table(&self) -> PageTable {
-        PageTable::new(self.total_pages, self.page_size, self.pages_per_seq)
+        PageTable::with_groups(
+            self.total_pages,
+            self.page_size,
+            self.pages_per_seq,
+            self.kv_windows.clone(),
+        )
     }
 }
 
@@ -243,6 +250,11 @@ impl Engine {
             page_size: program.page_size() as usize,
             total_pages: bound(StepDim::TotalNumPages),
             pages_per_seq: bound(StepDim::MaxNumPages),
+            kv_windows: program
+                .kv
+                .as_ref()
+                .map(|kv| kv.windows().iter().map(|w| w.map(|w| w as usize)).collect())
+                .unwrap_or_else(|| vec![None]),
             all_logits,
             max_return_n_logits,
             eos_token_ids: m.eos_token_ids.clone(),

@@ -80,6 +80,11 @@ impl Session {
                 )));
             }
         }
+        // Lengths are final now (a speculative caller truncated what it rejected): sliding
+        // page groups hand back what their windows left before the step takes new pages.
+        for &(seq, _) in chunks {
+            self.pages.slide(seq);
+        }
         let mut step = self.pages.prepare(chunks)?;
         step.inputs.return_n_logits = n;
         match self.engine.execute(&step.inputs) {

@@ -63,15 +63,26 @@ pub fn report(a: &Artifact) -> Value {
             .iter()
             .filter(|b| matches!(b.storage, Storage::Param { .. }))
             .count();
-        // The layout, and what one token and one sequence at max_seq_len hold (every layer keeps
-        // a sequence's every page: sliding-window layers do not return theirs yet).
+        // The layout, and what one token and one sequence at max_seq_len hold: sliding page
+        // groups keep only the pages their windows reach, against every page where no group
+        // slid.
         let kv = p.kv.as_ref().map(|kv| {
             let mut v = serde_json::to_value(kv).unwrap_or_default();
+            let len = m.runtime.max_seq_len;
             if let Some(o) = v.as_object_mut() {
                 o.insert("bytes_per_token".into(), json!(kv.bytes_per_token()));
+                o.insert("page_bytes".into(), json!(kv.page_bytes()));
+                o.insert(
+                    "pages_per_sequence".into(),
+                    json!(kv.pages_per_sequence(len)),
+                );
+                o.insert(
+                    "pages_per_sequence_without_windows".into(),
+                    json!(kv.num_groups() * len.div_ceil(kv.page_size.max(1))),
+                );
                 o.insert(
                     "bytes_per_sequence".into(),
-                    json!(kv.bytes_per_sequence(m.runtime.max_seq_len)),
+                    json!(kv.bytes_per_sequence(len)),
                 );
             }
             v
@@ -175,9 +186,29 @@ pub fn run(args: Args) -> Result<()> {
             println!("  dims     {}", dims.join(", "));
         }
         if let Some(kv) = r["kv"].as_object() {
+            let windows: Vec<String> = kv["groups"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|g| match g["window"].as_u64() {
+                    Some(w) => format!("window {w}"),
+                    None => "full".to_string(),
+                })
+                .collect();
             println!(
-                "  kv cache {} bytes per token, {} bytes per sequence at max_seq_len {}",
-                kv["bytes_per_token"], kv["bytes_per_sequence"], m.runtime.max_seq_len
+                "  kv cache {} page groups of {} layers ({}), {} bytes per page",
+                windows.len(),
+                kv["num_layers"],
+                windows.join(", "),
+                kv["page_bytes"]
+            );
+            println!(
+                "           {} bytes per token; a sequence at max_seq_len {} holds {} pages ({} without sliding windows), {} bytes",
+                kv["bytes_per_token"],
+                m.runtime.max_seq_len,
+                kv["pages_per_sequence"],
+                kv["pages_per_sequence_without_windows"],
+                kv["bytes_per_sequence"]
             );
         }
         println!("  kernels");

@@ -44,7 +44,10 @@ pub fn plan_json(
     for (role, rg) in &loaded.roles {
         let g = &rg.graph;
         let dims = runtime
-            .max_dims(g.step_dims().iter().map(String::as_str))
+            .max_dims(
+                g.step_dims().iter().map(String::as_str),
+                &g.kv_layout().map(|l| l.windows()).unwrap_or_default(),
+            )
             .with_context(|| format!("role {role}"))?;
         all_dims.extend(dims.clone());
         let mut bytes_by_dtype: BTreeMap<String, usize> = BTreeMap::new();

@@ -269,15 +269,22 @@ impl DecoderConfig {
         })
     }
 
-    /// The layout of this decoder's paged KV cache.
+    /// Each decoder layer's sliding window (`None`: full attention).
+    pub fn windows(&self) -> Vec<Option<usize>> {
+        (0..self.num_layers)
+            .map(|l| self.layer_windows.get(l).copied().flatten())
+            .collect()
+    }
+
+    /// The layout of this decoder's paged KV cache: its layers in page groups by window.
     pub fn kv_layout(&self, page_size: usize, dtype: DType) -> KvLayout {
-        KvLayout {
-            num_layers: self.num_layers,
-            num_kv_heads: self.num_kv_heads,
-            head_dim: self.head_dim,
+        KvLayout::grouped(
+            &self.windows(),
+            self.num_kv_heads,
+            self.head_dim,
             page_size,
             dtype,
-        }
+        )
     }
 }
 
@@ -380,7 +387,10 @@ impl KeyPath {
 /// The per-step inputs every decoder layer reads.
 struct StepInputs {
     kv_cache: NodeIndex,
-    lookup: NodeIndex,
+    /// The KV cache's layout.
+    kv: KvLayout,
+    /// Each page group's lookup table.
+    lookups: Vec<NodeIndex>,
     cache_lengths: NodeIndex,
     row_offsets: NodeIndex,
     positions: NodeIndex,
@@ -483,19 +493,22 @@ impl DecoderBuilder<'_> {
         let cache_lengths = self
             .b
             .input("cache_lengths", TensorType::new(DType::I32, [bsz()]))?;
-        let lookup = self.b.input(
-            "kv_lookup_table",
-            TensorType::new(DType::I32, [bsz(), Dim::sym(names::MAX_NUM_PAGES)]),
-        )?;
+        let kv = c.kv_layout(self.opts.page_size, DType::F32);
+        let lookups = (0..kv.groups.len().max(1))
+            .map(|g| {
+                self.b.input(
+                    &maxc_schema::kv_lookup_input(g),
+                    TensorType::new(DType::I32, [bsz(), Dim::sym(names::MAX_NUM_PAGES)]),
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
         if self.opts.takes_batch_context_lengths {
             self.b.input(
                 "batch_context_lengths",
                 TensorType::new(DType::I32, [bsz()]),
             )?;
         }
-        let kv_cache = self
-            .b
-            .kv_cache(c.kv_layout(self.opts.page_size, DType::F32))?;
+        let kv_cache = self.b.kv_cache(kv.clone())?;
 
         let model = KeyPath::new("model");
         let embed = self.weight(
@@ -516,7 +529,8 @@ impl DecoderBuilder<'_> {
         )?;
         let step = StepInputs {
             kv_cache,
-            lookup,
+            kv,
+            lookups,
             cache_lengths,
             row_offsets,
             positions,
@@ -617,7 +631,7 @@ impl DecoderBuilder<'_> {
                 k,
                 v,
                 s.kv_cache,
-                s.lookup,
+                s.lookups[s.kv.slot(layer).map_or(0, |k| k.group)],
                 s.cache_lengths,
                 s.row_offsets,
             ],

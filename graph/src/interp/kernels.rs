@@ -102,9 +102,7 @@ pub struct PagedBatch<'a> {
     pub row_offsets: &'a [i64],
     /// Tokens already cached per sequence.
     pub cache_lengths: &'a [i64],
-    /// `[B, pages_per_seq]` page ids.
-    pub lookup: &'a [i64],
-    /// Columns of `lookup`.
+    /// Columns of each page group's `[B, pages_per_seq]` lookup table.
     pub pages_per_seq: usize,
 }
 
@@ -119,25 +117,38 @@ impl PagedBatch<'_> {
             (start..end).map(move |r| (r, b, self.cache_lengths[b] as usize + (r - start)))
         })
     }
+}
 
-    /// The flat cache offset of (`layer`, k or v, token `pos` of sequence `b`, kv head `h`).
-    fn slot(&self, l: &KvLayout, layer: usize, kv: usize, b: usize, pos: usize, h: usize) -> usize {
+/// One layer's place in the paged cache: its page group's lookup table and its page slot.
+struct LayerView<'a> {
+    l: &'a KvLayout,
+    lookup: &'a [i64],
+    pages_per_seq: usize,
+    slot: usize,
+}
+
+impl LayerView<'_> {
+    /// The flat cache offset of (k or v, token `pos` of sequence `b`, kv head `h`).
+    fn at(&self, kv: usize, b: usize, pos: usize, h: usize) -> usize {
+        let l = self.l;
         let page = self.lookup[b * self.pages_per_seq + pos / l.page_size] as usize;
-        ((((page * l.num_layers + layer) * 2 + kv) * l.page_size + pos % l.page_size)
+        ((((page * l.num_layers + self.slot) * 2 + kv) * l.page_size + pos % l.page_size)
             * l.num_kv_heads
             + h)
             * l.head_dim
     }
 }
 
-/// Writes the step's `k` and `v` (`[T, Hkv, D]`) into `layer` of the cache, then computes causal
-/// attention of every row of `q` (`[T, Hq, D]`) over its sequence's positions `0..=pos`.
+/// Writes the step's `k` and `v` (`[T, Hkv, D]`) into decoder layer `layer`'s slot of the
+/// cache, through its page group's `lookup` table (`[B, pages_per_seq]`), then computes causal
+/// attention of every row of `q` (`[T, Hq, D]`) over its sequence's positions `0..=pos` (the
+/// last `window` of them).
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     q: &[f32],
     k: &[f32],
     v: &[f32],
-    cache: &mut [f32],
+    (cache, lookup): (&mut [f32], &[i64]),
     hq: usize,
     l: &KvLayout,
     (layer, window): (usize, Option<usize>),
@@ -145,12 +156,18 @@ pub fn paged_attention(
     batch: &PagedBatch<'_>,
 ) -> Vec<f32> {
     let (hkv, d) = (l.num_kv_heads, l.head_dim);
+    let view = LayerView {
+        l,
+        lookup,
+        pages_per_seq: batch.pages_per_seq,
+        slot: l.slot(layer).map_or(layer, |s| s.slot),
+    };
     for (r, b, pos) in batch.rows() {
         for h in 0..hkv {
             let src = (r * hkv + h) * d;
-            let ks = batch.slot(l, layer, 0, b, pos, h);
+            let ks = view.at(0, b, pos, h);
             cache[ks..ks + d].copy_from_slice(&k[src..src + d]);
-            let vs = batch.slot(l, layer, 1, b, pos, h);
+            let vs = view.at(1, b, pos, h);
             cache[vs..vs + d].copy_from_slice(&v[src..src + d]);
         }
     }
@@ -162,7 +179,7 @@ pub fn paged_attention(
             let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
             let scores: Vec<f32> = (first..=pos)
                 .map(|j| {
-                    let ks = batch.slot(l, layer, 0, b, j, h / group);
+                    let ks = view.at(0, b, j, h / group);
                     qv.iter()
                         .zip(&cache[ks..ks + d])
                         .map(|(a, c)| a * c)
@@ -173,7 +190,7 @@ pub fn paged_attention(
             let probs = softmax(&scores, scores.len());
             let o = &mut out[(r * hq + h) * d..][..d];
             for (j, p) in (first..).zip(&probs) {
-                let vs = batch.slot(l, layer, 1, b, j, h / group);
+                let vs = view.at(1, b, j, h / group);
                 for (acc, val) in o.iter_mut().zip(&cache[vs..vs + d]) {
                     *acc += p * val;
                 }

@@ -206,6 +206,12 @@ impl Interpreter {
             vocab_size: self.vocab_size as u64,
             page_size: self.kv_layout.page_size as u64,
             max_seq_len: u64::MAX,
+            kv_windows: self
+                .kv_layout
+                .windows()
+                .into_iter()
+                .map(|w| w.map(|w| w as u64))
+                .collect(),
         };
         s.checked_dims(&limits)
             .map(|_| ())
@@ -227,15 +233,10 @@ impl Interpreter {
             ("logit_rows".to_string(), b * s.return_n_logits),
         ]);
         let widen = |v: &[i32]| v.iter().map(|&x| i64::from(x)).collect::<Vec<i64>>();
-        let (offs, lens, lut) = (
-            widen(&s.input_row_offsets),
-            widen(&s.cache_lengths),
-            widen(&s.kv_lookup_table),
-        );
+        let (offs, lens) = (widen(&s.input_row_offsets), widen(&s.cache_lengths));
         let batch = PagedBatch {
             row_offsets: &offs,
             cache_lengths: &lens,
-            lookup: &lut,
             pages_per_seq: s.pages_per_seq,
         };
 
@@ -277,13 +278,16 @@ impl Interpreter {
                     "tokens" => s.tokens.clone(),
                     "input_row_offsets" => offs.clone(),
                     "cache_lengths" => lens.clone(),
-                    "kv_lookup_table" => lut.clone(),
+
                     "batch_context_lengths" => {
                         (0..b).map(|i| lens[i] + offs[i + 1] - offs[i]).collect()
                     }
-                    other => {
-                        return Err(Error::Eval(format!("no value for graph input `{other}`")))
-                    }
+                    other => match maxc_schema::kv_lookup_group(other) {
+                        Some(g) => widen(s.lookup_table(g)),
+                        None => {
+                            return Err(Error::Eval(format!("no value for graph input `{other}`")))
+                        }
+                    },
                 }),
                 Op::KvCache(_) => continue,
                 Op::Param => continue,
@@ -339,7 +343,7 @@ impl Interpreter {
                     v(0).f(),
                     v(1).f(),
                     v(2).f(),
-                    &mut cache.data,
+                    (&mut cache.data, v(4).i()),
                     shape[1],
                     &self.kv_layout,
                     (*layer, *window),

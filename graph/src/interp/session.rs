@@ -14,12 +14,16 @@ pub struct Session<'a> {
 }
 
 impl<'a> Session<'a> {
-    /// A session with `num_pages` cache pages, each sequence allowed `pages_per_seq` of them.
+    /// A session with room for `num_pages` cache pages in each of the KV cache's page groups
+    /// (a pool of `num_pages × groups` pages), each sequence allowed `pages_per_seq` of them
+    /// per group.
     pub fn new(interp: &'a Interpreter, num_pages: usize, pages_per_seq: usize) -> Self {
+        let windows = interp.kv_layout.windows();
+        let pool = num_pages * windows.len().max(1);
         Session {
             interp,
-            cache: interp.new_kv_cache(num_pages),
-            pages: PageTable::new(num_pages, interp.kv_layout.page_size, pages_per_seq),
+            cache: interp.new_kv_cache(pool),
+            pages: PageTable::with_groups(pool, interp.kv_layout.page_size, pages_per_seq, windows),
         }
     }
 
@@ -37,6 +41,10 @@ impl<'a> Session<'a> {
         match self.interp.step(&step.inputs, &mut self.cache) {
             Ok(out) => {
                 self.pages.commit(step).map_err(eval)?;
+                // Sliding groups hand back what their windows left, as in the runtime.
+                for &(seq, _) in chunks {
+                    self.pages.slide(seq);
+                }
                 Ok(out)
             }
             Err(e) => {
@@ -44,6 +52,11 @@ impl<'a> Session<'a> {
                 Err(e)
             }
         }
+    }
+
+    /// The page table.
+    pub fn pages(&self) -> &PageTable {
+        &self.pages
     }
 
     /// Frees sequence `id`'s pages.

@@ -6,6 +6,7 @@
 use super::dim::{names, same_volume, shape_string, Dim, Shape};
 use crate::DType;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// The type of a tensor value: element type and shape.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -33,10 +34,13 @@ impl std::fmt::Display for TensorType {
 }
 
 /// Layout of a role's paged KV cache. The cache tensor is
-/// `[total_num_pages, num_layers, 2 (k, v), page_size, num_kv_heads, head_dim]`.
+/// `[total_num_pages, num_layers, 2 (k, v), page_size, num_kv_heads, head_dim]`: a page holds
+/// the keys and values of the `num_layers` layers of one [`KvGroup`]. Every group draws pages
+/// from the one pool and has its own lookup-table input; a sliding group hands back the pages
+/// its window has left.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct KvLayout {
-    /// Decoder layers, each with its own K and V.
+    /// Layer slots in a page: the layers of one group.
     pub num_layers: usize,
     /// KV heads per layer.
     pub num_kv_heads: usize,
@@ -46,9 +50,94 @@ pub struct KvLayout {
     pub page_size: usize,
     /// Element type of the cache.
     pub dtype: DType,
+    /// The page groups, in lookup-table order.
+    pub groups: Vec<KvGroup>,
+}
+
+/// Decoder layers of the KV cache that attend alike and so share pages and a lookup table.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct KvGroup {
+    /// The layers' sliding window (`None`: full attention).
+    pub window: Option<usize>,
+    /// The decoder layers, by page slot.
+    pub layers: Vec<usize>,
+}
+
+/// Where a decoder layer's keys and values live: its page group and its slot in the group's
+/// pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvSlot {
+    /// The page group (its lookup table).
+    pub group: usize,
+    /// The layer slot within a page.
+    pub slot: usize,
 }
 
 impl KvLayout {
+    /// The layout of a cache for layers with sliding windows `windows` (`None`: full
+    /// attention; one entry per decoder layer). Layers are grouped by window, every group of
+    /// the same size: the greatest common divisor of the counts of each window, so that no
+    /// slot is wasted. A group takes the next layers of its window in layer order; groups are
+    /// ordered by their first layer. Where every layer attends alike there is one group.
+    pub fn grouped(
+        windows: &[Option<usize>],
+        num_kv_heads: usize,
+        head_dim: usize,
+        page_size: usize,
+        dtype: DType,
+    ) -> KvLayout {
+        let mut counts: BTreeMap<Option<usize>, usize> = BTreeMap::new();
+        for w in windows {
+            *counts.entry(*w).or_default() += 1;
+        }
+        let gcd = |mut a: usize, mut b: usize| {
+            while b != 0 {
+                (a, b) = (b, a % b);
+            }
+            a
+        };
+        let size = counts.values().fold(0, |g, &c| gcd(g, c)).max(1);
+        let mut groups: Vec<KvGroup> = Vec::new();
+        let mut open: BTreeMap<Option<usize>, usize> = BTreeMap::new();
+        for (layer, w) in windows.iter().enumerate() {
+            let g = match open.get(w) {
+                Some(&g) if groups[g].layers.len() < size => g,
+                _ => {
+                    groups.push(KvGroup {
+                        window: *w,
+                        layers: Vec::new(),
+                    });
+                    open.insert(*w, groups.len() - 1);
+                    groups.len() - 1
+                }
+            };
+            groups[g].layers.push(layer);
+        }
+        KvLayout {
+            num_layers: size.min(windows.len()),
+            num_kv_heads,
+            head_dim,
+            page_size,
+            dtype,
+            groups,
+        }
+    }
+
+    /// Decoder layer `layer`'s group and slot; `None` past the last layer.
+    pub fn slot(&self, layer: usize) -> Option<KvSlot> {
+        self.groups.iter().enumerate().find_map(|(group, g)| {
+            g.layers
+                .iter()
+                .position(|&l| l == layer)
+                .map(|slot| KvSlot { group, slot })
+        })
+    }
+
+    /// Each group's window, in group order.
+    pub fn windows(&self) -> Vec<Option<usize>> {
+        self.groups.iter().map(|g| g.window).collect()
+    }
+
     /// The cache tensor's type, with `total_num_pages` symbolic.
     pub fn tensor_type(&self) -> TensorType {
         TensorType::new(
@@ -64,7 +153,7 @@ impl KvLayout {
         )
     }
 
-    /// Elements in one page (all layers, K and V).
+    /// Elements in one page (one group's layers, K and V).
     pub fn page_elems(&self) -> usize {
         self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim
     }

@@ -3,6 +3,7 @@
 //! every allocation, eviction and release through it before a step runs, so that the executor
 //! is handed a step that fits.
 
+use crate::pages::FREED;
 use crate::{PageError, PageTable, PrefixCache, PreparedStep};
 use std::collections::BTreeMap;
 
@@ -45,10 +46,9 @@ impl KvCache {
         self.table.free_pages() + self.cached_only_pages()
     }
 
-    /// Pages `seq` needs beyond those it holds to hold `len` tokens.
+    /// Pages `seq` needs beyond those it holds to hold `len` tokens, in every page group.
     pub fn pages_needed(&self, seq: u64, len: usize) -> usize {
-        len.div_ceil(self.page_size())
-            .saturating_sub(self.table.pages(seq).len())
+        self.table.pages_needed(seq, len)
     }
 
     /// Shares the cached full pages that start `tokens` with the new sequence `seq` (leaving at
@@ -57,11 +57,12 @@ impl KvCache {
         let Some(cache) = self.prefix.as_mut() else {
             return 0;
         };
-        let pages = cache.lookup(tokens);
-        if pages.is_empty() || self.table.attach_prefix(seq, &pages).is_err() {
+        let pages = cache.lookup(&self.table, tokens);
+        let n = pages.first().map_or(0, Vec::len);
+        if n == 0 || self.table.attach_prefix_groups(seq, &pages).is_err() {
             return 0;
         }
-        pages.len() * self.table.page_size()
+        n * self.table.page_size()
     }
 
     /// Evicts unreferenced cached pages, least recently used first, until `free` pages are
@@ -98,10 +99,21 @@ impl KvCache {
     /// Caches the full pages of `seq`, whose cached tokens start with `tokens`.
     pub fn cache_prefix(&mut self, seq: u64, tokens: &[i64]) {
         if let Some(cache) = self.prefix.as_mut() {
-            let pages = self.table.pages(seq).to_vec();
             let n = tokens.len().min(self.table.len(seq));
-            cache.insert(&mut self.table, &tokens[..n], &pages);
+            cache.insert(&mut self.table, seq, &tokens[..n]);
         }
+    }
+
+    /// Hands back the pages `seq`'s sliding page groups no longer read ([`PageTable::slide`]),
+    /// caching its full pages first where prefix caching is on (`tokens` are its cached
+    /// tokens), so that a later request sharing the prefix still finds them. Returns the pages
+    /// the sequence let go. Call it once a step's lengths are final.
+    pub fn slide(&mut self, seq: u64, tokens: &[i64]) -> usize {
+        if self.table.out_of_window(seq) == 0 {
+            return 0;
+        }
+        self.cache_prefix(seq, tokens);
+        self.table.slide(seq)
     }
 
     /// Frees `seq`'s pages (those the prefix cache holds stay cached).
@@ -109,8 +121,9 @@ impl KvCache {
         self.table.release(seq);
     }
 
-    /// Checks the bookkeeping: every sequence holds `ceil(len / page_size)` distinct pages, a
-    /// shared page is full in every sequence holding it, each page's reference count is its
+    /// Checks the bookkeeping: in every page group each sequence has `ceil(len / page_size)`
+    /// entries, of distinct pages, freed only where a sliding group's next row reads nothing;
+    /// a shared page is full in every sequence holding it; each page's reference count is its
     /// holders plus its external holds, the prefix cache's pages are exactly the external
     /// holds, and used and free pages add up. Returns what is wrong.
     pub fn audit(&self) -> Result<(), String> {
@@ -118,31 +131,44 @@ impl KvCache {
         let ps = t.page_size();
         let mut holders = vec![0u32; t.total_pages()];
         for seq in t.sequences() {
-            let pages = t.pages(seq);
-            if pages.len() != t.len(seq).div_ceil(ps) {
-                return Err(format!(
-                    "sequence {seq}: {} tokens in {} pages of {ps}",
-                    t.len(seq),
-                    pages.len()
-                ));
-            }
             let mut seen = std::collections::BTreeSet::new();
-            for &p in pages {
-                if !seen.insert(p) {
-                    return Err(format!("sequence {seq} holds page {p} twice"));
+            for g in 0..t.groups() {
+                let pages = t.group_pages(seq, g);
+                if pages.len() != t.len(seq).div_ceil(ps) {
+                    return Err(format!(
+                        "sequence {seq}, group {g}: {} tokens in {} pages of {ps}",
+                        t.len(seq),
+                        pages.len()
+                    ));
                 }
-                match holders.get_mut(p as usize) {
-                    Some(h) => *h += 1,
-                    None => return Err(format!("sequence {seq} holds page {p}, out of range")),
+                let first = t.first_read_page(g, t.len(seq));
+                for (i, &p) in pages.iter().enumerate() {
+                    if p == FREED {
+                        if i >= first {
+                            return Err(format!(
+                                "sequence {seq}, group {g}: page {i} is freed but read next"
+                            ));
+                        }
+                        continue;
+                    }
+                    if !seen.insert(p) {
+                        return Err(format!("sequence {seq} holds page {p} twice"));
+                    }
+                    match holders.get_mut(p as usize) {
+                        Some(h) => *h += 1,
+                        None => return Err(format!("sequence {seq} holds page {p}, out of range")),
+                    }
                 }
             }
         }
         for seq in t.sequences() {
-            for (i, &p) in t.pages(seq).iter().enumerate() {
-                if holders[p as usize] > 1 && (i + 1) * ps > t.len(seq) {
-                    return Err(format!(
-                        "page {p} is shared but partly filled in sequence {seq}"
-                    ));
+            for g in 0..t.groups() {
+                for (i, &p) in t.group_pages(seq, g).iter().enumerate() {
+                    if p != FREED && holders[p as usize] > 1 && (i + 1) * ps > t.len(seq) {
+                        return Err(format!(
+                            "page {p} is shared but partly filled in sequence {seq}"
+                        ));
+                    }
                 }
             }
         }

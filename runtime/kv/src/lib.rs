@@ -8,5 +8,5 @@ pub mod pages;
 pub mod prefix;
 
 pub use cache::KvCache;
-pub use pages::{PageError, PageTable, PreparedStep};
+pub use pages::{PageError, PageTable, PreparedStep, FREED};
 pub use prefix::PrefixCache;

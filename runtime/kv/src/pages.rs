@@ -183,6 +183,31 @@ pub enum PageError {
          or it came from another table"
     )]
     StaleStep,
+    /// A sliding group already freed a page that a row at the sequence's next position
+    /// would read.
+    #[error(
+        "sequence {seq} at {len} tokens would read a page that page group {group}'s sliding \
+         window already freed"
+    )]
+    WindowFreed {
+        /// The sequence.
+        seq: u64,
+        /// The length asked for.
+        len: usize,
+        /// The page group.
+        group: usize,
+    },
+    /// Pages were given for another number of page groups than the table has, or the
+    /// groups' lists differ in length.
+    #[error(
+        "pages given for {given} page groups of unequal or wrong length; the table has {groups}"
+    )]
+    GroupCount {
+        /// Lists given.
+        given: usize,
+        /// Page groups in the table.
+        groups: usize,
+    },
 }
 
 fn page_word(n: usize) -> &'static str {
@@ -211,14 +236,19 @@ fn pages_for(len: usize, page_size: usize) -> usize {
     }
 }
 
+/// The entry of a sliding group's page that its window has left and that was freed: such a
+/// page is never read again, and the lookup table shows it as page 0.
+pub const FREED: u32 = u32::MAX;
+
 /// One sequence's committed length and pages.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Sequence {
     /// Committed tokens.
     len: usize,
-    /// Its pages, in token order. Normally `ceil(len / page_size)` of them;
-    /// more while a prepared step that appends to it is open.
-    pages: Vec<u32>,
+    /// Its pages in each group, in token order. Normally `ceil(len / page_size)` of them;
+    /// more while a prepared step that appends to it is open. A sliding group's pages before
+    /// its window may be [`FREED`].
+    pages: Vec<Vec<u32>>,
 }
 
 /// The inputs of one prepared step, and what [`PageTable::commit`] or
@@ -233,14 +263,20 @@ pub struct PreparedStep {
     id: u64,
     /// Each sequence of the step, with the number of tokens it appends.
     chunks: Vec<(u64, usize)>,
-    /// The pages `prepare` took, in allocation order, with their sequence.
-    allocated: Vec<(u64, u32)>,
+    /// The pages `prepare` took, in allocation order, with their sequence and group.
+    allocated: Vec<(u64, usize, u32)>,
     /// Sequences `prepare` created.
     created: Vec<u64>,
 }
 
-/// The page table of a paged KV cache: each sequence's pages, every page's
+/// The page table of a paged KV cache: each sequence's pages in each page group, every page's
 /// reference count, and the free list.
+///
+/// Page groups: every group (a set of layers attending alike, see `maxc_schema::KvLayout`)
+/// keeps its own list of pages per sequence, drawn from the one pool. A full-attention group
+/// holds a page for every `page_size` positions; a sliding group with window `w` gives back,
+/// through [`PageTable::slide`], the pages before the one holding position `len + 1 - w`,
+/// which no later row reads.
 ///
 /// Allocation is deterministic: a new table hands out the lowest free page
 /// first, and after that the most recently freed page first.
@@ -254,6 +290,8 @@ pub struct PageTable {
     page_size: usize,
     pages_per_seq: usize,
     max_seq_len: usize,
+    /// Each group's sliding window (`None`: full attention); at least one group.
+    windows: Vec<Option<usize>>,
     /// Free pages; the next one handed out is at the end.
     free: Vec<u32>,
     /// References to each page: sequences holding it plus external holds.
@@ -269,6 +307,7 @@ impl PartialEq for PageTable {
     fn eq(&self, other: &Self) -> bool {
         self.page_size == other.page_size
             && self.pages_per_seq == other.pages_per_seq
+            && self.windows == other.windows
             && self.free == other.free
             && self.ref_counts == other.ref_counts
             && self.external == other.external
@@ -280,21 +319,39 @@ impl Eq for PageTable {}
 
 impl PageTable {
     /// A table of `num_pages` free pages of `page_size` token slots, where a
-    /// sequence may hold at most `pages_per_seq` pages.
+    /// sequence may hold at most `pages_per_seq` pages, with one full-attention group.
     ///
     /// `num_pages` is capped at `2^31` so that every page id fits the `i32`
     /// entries of [`StepInputs::kv_lookup_table`]. With a `page_size` or
     /// `pages_per_seq` of 0 no token fits, and every non-empty append fails
     /// with [`PageError::TooLong`].
     pub fn new(num_pages: usize, page_size: usize, pages_per_seq: usize) -> Self {
+        Self::with_groups(num_pages, page_size, pages_per_seq, vec![None])
+    }
+
+    /// [`PageTable::new`] with one page group per entry of `windows`, each that group's
+    /// sliding window (`None`: full attention; a window of 0 is read as 1). No entry means one
+    /// full-attention group.
+    pub fn with_groups(
+        num_pages: usize,
+        page_size: usize,
+        pages_per_seq: usize,
+        windows: Vec<Option<usize>>,
+    ) -> Self {
         let num_pages = num_pages.min(MAX_PAGES);
         let max_seq_len = pages_per_seq
             .saturating_mul(page_size)
             .min(i32::MAX as usize);
+        let mut windows: Vec<Option<usize>> =
+            windows.into_iter().map(|w| w.map(|w| w.max(1))).collect();
+        if windows.is_empty() {
+            windows.push(None);
+        }
         PageTable {
             page_size,
             pages_per_seq,
             max_seq_len,
+            windows,
             // `num_pages <= 2^31`, so every id fits `u32`.
             free: (0..num_pages as u32).rev().collect(),
             ref_counts: vec![0; num_pages],
@@ -309,7 +366,7 @@ impl PageTable {
         self.page_size
     }
 
-    /// Pages a sequence may hold (the columns of the lookup table).
+    /// Pages a sequence may hold in one group (the columns of the lookup table).
     pub fn pages_per_seq(&self) -> usize {
         self.pages_per_seq
     }
@@ -318,6 +375,16 @@ impl PageTable {
     /// but at most `i32::MAX` so that lengths fit [`StepInputs`].
     pub fn max_seq_len(&self) -> usize {
         self.max_seq_len
+    }
+
+    /// Each page group's sliding window (`None`: full attention).
+    pub fn windows(&self) -> &[Option<usize>] {
+        &self.windows
+    }
+
+    /// Page groups.
+    pub fn groups(&self) -> usize {
+        self.windows.len()
     }
 
     /// Pages in the cache, free or not.
@@ -346,22 +413,38 @@ impl PageTable {
         self.seqs.is_empty()
     }
 
-    /// The pages of `seq` in token order; empty for a sequence not in the
-    /// table. While a prepared step is open this includes the pages it
-    /// allocated for the sequence.
+    /// The pages of `seq` in the first group, in token order; empty for a sequence not in the
+    /// table. While a prepared step is open this includes the pages it allocated for the
+    /// sequence.
     pub fn pages(&self, seq: u64) -> &[u32] {
-        self.seqs.get(&seq).map_or(&[], |s| &s.pages)
+        self.group_pages(seq, 0)
     }
 
-    /// The pages of `seq` wholly covered by its committed tokens: the first
+    /// [`PageTable::pages`] of group `group`: a sliding group's entries before its window may
+    /// be [`FREED`]. Empty for a sequence not in the table or a group past the last.
+    pub fn group_pages(&self, seq: u64, group: usize) -> &[u32] {
+        self.seqs
+            .get(&seq)
+            .and_then(|s| s.pages.get(group))
+            .map_or(&[], Vec::as_slice)
+    }
+
+    /// Pages `seq` holds in every group (freed entries not counted).
+    pub fn held_pages(&self, seq: u64) -> usize {
+        self.seqs.get(&seq).map_or(0, |s| {
+            s.pages.iter().flatten().filter(|&&p| p != FREED).count()
+        })
+    }
+
+    /// The pages of `seq` in the first group wholly covered by its committed tokens: the first
     /// `len / page_size`. These are the pages that may be shared with
     /// [`PageTable::attach_prefix`] and [`PageTable::retain`]. Empty for a
     /// sequence not in the table.
     pub fn full_pages(&self, seq: u64) -> &[u32] {
         match self.seqs.get(&seq) {
             Some(s) if self.page_size > 0 => {
-                let full = (s.len / self.page_size).min(s.pages.len());
-                &s.pages[..full]
+                let full = (s.len / self.page_size).min(s.pages[0].len());
+                &s.pages[0][..full]
             }
             _ => &[],
         }
@@ -384,15 +467,33 @@ impl PageTable {
         self.seqs.keys().copied()
     }
 
+    /// The first page of group `group` that a row at position `pos` reads: 0 for a
+    /// full-attention group, the page of position `pos + 1 - window` for a sliding one.
+    pub fn first_read_page(&self, group: usize, pos: usize) -> usize {
+        match (self.windows.get(group).copied().flatten(), self.page_size) {
+            (Some(w), ps) if ps > 0 => (pos + 1).saturating_sub(w) / ps,
+            _ => 0,
+        }
+    }
+
+    /// Pages the sequence `seq` needs beyond those it holds to hold `len` tokens, in every
+    /// group.
+    pub fn pages_needed(&self, seq: u64, len: usize) -> usize {
+        let want = pages_for(len, self.page_size);
+        (0..self.groups())
+            .map(|g| want.saturating_sub(self.group_pages(seq, g).len()))
+            .sum()
+    }
+
     /// Builds the model inputs of one step, in which each `(seq, tokens)`
     /// appends `tokens` to `seq` (a prefill chunk or a decode row; empty
     /// slices are allowed, and a sequence not in the table starts empty),
-    /// and allocates the pages the new tokens need.
+    /// and allocates the pages the new tokens need in every group.
     ///
     /// The inputs list the chunks in the order given: `tokens` concatenated,
     /// `input_row_offsets` from 0, `cache_lengths` the committed lengths, and
-    /// one `kv_lookup_table` row per chunk holding the sequence's pages
-    /// (including the new ones), padded with 0 to `pages_per_seq`.
+    /// per group one `kv_lookup_table` row per chunk holding the sequence's pages
+    /// (including the new ones; freed ones as 0), padded with 0 to `pages_per_seq`.
     ///
     /// Lengths do not advance here: follow with [`PageTable::commit`], or with
     /// [`PageTable::rollback`] to undo the step. A new `prepare` makes any
@@ -414,15 +515,11 @@ impl PageTable {
             if !seen.insert(seq) {
                 return Err(PageError::DuplicateSequence { seq });
             }
-            let (len, held) = self
-                .seqs
-                .get(&seq)
-                .map_or((0, 0), |s| (s.len, s.pages.len()));
-            let new_len = len.saturating_add(tokens.len());
+            let new_len = self.len(seq).saturating_add(tokens.len());
             if new_len > self.max_seq_len {
                 return Err(self.too_long(seq, new_len));
             }
-            needed = needed.saturating_add(pages_for(new_len, self.page_size).saturating_sub(held));
+            needed = needed.saturating_add(self.pages_needed(seq, new_len));
             rows = rows.saturating_add(tokens.len());
         }
         if rows > i32::MAX as usize {
@@ -437,14 +534,18 @@ impl PageTable {
 
         let id = NEXT_STEP_ID.fetch_add(1, Ordering::Relaxed);
         let width = self.pages_per_seq;
+        let groups = self.groups();
         let mut inputs = StepInputs {
             tokens: Vec::with_capacity(rows),
             input_row_offsets: Vec::with_capacity(chunks.len() + 1),
             cache_lengths: Vec::with_capacity(chunks.len()),
-            kv_lookup_table: Vec::with_capacity(chunks.len().saturating_mul(width)),
+            kv_lookup_table: Vec::new(),
             pages_per_seq: width,
+            kv_groups: groups,
             return_n_logits: 1,
         };
+        let mut tables: Vec<Vec<i32>> =
+            vec![Vec::with_capacity(chunks.len().saturating_mul(width)); groups];
         inputs.input_row_offsets.push(0);
         let mut step_chunks = Vec::with_capacity(chunks.len());
         let mut allocated = Vec::with_capacity(needed);
@@ -455,30 +556,32 @@ impl PageTable {
             }
             let entry = self.seqs.entry(seq).or_insert_with(|| Sequence {
                 len: 0,
-                pages: Vec::new(),
+                pages: vec![Vec::new(); groups],
             });
             let want = pages_for(entry.len + tokens.len(), self.page_size);
-            while entry.pages.len() < want {
-                // Enough pages are free: checked above.
-                let Some(page) = self.free.pop() else { break };
-                if let Some(count) = self.ref_counts.get_mut(page as usize) {
-                    *count = 1;
+            for (g, (pages, table)) in entry.pages.iter_mut().zip(&mut tables).enumerate() {
+                while pages.len() < want {
+                    // Enough pages are free: checked above.
+                    let Some(page) = self.free.pop() else { break };
+                    if let Some(count) = self.ref_counts.get_mut(page as usize) {
+                        *count = 1;
+                    }
+                    pages.push(page);
+                    allocated.push((seq, g, page));
                 }
-                entry.pages.push(page);
-                allocated.push((seq, page));
+                let row_start = table.len();
+                // Page ids are below `2^31`; freed entries read as page 0.
+                table.extend(pages.iter().map(|&p| if p == FREED { 0 } else { p as i32 }));
+                table.resize(row_start + width, 0);
             }
             inputs.tokens.extend_from_slice(tokens);
             // Rows fit `i32` (checked above), lengths are at most
-            // `max_seq_len <= i32::MAX` and page ids below `2^31`.
+            // `max_seq_len <= i32::MAX`.
             inputs.input_row_offsets.push(inputs.tokens.len() as i32);
             inputs.cache_lengths.push(entry.len as i32);
-            let row_start = inputs.kv_lookup_table.len();
-            inputs
-                .kv_lookup_table
-                .extend(entry.pages.iter().map(|&p| p as i32));
-            inputs.kv_lookup_table.resize(row_start + width, 0);
             step_chunks.push((seq, tokens.len()));
         }
+        inputs.kv_lookup_table = tables.concat();
         self.open_step = Some(id);
         Ok(PreparedStep {
             inputs,
@@ -490,7 +593,8 @@ impl PageTable {
     }
 
     /// Finishes a prepared step: each of its sequences' committed length
-    /// grows by the tokens the step appended to it.
+    /// grows by the tokens the step appended to it. Sliding groups keep their pages until
+    /// [`PageTable::slide`].
     ///
     /// # Errors
     ///
@@ -518,10 +622,10 @@ impl PageTable {
     /// unchanged.
     pub fn rollback(&mut self, step: PreparedStep) -> Result<(), PageError> {
         self.close_step(step.id)?;
-        for &(seq, page) in step.allocated.iter().rev() {
-            if let Some(entry) = self.seqs.get_mut(&seq) {
-                if entry.pages.last() == Some(&page) {
-                    entry.pages.pop();
+        for &(seq, g, page) in step.allocated.iter().rev() {
+            if let Some(pages) = self.seqs.get_mut(&seq).and_then(|e| e.pages.get_mut(g)) {
+                if pages.last() == Some(&page) {
+                    pages.pop();
                 }
             }
             self.drop_ref(page);
@@ -532,8 +636,56 @@ impl PageTable {
         Ok(())
     }
 
+    /// The pages of `seq` that [`PageTable::slide`] would free now: in each sliding group,
+    /// those before the first page its next row (at position `len`) reads.
+    pub fn out_of_window(&self, seq: u64) -> usize {
+        let Some(entry) = self.seqs.get(&seq) else {
+            return 0;
+        };
+        (0..self.groups())
+            .map(|g| {
+                let first = self.first_read_page(g, entry.len);
+                entry.pages[g]
+                    .iter()
+                    .take(first)
+                    .filter(|&&p| p != FREED)
+                    .count()
+            })
+            .sum()
+    }
+
+    /// Drops `seq`'s references to the pages its sliding groups' windows have left: those
+    /// before the first page its next row (at position `len`) reads. Their entries become
+    /// [`FREED`]; a page whose last reference goes returns to the free list. Returns the pages
+    /// let go. Call it once a step's lengths are final (after any truncation), so that no row
+    /// reads a freed page. Makes any open prepared step stale where it frees a page.
+    pub fn slide(&mut self, seq: u64) -> usize {
+        let Some(len) = self.seqs.get(&seq).map(|e| e.len) else {
+            return 0;
+        };
+        let mut dropped = Vec::new();
+        for g in 0..self.groups() {
+            let first = self.first_read_page(g, len);
+            if let Some(pages) = self.seqs.get_mut(&seq).map(|e| &mut e.pages[g]) {
+                for p in pages.iter_mut().take(first) {
+                    if *p != FREED {
+                        dropped.push(*p);
+                        *p = FREED;
+                    }
+                }
+            }
+        }
+        for &page in &dropped {
+            self.drop_ref(page);
+        }
+        if !dropped.is_empty() {
+            self.open_step = None;
+        }
+        dropped.len()
+    }
+
     /// Keeps the first `len` committed tokens of `seq` and drops its
-    /// references to the pages past `ceil(len / page_size)`; a page whose
+    /// references to the pages past `ceil(len / page_size)` in every group; a page whose
     /// last reference goes returns to the free list. Makes any open prepared
     /// step stale.
     ///
@@ -541,9 +693,10 @@ impl PageTable {
     ///
     /// [`PageError::UnknownSequence`] if `seq` is not in the table,
     /// [`PageError::TruncateBeyond`] if `len` exceeds its committed length,
-    /// and [`PageError::SharedPartialPage`] if the page that would become the
+    /// [`PageError::SharedPartialPage`] if the page that would become the
     /// sequence's partly filled last page is shared (its next tokens would
-    /// overwrite what the other holders read). On any error the table is
+    /// overwrite what the other holders read), and [`PageError::WindowFreed`] if a sliding
+    /// group already freed a page the next row would read. On any error the table is
     /// unchanged.
     pub fn truncate(&mut self, seq: u64, len: usize) -> Result<(), PageError> {
         let entry = self
@@ -557,31 +710,44 @@ impl PageTable {
                 current: entry.len,
             });
         }
-        let keep = pages_for(len, self.page_size).min(entry.pages.len());
-        if self.page_size > 0 && !len.is_multiple_of(self.page_size) {
-            if let Some(&page) = keep.checked_sub(1).and_then(|i| entry.pages.get(i)) {
-                let ref_count = self.ref_count(page);
-                if ref_count > 1 {
-                    return Err(PageError::SharedPartialPage {
-                        seq,
-                        len,
-                        page,
-                        ref_count,
-                    });
+        let want = pages_for(len, self.page_size);
+        for (g, pages) in entry.pages.iter().enumerate() {
+            let keep = want.min(pages.len());
+            let first = self.first_read_page(g, len);
+            if pages[first.min(keep)..keep].contains(&FREED) {
+                return Err(PageError::WindowFreed { seq, len, group: g });
+            }
+            if self.page_size > 0 && !len.is_multiple_of(self.page_size) {
+                if let Some(&page) = keep.checked_sub(1).and_then(|i| pages.get(i)) {
+                    let ref_count = self.ref_count(page);
+                    if ref_count > 1 {
+                        return Err(PageError::SharedPartialPage {
+                            seq,
+                            len,
+                            page,
+                            ref_count,
+                        });
+                    }
                 }
             }
         }
-        let dropped = match self.seqs.get_mut(&seq) {
+        let dropped: Vec<Vec<u32>> = match self.seqs.get_mut(&seq) {
             Some(entry) => {
                 entry.len = len;
-                entry.pages.split_off(keep)
+                entry
+                    .pages
+                    .iter_mut()
+                    .map(|pages| pages.split_off(want.min(pages.len())))
+                    .collect()
             }
             None => Vec::new(),
         };
         // Free the last page first, so that the pages come back in their old
         // order if the sequence grows again.
-        for &page in dropped.iter().rev() {
-            self.drop_ref(page);
+        for &page in dropped.iter().rev().flat_map(|d| d.iter().rev()) {
+            if page != FREED {
+                self.drop_ref(page);
+            }
         }
         self.open_step = None;
         Ok(())
@@ -592,8 +758,10 @@ impl PageTable {
     /// not in the table; otherwise makes any open prepared step stale.
     pub fn release(&mut self, seq: u64) {
         if let Some(entry) = self.seqs.remove(&seq) {
-            for &page in entry.pages.iter().rev() {
-                self.drop_ref(page);
+            for &page in entry.pages.iter().rev().flat_map(|p| p.iter().rev()) {
+                if page != FREED {
+                    self.drop_ref(page);
+                }
             }
             self.open_step = None;
         }
@@ -601,35 +769,66 @@ impl PageTable {
 
     /// Starts the new sequence `seq` whose context is the full pages `pages`
     /// (so its length is `pages.len() * page_size`), adding a reference to
-    /// each page. The pages are typically full pages of other sequences (see
-    /// [`PageTable::full_pages`]) or pages held by a prefix cache (see
-    /// [`PageTable::retain`]). Makes any open prepared step stale.
+    /// each page, in a table of one page group ([`PageTable::attach_prefix_groups`] for
+    /// more). Makes any open prepared step stale.
     ///
     /// # Errors
     ///
-    /// [`PageError::SequenceExists`] if `seq` is in the table;
+    /// Those of [`PageTable::attach_prefix_groups`].
+    pub fn attach_prefix(&mut self, seq: u64, pages: &[u32]) -> Result<(), PageError> {
+        self.attach_prefix_groups(seq, &[pages.to_vec()])
+    }
+
+    /// Starts the new sequence `seq` whose context is `n` full pages, given per group (`n`
+    /// entries each), adding a reference to each page. The pages are typically full pages of
+    /// other sequences (see [`PageTable::full_pages`]) or pages held by a prefix cache (see
+    /// [`PageTable::retain`]). A sliding group's entries before the first page its next row
+    /// (at position `n · page_size`) reads may be [`FREED`]. Makes any open prepared step
+    /// stale.
+    ///
+    /// # Errors
+    ///
+    /// [`PageError::SequenceExists`] if `seq` is in the table; [`PageError::GroupCount`]
+    /// unless there is one list per group, each as long as the first;
     /// for a page, [`PageError::PageOutOfRange`], [`PageError::PageNotInUse`]
     /// (free), [`PageError::DuplicatePage`] (listed twice),
     /// [`PageError::PartialPage`] (some sequence is still writing into it) or
-    /// [`PageError::RefCountOverflow`]; [`PageError::TooLong`] if the pages
+    /// [`PageError::RefCountOverflow`]; [`PageError::WindowFreed`] for a freed entry the
+    /// next row reads; [`PageError::TooLong`] if the pages
     /// are more than `pages_per_seq`. On any error the table is unchanged.
-    pub fn attach_prefix(&mut self, seq: u64, pages: &[u32]) -> Result<(), PageError> {
+    pub fn attach_prefix_groups(&mut self, seq: u64, pages: &[Vec<u32>]) -> Result<(), PageError> {
         if self.seqs.contains_key(&seq) {
             return Err(PageError::SequenceExists { seq });
         }
+        let n = pages.first().map_or(0, Vec::len);
+        if pages.len() != self.groups() || pages.iter().any(|p| p.len() != n) {
+            return Err(PageError::GroupCount {
+                given: pages.len(),
+                groups: self.groups(),
+            });
+        }
+        let len = n.saturating_mul(self.page_size);
         let partial = self.partial_pages();
         let mut seen = BTreeSet::new();
-        for &page in pages {
-            self.check_shareable(page, &partial)?;
-            if !seen.insert(page) {
-                return Err(PageError::DuplicatePage { seq, page });
+        for (g, group) in pages.iter().enumerate() {
+            let first = self.first_read_page(g, len);
+            for (i, &page) in group.iter().enumerate() {
+                if page == FREED {
+                    if i >= first {
+                        return Err(PageError::WindowFreed { seq, len, group: g });
+                    }
+                    continue;
+                }
+                self.check_shareable(page, &partial)?;
+                if !seen.insert(page) {
+                    return Err(PageError::DuplicatePage { seq, page });
+                }
             }
         }
-        let len = pages.len().saturating_mul(self.page_size);
-        if pages.len() > self.pages_per_seq || len > self.max_seq_len {
+        if n > self.pages_per_seq || len > self.max_seq_len {
             return Err(self.too_long(seq, len));
         }
-        for &page in pages {
+        for &page in pages.iter().flatten() {
             if let Some(count) = self.ref_counts.get_mut(page as usize) {
                 *count += 1;
             }
@@ -717,7 +916,7 @@ impl PageTable {
     }
 
     /// Pages that some sequence is still writing into (its partly filled last
-    /// page, and pages prepared for uncommitted tokens), with that sequence.
+    /// page, and pages prepared for uncommitted tokens, in any group), with that sequence.
     fn partial_pages(&self) -> BTreeMap<u32, u64> {
         let mut partial = BTreeMap::new();
         for (&seq, entry) in &self.seqs {
@@ -725,8 +924,10 @@ impl PageTable {
                 0 => 0,
                 size => entry.len / size,
             };
-            for &page in entry.pages.iter().skip(full) {
-                partial.insert(page, seq);
+            for pages in &entry.pages {
+                for &page in pages.iter().skip(full) {
+                    partial.insert(page, seq);
+                }
             }
         }
         partial
@@ -1315,6 +1516,7 @@ mod tests {
                 cache_lengths: vec![0, 3, 0],
                 kv_lookup_table: vec![2, 3, 0, 0, 1, 0, 0, 0, 0],
                 pages_per_seq: 3,
+                kv_groups: 1,
                 return_n_logits: 1,
             }
         );
@@ -1622,5 +1824,73 @@ mod tests {
             PageError::OutOfPages { needed: 1, free: 0 }
         );
         assert_eq!(empty.ref_count(0), 0);
+    }
+
+    #[test]
+    fn a_sliding_group_frees_the_pages_its_window_left_and_the_lookup_shows_them_as_0() {
+        // Group 0 full, group 1 a window of 5, pages of 4 tokens.
+        let mut t = PageTable::with_groups(20, 4, 6, vec![None, Some(5)]);
+        let p = t.prepare(&[(1, &[1; 10])]).unwrap();
+        assert_eq!(p.inputs.kv_groups, 2);
+        assert_eq!(p.inputs.kv_lookup_table.len(), 2 * 6);
+        t.commit(p).unwrap();
+        assert_eq!(t.held_pages(1), 6);
+        // The next row (position 10) reads positions 6..=10: pages 1 and 2 of group 1.
+        assert_eq!(t.out_of_window(1), 1);
+        assert_eq!(t.slide(1), 1);
+        assert_eq!(t.group_pages(1, 1)[0], FREED);
+        assert_eq!(t.free_pages(), 15);
+        assert_eq!(t.pages_needed(1, 13), 2);
+        let p = t.prepare(&[(1, &[1; 3])]).unwrap();
+        let g1 = p.inputs.lookup_table(1);
+        assert_eq!(g1[0], 0, "a freed page reads as 0");
+        assert_eq!(
+            &g1[1..4],
+            t.group_pages(1, 1)[1..4]
+                .iter()
+                .map(|&p| p as i32)
+                .collect::<Vec<_>>()
+                .as_slice()
+        );
+        t.commit(p).unwrap();
+        // Back to 11 tokens reads from position 7 (page 1): allowed. Back to 3 is not.
+        assert_eq!(
+            t.truncate(1, 3),
+            Err(PageError::WindowFreed {
+                seq: 1,
+                len: 3,
+                group: 1
+            })
+        );
+        t.truncate(1, 11).unwrap();
+        assert_eq!(t.slide(1), 0);
+        t.release(1);
+        assert_eq!(t.free_pages(), 20);
+    }
+
+    #[test]
+    fn attaching_groups_checks_their_lists() {
+        let mut t = PageTable::with_groups(20, 2, 8, vec![None, Some(3)]);
+        let p = t.prepare(&[(1, &[1; 8])]).unwrap();
+        t.commit(p).unwrap();
+        let full = t.group_pages(1, 0)[..3].to_vec();
+        let sliding = t.group_pages(1, 1)[..3].to_vec();
+        assert!(matches!(
+            t.attach_prefix_groups(2, &[full.clone()]),
+            Err(PageError::GroupCount {
+                given: 1,
+                groups: 2
+            })
+        ));
+        // At 6 tokens the next row reads positions 4..=6: page 2 only.
+        let freed_read = vec![sliding[0], sliding[1], FREED];
+        assert!(matches!(
+            t.attach_prefix_groups(2, &[full.clone(), freed_read]),
+            Err(PageError::WindowFreed { .. })
+        ));
+        t.attach_prefix_groups(2, &[full, vec![FREED, FREED, sliding[2]]])
+            .unwrap();
+        assert_eq!(t.len(2), 6);
+        assert_eq!(t.held_pages(2), 4);
     }
 }

@@ -2,22 +2,32 @@
 //!
 //! A full page is known by the hash chain of the tokens up to its end (the previous page's hash
 //! and its own tokens), and the cache keeps the tokens too, so a hash collision never shares a
-//! page. The cache holds one reference on each cached page ([`PageTable::retain`]); a page no
-//! sequence uses any more stays cached until it is evicted, least recently used first, when the
-//! KV cache runs out of free pages.
+//! page. Each entry holds that position's page in every page group where it has one: a
+//! sliding group's pages may be missing where its window had left them before they were
+//! cached, or where they were evicted. The cache holds one reference on each cached page
+//! ([`PageTable::retain`]); a page no sequence uses any more stays cached until it is evicted,
+//! least recently used first, when the KV cache runs out of free pages.
 
+use crate::pages::FREED;
 use crate::PageTable;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
+
+/// One cached page position: its tokens and its page in each group ([`FREED`] where none).
+#[derive(Debug)]
+struct Entry {
+    tokens: Vec<i64>,
+    pages: Vec<u32>,
+}
 
 /// Cached full pages by the hash chain of their tokens.
 #[derive(Debug, Default)]
 pub struct PrefixCache {
     page_size: usize,
-    /// Chain hash → (page, the page's tokens).
-    by_hash: HashMap<u64, (u32, Vec<i64>)>,
-    /// Page → its chain hash and last use.
-    pages: HashMap<u32, (u64, u64)>,
+    /// Chain hash → the position's tokens and pages.
+    by_hash: HashMap<u64, Entry>,
+    /// Page → its chain hash, its group and its last use.
+    pages: HashMap<u32, (u64, usize, u64)>,
     /// Last use → page, for eviction in LRU order.
     lru: BTreeMap<u64, u32>,
     tick: u64,
@@ -57,7 +67,7 @@ impl PrefixCache {
 
     fn touch(&mut self, page: u32) {
         self.tick += 1;
-        if let Some((_, used)) = self.pages.get_mut(&page) {
+        if let Some((_, _, used)) = self.pages.get_mut(&page) {
             self.lru.remove(used);
             *used = self.tick;
             self.lru.insert(self.tick, page);
@@ -65,40 +75,91 @@ impl PrefixCache {
     }
 
     /// The cached pages that hold the longest prefix of `tokens` made of full pages, leaving at
-    /// least one token uncached (its logits are needed). Marks them used.
-    pub fn lookup(&mut self, tokens: &[i64]) -> Vec<u32> {
+    /// least one token uncached (its logits are needed), that every group of `table` can
+    /// serve: a full-attention group needs all its pages, a sliding group those its window
+    /// reaches from the first position after the prefix. Per group, the prefix's pages in
+    /// order, [`FREED`] where a sliding group needs none (all empty on a miss). Marks them
+    /// used.
+    pub fn lookup(&mut self, table: &PageTable, tokens: &[i64]) -> Vec<Vec<u32>> {
+        let groups = table.groups();
         let full = tokens.len().saturating_sub(1) / self.page_size;
-        let mut out = Vec::new();
+        let mut entries: Vec<&Entry> = Vec::new();
         let mut h = 0u64;
         for i in 0..full {
             let page_tokens = &tokens[i * self.page_size..(i + 1) * self.page_size];
             h = chain(h, page_tokens);
             match self.by_hash.get(&h) {
-                Some((page, t)) if t == page_tokens => out.push(*page),
+                Some(e) if e.tokens == page_tokens && e.pages.len() == groups => entries.push(e),
                 _ => break,
             }
         }
-        for &p in &out {
-            self.touch(p);
+        // The longest prefix every group can serve.
+        let serves = |k: usize| {
+            (0..groups).all(|g| {
+                let first = table.first_read_page(g, k * self.page_size);
+                entries[first.min(k)..k].iter().all(|e| e.pages[g] != FREED)
+            })
+        };
+        let Some(k) = (1..=entries.len()).rev().find(|&k| serves(k)) else {
+            return vec![Vec::new(); groups];
+        };
+        let out: Vec<Vec<u32>> = (0..groups)
+            .map(|g| {
+                let first = table.first_read_page(g, k * self.page_size);
+                (0..k)
+                    .map(|i| {
+                        if i < first {
+                            FREED
+                        } else {
+                            entries[i].pages[g]
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        for &p in out.iter().flatten() {
+            if p != FREED {
+                self.touch(p);
+            }
         }
         out
     }
 
-    /// Caches the full pages of a sequence whose first `tokens.len()` tokens are computed in
-    /// `pages` (its pages in order), taking a reference on each page newly cached.
-    pub fn insert(&mut self, table: &mut PageTable, tokens: &[i64], pages: &[u32]) {
-        let full = (tokens.len() / self.page_size).min(pages.len());
+    /// Caches the full pages of sequence `seq` of `table`, whose first `tokens.len()` tokens
+    /// are computed, in every group where it still holds them, taking a reference on each
+    /// page newly cached.
+    pub fn insert(&mut self, table: &mut PageTable, seq: u64, tokens: &[i64]) {
+        let groups = table.groups();
+        let held: Vec<Vec<u32>> = (0..groups)
+            .map(|g| table.group_pages(seq, g).to_vec())
+            .collect();
+        let full = tokens.len() / self.page_size;
         let mut h = 0u64;
-        for (i, &page) in pages.iter().enumerate().take(full) {
+        for i in 0..full {
             let page_tokens = &tokens[i * self.page_size..(i + 1) * self.page_size];
             h = chain(h, page_tokens);
-            if self.by_hash.contains_key(&h) || self.pages.contains_key(&page) {
-                continue;
+            let entry = self.by_hash.entry(h).or_insert_with(|| Entry {
+                tokens: page_tokens.to_vec(),
+                pages: vec![FREED; groups],
+            });
+            if entry.tokens != page_tokens || entry.pages.len() != groups {
+                // A hash collision: this chain cannot be cached past it.
+                break;
             }
-            if table.retain(page).is_ok() {
-                self.by_hash.insert(h, (page, page_tokens.to_vec()));
-                self.pages.insert(page, (h, 0));
-                self.touch(page);
+            for (g, held) in held.iter().enumerate() {
+                let Some(&page) = held.get(i) else { continue };
+                if page == FREED || entry.pages[g] != FREED || self.pages.contains_key(&page) {
+                    continue;
+                }
+                if table.retain(page).is_ok() {
+                    entry.pages[g] = page;
+                    self.tick += 1;
+                    self.pages.insert(page, (h, g, self.tick));
+                    self.lru.insert(self.tick, page);
+                }
+            }
+            if entry.pages.iter().all(|&p| p == FREED) {
+                self.by_hash.remove(&h);
             }
         }
     }
@@ -117,8 +178,13 @@ impl PrefixCache {
             }
             if table.release_page(page).is_ok() {
                 self.lru.remove(&used);
-                if let Some((h, _)) = self.pages.remove(&page) {
-                    self.by_hash.remove(&h);
+                if let Some((h, g, _)) = self.pages.remove(&page) {
+                    if let Some(e) = self.by_hash.get_mut(&h) {
+                        e.pages[g] = FREED;
+                        if e.pages.iter().all(|&p| p == FREED) {
+                            self.by_hash.remove(&h);
+                        }
+                    }
                 }
                 evicted += 1;
             }
@@ -146,15 +212,14 @@ mod tests {
         let a = [1i64, 2, 3, 4, 5];
         let s = t.prepare(&[(1, &a)]).unwrap();
         t.commit(s).unwrap();
-        let pages = t.pages(1).to_vec();
-        c.insert(&mut t, &a, &pages);
+        c.insert(&mut t, 1, &a);
         assert_eq!(c.len(), 2);
         // The same first page, a different second one: one page shared.
-        let shared = c.lookup(&[1, 2, 3, 9, 9]);
-        assert_eq!(shared, t.pages(1)[..1].to_vec());
+        let shared = c.lookup(&t, &[1, 2, 3, 9, 9]);
+        assert_eq!(shared, vec![t.pages(1)[..1].to_vec()]);
         // A prompt that is exactly two cached pages keeps its last token uncached.
-        assert_eq!(c.lookup(&[1, 2, 3, 4]).len(), 1);
-        assert_eq!(c.lookup(&[1, 2, 3, 4, 7]).len(), 2);
+        assert_eq!(c.lookup(&t, &[1, 2, 3, 4])[0].len(), 1);
+        assert_eq!(c.lookup(&t, &[1, 2, 3, 4, 7])[0].len(), 2);
         // Nothing to evict while the sequence holds its pages.
         t.release(1);
         assert_eq!(t.free_pages(), 4);
@@ -164,5 +229,44 @@ mod tests {
         assert_eq!(c.len(), 1);
         assert_eq!(c.evict(&mut t, 6), 1);
         assert!(c.is_empty() && t.free_pages() == 6);
+    }
+
+    #[test]
+    fn a_sliding_group_serves_a_prefix_from_the_pages_its_window_reaches() {
+        // Group 0 full, group 1 a window of 3 over pages of 2 tokens.
+        let mut t = PageTable::with_groups(20, 2, 8, vec![None, Some(3)]);
+        let mut c = PrefixCache::new(2);
+        let a: Vec<i64> = (1..=9).collect();
+        let s = t.prepare(&[(1, &a)]).unwrap();
+        t.commit(s).unwrap();
+        // Cached before the window moves on: every full page of both groups.
+        c.insert(&mut t, 1, &a);
+        assert_eq!(c.len(), 8);
+        // The next row (position 9) reads positions 7..=9: pages 3 and 4 of the sliding group.
+        assert_eq!(t.slide(1), 3);
+        let [full, sliding] = [t.group_pages(1, 0).to_vec(), t.group_pages(1, 1).to_vec()];
+        assert_eq!(&sliding[..3], &[FREED; 3]);
+        // A prompt sharing three pages: its first new row (position 6) reads positions 4..=6,
+        // so the sliding group needs page 2 only, which the cache still holds.
+        let mut b = a[..6].to_vec();
+        b.push(99);
+        let hit = c.lookup(&t, &b);
+        assert_eq!(hit[0], full[..3].to_vec());
+        assert_eq!(hit[1][..2], [FREED, FREED]);
+        assert_ne!(hit[1][2], FREED);
+        t.attach_prefix_groups(2, &hit).unwrap();
+        assert_eq!(t.len(2), 6);
+        // Without the cache's copy of a sliding page the hit is shorter.
+        t.release(2);
+        let dropped = hit[1][2];
+        t.release(1);
+        let before = c.len();
+        while c.pages.contains_key(&dropped) {
+            let want = t.free_pages() + 1;
+            c.evict(&mut t, want);
+        }
+        assert!(c.len() < before);
+        let hit = c.lookup(&t, &b);
+        assert!(hit[0].len() < 3, "{hit:?}");
     }
 }

@@ -33,7 +33,7 @@ pub use manifest::{
 /// The artifact format this runtime reads and the exporter writes. Bumped on any change to a
 /// bincode type (bincode records no field names, so an older file cannot be read as a newer
 /// type); readers refuse every other version and ask for a recompile.
-pub const FORMAT_VERSION: u32 = 5;
+pub const FORMAT_VERSION: u32 = 6;
 
 /// Lowercase hex sha256 of `bytes`, as the manifest records files.
 pub fn sha256_hex(bytes: &[u8]) -> String {
@@ -193,9 +193,16 @@ impl RopeTable {
 }
 
 /// Layout of a role's paged KV cache, `[pages, num_layers, 2, page_size, kv_heads, head_dim]`.
+///
+/// The decoder's layers are split into [`KvGroup`]s of `num_layers` layers each, every group's
+/// layers sharing one attention window. All groups draw pages from the one pool; a page holds
+/// the keys and values of one group's layers (layer slot `i` of a page is the group's `i`-th
+/// layer), and each group has its own lookup table (the step input [`kv_lookup_input`]), so a
+/// sliding-window group can hand back the pages its window has left while a full-attention group
+/// keeps all of a sequence's. A model whose layers all attend alike has one group of every layer.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvLayout {
-    /// Layers.
+    /// Layer slots in a page: the layers of one group.
     pub num_layers: u64,
     /// KV heads per layer.
     pub kv_heads: u64,
@@ -205,6 +212,39 @@ pub struct KvLayout {
     pub page_size: u64,
     /// Element type.
     pub dtype: DType,
+    /// The page groups, in lookup-table order (at least one).
+    pub groups: Vec<KvGroup>,
+}
+
+/// Layers of the KV cache that share pages and a lookup table: they attend over the same
+/// positions.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvGroup {
+    /// The sliding window of every layer in the group (`None`: full attention): a row at
+    /// position `p` reads positions `p + 1 - window ..= p`.
+    pub window: Option<u64>,
+    /// The decoder layers in the group, by page slot.
+    pub layers: Vec<u64>,
+}
+
+/// The name of group `group`'s lookup-table step input: `kv_lookup_table` for the first group,
+/// `kv_lookup_table_{group}` for the others.
+pub fn kv_lookup_input(group: usize) -> String {
+    match group {
+        0 => "kv_lookup_table".to_string(),
+        g => format!("kv_lookup_table_{g}"),
+    }
+}
+
+/// The group a lookup-table step input is for, where `name` is one ([`kv_lookup_input`]).
+pub fn kv_lookup_group(name: &str) -> Option<usize> {
+    match name.strip_prefix("kv_lookup_table")? {
+        "" => Some(0),
+        rest => {
+            let g: usize = rest.strip_prefix('_')?.parse().ok()?;
+            (g > 0 && kv_lookup_input(g) == name).then_some(g)
+        }
+    }
 }
 
 impl KvLayout {
@@ -213,23 +253,59 @@ impl KvLayout {
         2 * self.page_size * self.kv_heads * self.head_dim * self.dtype.size() as u64
     }
 
-    /// Bytes one token's keys and values take in every layer.
-    pub fn bytes_per_token(&self) -> u64 {
-        2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.size() as u64
+    /// Page groups (at least 1).
+    pub fn num_groups(&self) -> u64 {
+        (self.groups.len() as u64).max(1)
     }
 
-    /// Bytes the pages of one sequence of `len` tokens take (whole pages, every layer).
+    /// Each group's window, in group order.
+    pub fn windows(&self) -> Vec<Option<u64>> {
+        if self.groups.is_empty() {
+            vec![None]
+        } else {
+            self.groups.iter().map(|g| g.window).collect()
+        }
+    }
+
+    /// Bytes one token's keys and values take in every layer of every group.
+    pub fn bytes_per_token(&self) -> u64 {
+        self.num_groups()
+            * 2
+            * self.num_layers
+            * self.kv_heads
+            * self.head_dim
+            * self.dtype.size() as u64
+    }
+
+    /// Bytes of one page (one group's layers).
+    pub fn page_bytes(&self) -> u64 {
+        self.num_layers.saturating_mul(self.layer_bytes())
+    }
+
+    /// Pages one sequence of `len` tokens holds between steps: every page of its positions in
+    /// a full-attention group, and in a sliding group the pages from the one holding position
+    /// `len + 1 - window` on, the first its next row reads.
+    pub fn pages_per_sequence(&self, len: u64) -> u64 {
+        let ps = self.page_size.max(1);
+        let all = len.div_ceil(ps);
+        self.windows()
+            .iter()
+            .map(|w| match w {
+                None => all,
+                Some(w) => all - ((len + 1).saturating_sub(*w) / ps).min(all),
+            })
+            .sum()
+    }
+
+    /// Bytes the pages of one sequence of `len` tokens take ([`KvLayout::pages_per_sequence`]).
     pub fn bytes_per_sequence(&self, len: u64) -> u64 {
-        len.div_ceil(self.page_size.max(1))
-            .saturating_mul(self.page_size)
-            .saturating_mul(self.bytes_per_token())
+        self.pages_per_sequence(len)
+            .saturating_mul(self.page_bytes())
     }
 
     /// Bytes of the whole cache at the bounds `dims` (its `total_num_pages` slot).
     pub fn cache_bytes(&self, dims: [u64; StepDim::COUNT]) -> u64 {
-        dims[StepDim::TotalNumPages as usize]
-            .saturating_mul(self.num_layers)
-            .saturating_mul(self.layer_bytes())
+        dims[StepDim::TotalNumPages as usize].saturating_mul(self.page_bytes())
     }
 }
 

@@ -12,17 +12,22 @@ pub struct StepInputs {
     pub input_row_offsets: Vec<i32>,
     /// Tokens already cached, per sequence.
     pub cache_lengths: Vec<i32>,
-    /// `[B, pages_per_seq]` cache page ids (unused columns 0).
+    /// `[kv_groups, B, pages_per_seq]` cache page ids: one `[B, pages_per_seq]` table per KV
+    /// page group, group `g`'s bound to the step input `kv_lookup_input(g)`. Column `j` of a
+    /// sequence's row is the page of its positions `j · page_size ..`; unused columns, and the
+    /// pages a sliding group has freed before its window, are 0.
     pub kv_lookup_table: Vec<i32>,
-    /// Columns of `kv_lookup_table`.
+    /// Columns of each lookup table.
     pub pages_per_seq: usize,
+    /// KV page groups: the lookup tables in `kv_lookup_table` (at least 1).
+    pub kv_groups: usize,
     /// Logit rows returned per sequence: its last `return_n_logits` rows (zeros in front where
     /// a sequence has fewer), so that a step can verify speculated tokens. At least 1.
     pub return_n_logits: usize,
 }
 
 /// What a step may hold: the bounds of the program that runs it and its cache.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StepLimits {
     /// The largest value of each step dim, in [`StepDim`] slot order; the `total_num_pages`
     /// slot is the number of pages in the KV cache.
@@ -33,6 +38,18 @@ pub struct StepLimits {
     pub page_size: u64,
     /// Longest context (cached plus new tokens) of a sequence: positions lie below it.
     pub max_seq_len: u64,
+    /// Each KV page group's sliding window (`None`: full attention), in lookup-table order:
+    /// a sequence's row of a group must name a page in the cache for every position its rows
+    /// read.
+    pub kv_windows: Vec<Option<u64>>,
+}
+
+impl StepInputs {
+    /// Group `g`'s `[B, pages_per_seq]` lookup table (empty past the last group).
+    pub fn lookup_table(&self, g: usize) -> &[i32] {
+        let n = self.batch_size() * self.pages_per_seq;
+        self.kv_lookup_table.get(g * n..(g + 1) * n).unwrap_or(&[])
+    }
 }
 
 /// A step whose inputs do not fit the program or contradict themselves.
@@ -114,9 +131,19 @@ impl StepInputs {
                 self.tokens.len()
             ));
         }
-        if Some(self.kv_lookup_table.len()) != b.checked_mul(self.pages_per_seq) {
+        let groups = limits.kv_windows.len().max(1);
+        if self.kv_groups != groups {
             return bad(format!(
-                "kv_lookup_table has {} entries, expected {b} × {}",
+                "kv_groups is {}, the program's KV cache has {groups} page groups",
+                self.kv_groups
+            ));
+        }
+        if Some(self.kv_lookup_table.len())
+            != b.checked_mul(self.pages_per_seq)
+                .and_then(|n| n.checked_mul(groups))
+        {
+            return bad(format!(
+                "kv_lookup_table has {} entries, expected {groups} × {b} × {}",
                 self.kv_lookup_table.len(),
                 self.pages_per_seq
             ));
@@ -150,13 +177,23 @@ impl StepInputs {
                 ));
             }
             let used = end.div_ceil(page_size) as usize;
-            if let Some(p) = self.kv_lookup_table[i * self.pages_per_seq..][..used]
-                .iter()
-                .find(|&&p| p < 0 || p as u64 >= pages)
-            {
-                return bad(format!(
-                    "sequence {i} uses page {p}, but the cache has {pages} pages"
-                ));
+            // A sliding group's rows read from the page of the step's first row's window on.
+            for g in 0..groups {
+                let first = match limits.kv_windows.get(g).copied().flatten() {
+                    Some(w) => {
+                        ((self.cache_lengths[i] as u64 + 1).saturating_sub(w) / page_size) as usize
+                    }
+                    None => 0,
+                };
+                let row = &self.lookup_table(g)[i * self.pages_per_seq..][..used];
+                if let Some(p) = row[first.min(used)..]
+                    .iter()
+                    .find(|&&p| p < 0 || p as u64 >= pages)
+                {
+                    return bad(format!(
+                        "sequence {i} uses page {p}, but the cache has {pages} pages"
+                    ));
+                }
             }
         }
         Ok(())
@@ -173,6 +210,7 @@ mod tests {
             vocab_size: 10,
             page_size: 4,
             max_seq_len: 7,
+            kv_windows: vec![None],
         }
     }
 
@@ -183,6 +221,7 @@ mod tests {
             cache_lengths: vec![0, 4],
             kv_lookup_table: vec![0, 0, 1, 2],
             pages_per_seq: 2,
+            kv_groups: 1,
             return_n_logits: 1,
         }
     }
@@ -304,6 +343,7 @@ mod tests {
             cache_lengths: vec![0],
             kv_lookup_table: vec![0, 1],
             pages_per_seq: 2,
+            kv_groups: 1,
             return_n_logits: 1,
         };
         let e = many.checked_dims(&limits()).unwrap_err().to_string();

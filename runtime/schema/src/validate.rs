@@ -217,6 +217,25 @@ impl Program {
                 return err(format!("kv.{name} is 0"));
             }
         }
+        if kv.groups.is_empty() {
+            return err("kv.groups is empty; a cache has at least one page group".to_string());
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for (g, group) in kv.groups.iter().enumerate() {
+            if group.layers.len() as u64 != kv.num_layers {
+                return err(format!(
+                    "kv.groups[{g}] has {} layers, a page holds {}",
+                    group.layers.len(),
+                    kv.num_layers
+                ));
+            }
+            if group.window == Some(0) {
+                return err(format!("kv.groups[{g}].window is 0"));
+            }
+            if let Some(l) = group.layers.iter().find(|&&l| !seen.insert(l)) {
+                return err(format!("kv.groups[{g}]: layer {l} is in two groups"));
+            }
+        }
         let pages = env
             .dims
             .get(StepDim::TotalNumPages.name())
@@ -316,8 +335,22 @@ impl Program {
                     1
                 }
                 Storage::Input => {
-                    let Some((name, dtype, dims)) =
-                        STEP_INPUTS.iter().find(|(n, _, _)| *n == b.name)
+                    // A page group's lookup table is bound like the first group's.
+                    let groups = self.kv.as_ref().map_or(1, |kv| kv.num_groups());
+                    let lookup_group = crate::kv_lookup_group(&b.name);
+                    if lookup_group.is_some_and(|g| g as u64 >= groups) {
+                        return err(format!(
+                            "{what}: `{}` is the lookup table of a page group past the cache's {groups}",
+                            b.name
+                        ));
+                    }
+                    let spec_name = if lookup_group.is_some() {
+                        "kv_lookup_table"
+                    } else {
+                        b.name.as_str()
+                    };
+                    let Some((_, dtype, dims)) =
+                        STEP_INPUTS.iter().find(|(n, _, _)| *n == spec_name)
                     else {
                         return err(format!(
                             "{what}: `{}` is not a step input (expected one of {})",
@@ -328,12 +361,12 @@ impl Program {
                     let want: Vec<Extent> = dims.iter().map(|d| Extent::Step(*d)).collect();
                     if b.dtype != *dtype || b.shape != want {
                         return err(format!(
-                            "{what}: step input `{name}` must be {dtype} {want:?}, is {} {:?}",
-                            b.dtype, b.shape
+                            "{what}: step input `{}` must be {dtype} {want:?}, is {} {:?}",
+                            b.name, b.dtype, b.shape
                         ));
                     }
-                    if self.inputs.get(*name) != Some(&(id as u32)) {
-                        return err(format!("{what}: not the program's input `{name}`"));
+                    if self.inputs.get(&b.name) != Some(&(id as u32)) {
+                        return err(format!("{what}: not the program's input `{}`", b.name));
                     }
                     elements
                 }
@@ -588,7 +621,10 @@ fn check_use(
             }
         }
         Use::Input(name) => {
-            if b.storage != Storage::Input || b.name != name {
+            // Any page group's lookup table stands where the first group's is named.
+            let same = b.name == name
+                || (name == "kv_lookup_table" && crate::kv_lookup_group(&b.name).is_some());
+            if b.storage != Storage::Input || !same {
                 return err(format!("{at}: must be the step input `{name}`"));
             }
         }

@@ -4,7 +4,7 @@
 //! shared, evicted, freed or truncated wrongly changes the tokens that come out. Every test
 //! checks the KV cache's invariants after every step.
 
-use maxc_kv::KvCache;
+use maxc_kv::{KvCache, FREED};
 use maxc_runtime::engine::{RoleInfo, StepExecutor};
 use maxc_runtime::schema::{StepDim, StepInputs, StepLimits};
 use maxc_runtime::{Logits, Result, RuntimeError};
@@ -69,6 +69,7 @@ impl Fake {
                 page_size: PAGE,
                 total_pages: pages,
                 pages_per_seq: MAX_SEQ / PAGE,
+                kv_windows: vec![None],
                 all_logits: false,
                 max_return_n_logits: n_logits,
                 eos_token_ids: vec![0],
@@ -78,6 +79,12 @@ impl Fake {
             memory: HashMap::new(),
             log: Arc::default(),
         }
+    }
+
+    /// The fake with a second page group, sliding with window `w`.
+    fn windowed(mut self, w: usize) -> Self {
+        self.info.kv_windows = vec![None, Some(w)];
+        self
     }
 
     fn limits(&self) -> StepLimits {
@@ -94,6 +101,7 @@ impl Fake {
             vocab_size: VOCAB as u64,
             page_size: PAGE as u64,
             max_seq_len: MAX_SEQ as u64,
+            kv_windows: i.kv_windows.iter().map(|w| w.map(|w| w as u64)).collect(),
         }
     }
 }
@@ -119,8 +127,14 @@ impl StepExecutor for Fake {
             vocab: VOCAB,
             data: vec![0.0; s.batch_size() * n * VOCAB],
         };
+        // Every page group stores each token; a row reads its last `window` positions from a
+        // sliding group's pages and the older ones from the first (full) group's, so a page
+        // freed or reused too early shows as a wrong context.
+        let window = self.info.kv_windows.iter().flatten().copied().min();
+        let sliding = self.info.kv_windows.iter().position(Option::is_some);
         for b in 0..s.batch_size() {
-            let page = |pos: usize| s.kv_lookup_table[b * s.pages_per_seq + pos / PAGE];
+            let page_in =
+                |g: usize, pos: usize| s.lookup_table(g)[b * s.pages_per_seq + pos / PAGE];
             let (from, to) = (
                 s.input_row_offsets[b] as usize,
                 s.input_row_offsets[b + 1] as usize,
@@ -128,7 +142,9 @@ impl StepExecutor for Fake {
             let cached = s.cache_lengths[b] as usize;
             for (j, &t) in s.tokens[from..to].iter().enumerate() {
                 let pos = cached + j;
-                self.memory.insert((page(pos), pos % PAGE), t);
+                for g in 0..s.kv_groups {
+                    self.memory.insert((page_in(g, pos), pos % PAGE), t);
+                }
             }
             let rows = to - from;
             for k in 0..n.min(rows) {
@@ -136,8 +152,12 @@ impl StepExecutor for Fake {
                 let end = cached + rows - k;
                 let context: Vec<i64> = (0..end)
                     .map(|pos| {
+                        let g = match (window, sliding) {
+                            (Some(w), Some(g)) if pos + w >= end => g,
+                            _ => 0,
+                        };
                         self.memory
-                            .get(&(page(pos), pos % PAGE))
+                            .get(&(page_in(g, pos), pos % PAGE))
                             .copied()
                             .unwrap_or(-1)
                     })
@@ -482,4 +502,102 @@ fn a_small_cache_with_speculation_preempts_and_still_gives_the_plain_tokens() {
     for (p, o) in ps.iter().zip(&out) {
         assert_eq!(o.tokens, alone(p, 20));
     }
+}
+
+/// The most pages a sequence of `len` tokens holds in a sliding group of window `w` between
+/// steps: from the page of position `len + 1 - w` on.
+fn window_pages(len: usize, w: usize) -> usize {
+    len.div_ceil(PAGE) - (len + 1).saturating_sub(w) / PAGE
+}
+
+#[test]
+fn a_sliding_page_group_hands_back_its_pages_and_every_request_gets_its_tokens_alone() {
+    // Four requests of 9 + 40 tokens: 13 pages each in the full group. In a sliding group of
+    // window 6 they hold at most 3, so 64 pages serve all four without preemption, where two
+    // full groups would need 104.
+    let mut s = Scheduler::new(
+        Fake::new(64, 64, 4, 1).windowed(6),
+        config(4, 16),
+        Arc::new(Metrics::new()),
+    );
+    let ps = prompts(4, 9);
+    let mut rx: Vec<_> = ps.iter().map(|p| submit(&mut s, p.clone(), 40)).collect();
+    let mut out: Vec<Outcome> = rx.iter().map(|_| Outcome::default()).collect();
+    let mut most_held = 0;
+    for _ in 0..500 {
+        if !s.has_work() {
+            break;
+        }
+        assert_eq!(s.step().preempted, 0);
+        assert_eq!(s.kv().audit(), Ok(()));
+        let t = s.kv().pages();
+        for seq in t.sequences() {
+            let held = t
+                .group_pages(seq, 1)
+                .iter()
+                .filter(|&&p| p != FREED)
+                .count();
+            assert!(
+                held <= window_pages(t.len(seq), 6),
+                "{held} pages at {}",
+                t.len(seq)
+            );
+            most_held = most_held.max(t.held_pages(seq));
+        }
+        for (r, o) in rx.iter_mut().zip(&mut out) {
+            collect(r, o);
+        }
+    }
+    assert!(!s.has_work());
+    for (p, o) in ps.iter().zip(&out) {
+        assert_eq!(o.tokens, alone(p, 40));
+    }
+    assert!(most_held <= 13 + 3, "{most_held}");
+    assert!(idle(s.kv()));
+}
+
+#[test]
+fn a_sliding_group_shares_a_prefix_whose_window_pages_were_cached() {
+    let mut s = Scheduler::new(
+        Fake::new(64, 64, 4, 1).windowed(6),
+        config(4, 64),
+        Arc::new(Metrics::new()),
+    );
+    // The first request runs far past the shared 13 tokens, so its window leaves them.
+    let shared: Vec<i64> = (1..=13).collect();
+    let mut long = shared.clone();
+    long.extend(20..40);
+    let mut first = vec![submit(&mut s, long.clone(), 10)];
+    let (out, _) = drain(&mut s, &mut first, 100);
+    assert_eq!(out[0].tokens, alone(&long, 10));
+    let mut b = shared.clone();
+    b.push(50);
+    let mut rx = vec![submit(&mut s, b.clone(), 8)];
+    let (out, _) = drain(&mut s, &mut rx, 100);
+    assert_eq!(
+        out[0].cached, 12,
+        "the window's pages were cached as they filled"
+    );
+    assert_eq!(out[0].tokens, alone(&b, 8));
+    assert!(idle(s.kv()));
+}
+
+#[test]
+fn sliding_groups_with_speculation_and_preemption_give_the_plain_tokens() {
+    let decoder = Fake::new(30, 64, 4, 4).windowed(5);
+    let mut draft = Fake::new(64, 64, 4, 1).windowed(7);
+    draft.model = draft_token;
+    let spec = Speculation::new(decoder.info(), draft, Some(3)).unwrap();
+    let mut s =
+        Scheduler::new(decoder, config(4, 64), Arc::new(Metrics::new())).with_speculation(spec);
+    let ps = prompts(5, 8);
+    let mut rx: Vec<_> = ps.iter().map(|p| submit(&mut s, p.clone(), 30)).collect();
+    let (out, preempted) = drain(&mut s, &mut rx, 3000);
+    assert!(preempted > 0, "a cache this small preempts");
+    for (p, o) in ps.iter().zip(&out) {
+        assert_eq!(o.tokens, alone(p, 30));
+    }
+    let st = s.speculation().unwrap().stats();
+    assert!(st.accepted > 0, "{st:?}");
+    assert!(idle(s.kv()));
 }

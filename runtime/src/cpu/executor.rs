@@ -402,13 +402,17 @@ impl CpuExecutor {
         fill(&mut self.tokens, &s.tokens);
         let context = s.context_lengths();
         for (name, v) in [
-            ("input_row_offsets", &s.input_row_offsets),
+            ("input_row_offsets", s.input_row_offsets.as_slice()),
             ("cache_lengths", &s.cache_lengths),
-            ("kv_lookup_table", &s.kv_lookup_table),
             ("batch_context_lengths", &context),
         ] {
             if let Some(buf) = self.ints.get_mut(name) {
                 fill(buf, v);
+            }
+        }
+        for g in 0..s.kv_groups {
+            if let Some(buf) = self.ints.get_mut(&crate::schema::kv_lookup_input(g)) {
+                fill(buf, s.lookup_table(g));
             }
         }
 

@@ -282,7 +282,10 @@ impl CudaExecutor {
         self.upload_input("tokens", &s.tokens, &mut tokens)?;
         self.upload_input("input_row_offsets", &s.input_row_offsets, &mut ints)?;
         self.upload_input("cache_lengths", &s.cache_lengths, &mut ints)?;
-        self.upload_input("kv_lookup_table", &s.kv_lookup_table, &mut ints)?;
+        for g in 0..s.kv_groups {
+            let name = crate::schema::kv_lookup_input(g);
+            self.upload_input(&name, s.lookup_table(g), &mut ints)?;
+        }
         self.upload_input("batch_context_lengths", &batch_context, &mut ints)?;
         let rows = |r: &Rows| match r {
             Rows::Step(d) => dims[*d as usize],

@@ -97,6 +97,17 @@ impl Scheduler {
             spec.record(&acceptance);
             stats.acceptance = Some(acceptance);
         }
+        // Lengths are final (rejected drafts truncated): sliding page groups hand back what
+        // their windows left, in both caches, the prefix cache keeping a copy where it is on.
+        for p in &planned {
+            if !done.contains(&p.idx) {
+                let a = &self.running[p.idx];
+                self.kv.slide(a.seq, &a.tokens[..a.computed]);
+                if let Some(spec) = self.spec.as_mut() {
+                    spec.kv.slide(a.seq, &[]);
+                }
+            }
+        }
         batch.finished = done.len();
         stats.finished += done.len();
         done.sort_unstable();
