@@ -459,7 +459,7 @@ extern "C" __global__ void __launch_bounds__(32) rope_bb7b305e(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) kv_store_37154a2d(
+extern "C" __global__ void __launch_bounds__(64) kv_store_172fee03(
     const float* __restrict__ k,
     const float* __restrict__ v,
     float* __restrict__ kv_cache,
@@ -485,15 +485,15 @@ extern "C" __global__ void __launch_bounds__(64) kv_store_37154a2d(
     const int page_entry = kv_lookup_table[b * max_num_pages + page_index];
     if (page_entry < 0 || (maxc_u64)page_entry >= total_num_pages) return;
     const maxc_u64 page = (maxc_u64)page_entry;
-    float* k_dst = kv_cache + page * 12288ULL + 0ULL + slot * 64ULL;
-    float* v_dst = kv_cache + page * 12288ULL + 1024ULL + slot * 64ULL;
+    float* k_dst = kv_cache + page * 2048ULL + 0ULL + slot * 64ULL;
+    float* v_dst = kv_cache + page * 2048ULL + 1024ULL + slot * 64ULL;
     for (maxc_u64 c = threadIdx.x; c < 64ULL; c += blockDim.x) {
         k_dst[c] = k[r * 64ULL + c];
         v_dst[c] = v[r * 64ULL + c];
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_44839e35(
+extern "C" __global__ void __launch_bounds__(128) attention_c10fff40(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,
@@ -536,8 +536,8 @@ extern "C" __global__ void __launch_bounds__(128) attention_44839e35(
         const int page_entry = kv_lookup_table[b * max_num_pages + page_index];
         if (page_entry < 0 || (maxc_u64)page_entry >= total_num_pages) continue;
         const maxc_u64 page = (maxc_u64)page_entry;
-        const float* k_ptr = kv_cache + page * 12288ULL + 0ULL + slot * 64ULL + kv_head * 32ULL;
-        const float* v_ptr = kv_cache + page * 12288ULL + 1024ULL + slot * 64ULL + kv_head * 32ULL;
+        const float* k_ptr = kv_cache + page * 2048ULL + 0ULL + slot * 64ULL + kv_head * 32ULL;
+        const float* v_ptr = kv_cache + page * 2048ULL + 1024ULL + slot * 64ULL + kv_head * 32ULL;
         float dot = 0.0f;
 #pragma unroll
         for (unsigned e = 0; e < 1; ++e) {
@@ -833,7 +833,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_0400bb09(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_a26e0e5d(
+extern "C" __global__ void __launch_bounds__(128) attention_6af1c1b6(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,
@@ -876,8 +876,8 @@ extern "C" __global__ void __launch_bounds__(128) attention_a26e0e5d(
         const int page_entry = kv_lookup_table[b * max_num_pages + page_index];
         if (page_entry < 0 || (maxc_u64)page_entry >= total_num_pages) continue;
         const maxc_u64 page = (maxc_u64)page_entry;
-        const float* k_ptr = kv_cache + page * 12288ULL + 0ULL + slot * 64ULL + kv_head * 32ULL;
-        const float* v_ptr = kv_cache + page * 12288ULL + 1024ULL + slot * 64ULL + kv_head * 32ULL;
+        const float* k_ptr = kv_cache + page * 2048ULL + 0ULL + slot * 64ULL + kv_head * 32ULL;
+        const float* v_ptr = kv_cache + page * 2048ULL + 1024ULL + slot * 64ULL + kv_head * 32ULL;
         float dot = 0.0f;
 #pragma unroll
         for (unsigned e = 0; e < 1; ++e) {
