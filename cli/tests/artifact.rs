@@ -735,5 +735,13 @@ fn inspect_gives_the_kv_bytes_of_a_token_and_of_a_sequence() {
         "{kv}"
     );
     let text = String::from_utf8_lossy(&maxc(&["inspect", a.to_str().unwrap()]).stdout).to_string();
-    assert!(text.contains("kv cache 2048 bytes per token"), "{text}");
+    assert!(
+        text.contains("kv cache 1 page groups of 4 layers (full)")
+            && text.contains("2048 bytes per token"),
+        "{text}"
+    );
+    assert_eq!(
+        kv["pages_per_sequence"], kv["pages_per_sequence_without_windows"],
+        "{kv}"
+    );
 }

@@ -259,3 +259,133 @@ fn data_parallel_replicas_fill_their_own_batches_in_one_step() {
         assert_eq!(tokens, &alone(&a, &ps[i], 6), "request {i}");
     }
 }
+
+/// Pages a sequence of `len` tokens holds between steps in a sliding group of window `w` over
+/// pages of `page` tokens: from the page of position `len + 1 - w` on.
+fn window_pages(len: usize, w: usize, page: usize) -> usize {
+    len.div_ceil(page) - (len + 1).saturating_sub(w) / page
+}
+
+#[test]
+fn sliding_layers_hold_only_their_windows_pages_as_a_long_request_runs() {
+    // tiny-gemma3: five sliding layers (window 8) and one full, at max_seq_len 512 in pages of
+    // 16 tokens: six page groups of one layer each.
+    let fixture = fixtures().join("tiny-gemma3");
+    let tmp = tempfile::tempdir().unwrap();
+    let a = tmp.path().join("gemma3.maxc");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_maxc"))
+        .args(["compile", fixture.to_str().unwrap(), "--out"])
+        .arg(&a)
+        .args(["--quiet", "--weights", "f32", "--max-seq-len", "512"])
+        .args(["--page-size", "16", "--max-batch-size", "4"])
+        .args(["--max-batch-input-tokens", "64"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+
+    // What `maxc inspect` says a sequence at max_seq_len holds: the full layer's 32 pages and
+    // one page for each sliding layer, against 6 × 32 without windows.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_maxc"))
+        .args(["inspect", a.to_str().unwrap(), "--json"])
+        .output()
+        .unwrap();
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let kv = &r["roles"]["decoder"]["kv"];
+    assert_eq!(kv["pages_per_sequence"], 32 + 5, "{kv}");
+    assert_eq!(kv["pages_per_sequence_without_windows"], 6 * 32, "{kv}");
+    assert_eq!(kv["bytes_per_sequence"], 37 * 16 * 2 * 2 * 32 * 4, "{kv}");
+
+    // One request to max_seq_len with three short ones beside it that take the pages it hands
+    // back; the used-blocks gauge follows what the sequences hold.
+    let engine = Engine::open(&a, "decoder").unwrap();
+    let mut cfg = SchedulerConfig::from_runtime(&engine.artifact().manifest.runtime);
+    cfg.prefix_caching = false;
+    let metrics = Arc::new(Metrics::new());
+    let mut s = Scheduler::new(engine, cfg, metrics.clone());
+    let reference =
+        maxc_graph::weights::read_safetensors_file(&fixture.join("reference.safetensors")).unwrap();
+    let prompt = reference.get("p0.tokens").unwrap().to_i64("p0").unwrap();
+    let long_max = 512 - prompt.len();
+    let mut rx = Vec::new();
+    let mut submit = |s: &mut Scheduler, p: Vec<i64>, max: usize| {
+        let (tx, r) = tokio::sync::mpsc::unbounded_channel();
+        let mut req = Request::greedy(p, max);
+        req.ignore_eos = true;
+        s.submit(req, tx);
+        rx.push(r);
+    };
+    submit(&mut s, prompt.clone(), long_max);
+    for p in prompts(3) {
+        submit(&mut s, p.iter().map(|t| t % 1000).collect(), 60);
+    }
+    let mut series = Vec::new();
+    let mut steps = 0;
+    while s.has_work() {
+        s.step();
+        steps += 1;
+        assert!(steps < 2000);
+        assert_eq!(s.kv().audit(), Ok(()));
+        let t = s.kv().pages();
+        let used = metrics.cache_num_used_blocks.get() as usize;
+        let held: usize = t.sequences().map(|q| t.held_pages(q)).sum();
+        assert_eq!(used, held, "the gauge counts the pages sequences hold");
+        for q in t.sequences() {
+            let len = t.len(q);
+            assert_eq!(
+                t.held_pages(q),
+                len.div_ceil(16) + 5 * window_pages(len, 8, 16),
+                "sequence {q} at {len} tokens"
+            );
+        }
+        if let Some(q) = t.sequences().next().filter(|&q| t.len(q) % 64 == 0) {
+            series.push((t.len(q), used));
+        }
+    }
+    println!("tiny-gemma3 long request (tokens, maxserve_cache_num_used_blocks): {series:?}");
+    assert!(series.len() >= 6, "{series:?}");
+
+    // Its tokens against the interpreter run over the whole sequence at once (no page ever
+    // freed): equal wherever the interpreter's margin is above 1e-2.
+    let mut tokens = Vec::new();
+    while let Ok(e) = rx[0].try_recv() {
+        if let Event::Token { id, .. } = e {
+            tokens.push(id);
+        }
+    }
+    assert_eq!(tokens.len(), long_max);
+    let opts = maxc_graph::pipeline::LoadOptions {
+        all_logits: true,
+        ..Default::default()
+    };
+    let mut loaded =
+        maxc_graph::pipeline::load_model(&fixture, &maxc_graph::Registry::builtin(), &opts)
+            .unwrap();
+    let rg = loaded.roles.pop_first().unwrap().1;
+    let interp = maxc_graph::interp::Interpreter::new(rg.graph, &rg.weights).unwrap();
+    let mut session = maxc_graph::interp::Session::new(&interp, 32, 32);
+    let mut all = prompt.clone();
+    all.extend(&tokens[..tokens.len() - 1]);
+    let logits = session.step(&[(0, &all)]).unwrap();
+    let mut checked = 0;
+    for (i, &t) in tokens.iter().enumerate() {
+        let row = logits.row(prompt.len() - 1 + i);
+        let mut sorted: Vec<f32> = row.to_vec();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        if sorted[0] - sorted[1] > 1e-2 {
+            let best = (0..row.len())
+                .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+                .unwrap();
+            assert_eq!(t, best as i64, "token {i}");
+            checked += 1;
+        }
+    }
+    println!(
+        "{checked} of {} tokens past the margin, all equal",
+        tokens.len()
+    );
+    assert!(
+        checked > tokens.len() * 9 / 10,
+        "{checked} of {}",
+        tokens.len()
+    );
+}
