@@ -337,7 +337,11 @@ fn sliding_layers_hold_only_their_windows_pages_as_a_long_request_runs() {
                 "sequence {q} at {len} tokens"
             );
         }
-        if let Some(q) = t.sequences().next().filter(|&q| t.len(q) % 64 == 0) {
+        if let Some(q) = t
+            .sequences()
+            .next()
+            .filter(|&q| t.len(q).is_multiple_of(64))
+        {
             series.push((t.len(q), used));
         }
     }

@@ -336,6 +336,25 @@ mod tests {
     }
 
     #[test]
+    fn sliding_page_groups_bound_the_pages_their_windows_reach() {
+        // 2 sequences of up to 1024 tokens, a step budget of 64, pages of 16.
+        let r = rt(2, 1024, 64, true, 1);
+        let windows = [None, Some(100), Some(100)];
+        // A full group holds 64 pages per context; a window of 100 with chunks of up to 64
+        // rows reaches ceil((99 + 64) / 16) + 1 = 12.
+        assert_eq!(r.kv.max_pages_in_group(&r.batch, Some(100)), 12);
+        let dims = r.max_dims(["total_num_pages"], &windows).unwrap();
+        assert_eq!(dims["total_num_pages"], 2 * (64 + 12 + 12));
+        // A window longer than the context is bounded by the context.
+        assert_eq!(r.kv.max_pages_in_group(&r.batch, Some(5000)), 64);
+        // A page count set by hand holds that many pages of every layer: one per group.
+        let mut fixed = r.clone();
+        fixed.kv.num_pages = Some(10);
+        let dims = fixed.max_dims(["total_num_pages"], &windows).unwrap();
+        assert_eq!(dims["total_num_pages"], 30);
+    }
+
+    #[test]
     fn page_dims() {
         let r = rt(3, 100, 64, true, 2);
         let dims = r.max_dims(ModuleRuntime::KNOWN_DIMS, &[]).unwrap();

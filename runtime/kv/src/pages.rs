@@ -1876,7 +1876,7 @@ mod tests {
         let full = t.group_pages(1, 0)[..3].to_vec();
         let sliding = t.group_pages(1, 1)[..3].to_vec();
         assert!(matches!(
-            t.attach_prefix_groups(2, &[full.clone()]),
+            t.attach_prefix_groups(2, std::slice::from_ref(&full)),
             Err(PageError::GroupCount {
                 given: 1,
                 groups: 2
