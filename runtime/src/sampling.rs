@@ -24,6 +24,9 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// Subtracted from a token's logit if it was generated at all (OpenAI's meaning).
     pub presence_penalty: f32,
+    /// Added to a token's logit before sampling, greedy included (OpenAI's `logit_bias`: from
+    /// -100, which bans the token in effect, to 100, which forces it), by token id.
+    pub logit_bias: BTreeMap<u32, f32>,
 }
 
 impl Default for SamplingParams {
@@ -37,6 +40,7 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             frequency_penalty: 0.0,
             presence_penalty: 0.0,
+            logit_bias: BTreeMap::new(),
         }
     }
 }
@@ -47,6 +51,15 @@ impl SamplingParams {
         self.repetition_penalty != 1.0
             || self.frequency_penalty != 0.0
             || self.presence_penalty != 0.0
+    }
+
+    /// Adds each token's `logit_bias` to its logit (ids outside `logits` are skipped).
+    pub fn bias(&self, logits: &mut [f32]) {
+        for (&t, &b) in &self.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
     }
 
     /// Applies the penalties to `logits`: `prompt` tokens and the `output` counts by token.

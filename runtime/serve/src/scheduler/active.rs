@@ -117,6 +117,7 @@ impl Active {
                 .sampling
                 .penalize(&mut row, &self.req.prompt, &self.output_counts);
         }
+        self.req.sampling.bias(&mut row);
         if self.generated < self.req.min_tokens {
             for (t, l) in row.iter_mut().enumerate() {
                 if self.stops(t as i64, eos) {

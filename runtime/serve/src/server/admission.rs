@@ -12,6 +12,7 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::http::StatusCode;
 use maxc_runtime::sampling::SamplingParams;
+use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -186,6 +187,7 @@ pub(super) fn request_for(
             ));
         }
     }
+    let logit_bias = logit_bias(l, c)?;
     Ok(Request {
         prompt,
         max_tokens,
@@ -199,6 +201,7 @@ pub(super) fn request_for(
             repetition_penalty: c.repetition_penalty.unwrap_or(1.0),
             frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
             presence_penalty: c.presence_penalty.unwrap_or(0.0),
+            logit_bias,
         },
         stop_token_ids: c.stop_token_ids.clone().unwrap_or_default(),
         ignore_eos: c.ignore_eos.unwrap_or(false),
@@ -206,6 +209,35 @@ pub(super) fn request_for(
         prompt_logprobs: false,
         trace: None,
     })
+}
+
+/// `logit_bias` checked: each key a token id in the vocabulary, each bias in -100..=100.
+fn logit_bias(l: &Loaded, c: &Common) -> Result<BTreeMap<u32, f32>, ApiError> {
+    let mut out = BTreeMap::new();
+    for (key, &bias) in c.logit_bias.iter().flatten() {
+        let id = key
+            .trim()
+            .parse::<u32>()
+            .ok()
+            .filter(|&t| (t as usize) < l.vocab)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "logit_bias",
+                    format!(
+                        "`logit_bias` key `{key}` is not a token id in the vocabulary (0..{})",
+                        l.vocab
+                    ),
+                )
+            })?;
+        if !(bias.is_finite() && (-100.0..=100.0).contains(&bias)) {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                format!("`logit_bias` of token {id} is {bias}; expected a value in [-100, 100]"),
+            ));
+        }
+        out.insert(id, bias);
+    }
+    Ok(out)
 }
 
 pub(super) fn rand_seed() -> u64 {

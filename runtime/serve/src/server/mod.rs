@@ -13,6 +13,7 @@ pub mod listen;
 mod observe;
 pub mod openai;
 mod respond;
+mod tokenize;
 
 use crate::chat::ChatTemplate;
 use crate::metrics::Metrics;
@@ -316,6 +317,8 @@ pub async fn serve(
             "/v1/chat/completions",
             post(generation::generation::<openai::ChatRequest>),
         )
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route("/v1/models", get(info::models))
         .route("/health", get(info::health))
         .route("/v1/health", get(info::health))

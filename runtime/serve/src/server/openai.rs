@@ -150,6 +150,8 @@ pub struct Common {
     pub stop_token_ids: Option<Vec<i64>>,
     /// vLLM's extension: log-probability entries name tokens as `token_id:ID`.
     pub return_tokens_as_token_ids: Option<bool>,
+    /// Added to the logits of tokens (by id, as a string key) before sampling: -100 to 100.
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
 }
 
 /// `POST /v1/completions`.
@@ -257,7 +259,7 @@ pub fn parse<T: serde::de::DeserializeOwned + Fields>(body: &[u8]) -> Result<T, 
     })
 }
 
-const COMMON: [&str; 21] = [
+const COMMON: [&str; 22] = [
     "model",
     "max_tokens",
     "max_completion_tokens",
@@ -279,6 +281,7 @@ const COMMON: [&str; 21] = [
     "stop_token_ids",
     "logprobs",
     "return_tokens_as_token_ids",
+    "logit_bias",
 ];
 
 /// The top-level fields a request body may have, and those every endpoint shares.
