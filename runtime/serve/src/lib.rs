@@ -5,6 +5,7 @@
 
 pub mod chat;
 pub mod config;
+pub mod constraint;
 pub mod metrics;
 pub mod scheduler;
 pub mod server;

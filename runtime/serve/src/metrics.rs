@@ -144,6 +144,9 @@ pub struct Metrics {
     pub model_load_time: Family<Labels, Gauge<f64, AtomicU64>>,
     /// Pipelines (artifacts) loaded.
     pub pipeline_load: Counter,
+    /// Requests refused with a 400 because their grammar could not be compiled, by `kind`
+    /// (`json_schema`, `tool_grammar`, `regex`, `choice`, `grammar`).
+    pub structured_output_grammar_rejections: Family<Labels, Counter>,
 }
 
 impl Default for Metrics {
@@ -389,6 +392,15 @@ impl Metrics {
                 "Requests preempted",
                 None,
             ),
+            structured_output_grammar_rejections: {
+                let f = Family::<Labels, Counter>::default();
+                r.register(
+                    "maxserve_structured_output_grammar_rejections",
+                    "Requests rejected with a 400 because their structured-output grammar could not be compiled, by kind",
+                    f.clone(),
+                );
+                f
+            },
             cache_hits: {
                 let f = Family::<Labels, Counter>::default();
                 r.register_with_unit(

@@ -118,6 +118,9 @@ impl Active {
                 .penalize(&mut row, &self.req.prompt, &self.output_counts);
         }
         self.req.sampling.bias(&mut row);
+        if let Some(c) = self.req.constraint.as_mut() {
+            c.apply(&mut row);
+        }
         if self.generated < self.req.min_tokens {
             for (t, l) in row.iter_mut().enumerate() {
                 if self.stops(t as i64, eos) {

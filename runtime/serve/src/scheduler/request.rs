@@ -27,6 +27,9 @@ pub struct Request {
     /// Its place in a trace, where it is traced (the server's level, or its
     /// `x-max-trace-level` header).
     pub trace: Option<crate::trace::RequestTrace>,
+    /// The grammar its output must match (structured outputs), compiled; it ends the request
+    /// once the output is complete.
+    pub constraint: Option<crate::constraint::Constraint>,
 }
 
 impl Request {
@@ -42,6 +45,7 @@ impl Request {
             logprobs: None,
             prompt_logprobs: false,
             trace: None,
+            constraint: None,
         }
     }
 }

@@ -227,7 +227,30 @@ impl Scheduler {
         if let Some(plan) = self.schedule(&mut stats) {
             let t = Instant::now();
             let start_unix = crate::trace::now_unix_ns();
-            let result = self.exec.execute(&plan.step.inputs);
+            // The structured outputs' masks of the tokens this step samples are computed
+            // while the forward pass runs: they depend on the tokens chosen so far only.
+            let sampling: Vec<usize> = plan
+                .rows
+                .iter()
+                .filter(|p| self.running[p.idx].pending() == p.n)
+                .map(|p| p.idx)
+                .collect();
+            let mut constraints: Vec<&mut crate::constraint::Constraint> = self
+                .running
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| sampling.contains(i))
+                .filter_map(|(_, a)| a.req.constraint.as_mut())
+                .collect();
+            let exec_step = &mut self.exec;
+            let result = if constraints.is_empty() {
+                exec_step.execute(&plan.step.inputs)
+            } else {
+                std::thread::scope(|scope| {
+                    scope.spawn(|| constraints.iter_mut().for_each(|c| c.prepare()));
+                    exec_step.execute(&plan.step.inputs)
+                })
+            };
             let exec = t.elapsed();
             if result.is_ok() {
                 self.trace_pass(&plan, start_unix, start_unix + exec.as_nanos() as u64);

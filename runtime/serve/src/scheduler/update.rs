@@ -235,7 +235,16 @@ fn next_tokens<'l>(
             id: token,
             logprob: lp,
         });
-        finish = if a.stops(token, eos) && a.generated >= a.req.min_tokens {
+        let complete = match a.req.constraint.as_mut() {
+            Some(c) => {
+                if let Err(e) = c.consume(token) {
+                    tracing::warn!("structured output: {e}");
+                }
+                c.is_complete()
+            }
+            None => false,
+        };
+        finish = if complete || (a.stops(token, eos) && a.generated >= a.req.min_tokens) {
             Some(FinishReason::Stop)
         } else if a.generated >= a.req.max_tokens || a.tokens.len() >= max_seq_len {
             Some(FinishReason::Length)

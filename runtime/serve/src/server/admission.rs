@@ -117,6 +117,7 @@ pub(super) fn request_for(
     c: &Common,
     prompt: Vec<i64>,
     prompt_param: &str,
+    metrics: &Metrics,
 ) -> Result<Request, ApiError> {
     if prompt.is_empty() {
         return Err(ApiError::invalid(prompt_param, "the prompt is empty"));
@@ -188,6 +189,30 @@ pub(super) fn request_for(
         }
     }
     let logit_bias = logit_bias(l, c)?;
+    let constraint = match super::structured::grammar_spec(c)? {
+        Some((spec, param)) => {
+            let compiled = l
+                .grammars()
+                .map_err(|e| {
+                    ApiError::invalid(param, format!("structured output is not available: {e}"))
+                })?
+                .compile(&spec);
+            match compiled {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    metrics
+                        .structured_output_grammar_rejections
+                        .get_or_create(&vec![("kind".into(), spec.kind().into())])
+                        .inc();
+                    return Err(ApiError::invalid(
+                        param,
+                        format!("`{param}` cannot be compiled to a grammar: {e}"),
+                    ));
+                }
+            }
+        }
+        None => None,
+    };
     Ok(Request {
         prompt,
         max_tokens,
@@ -208,6 +233,7 @@ pub(super) fn request_for(
         logprobs: None,
         prompt_logprobs: false,
         trace: None,
+        constraint,
     })
 }
 

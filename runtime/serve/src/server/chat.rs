@@ -83,7 +83,7 @@ impl Endpoint for ChatRequest {
             }
             k => k.unwrap_or(0) as usize,
         };
-        let mut request = request_for(l, &req.common, ids, "messages")?;
+        let mut request = request_for(l, &req.common, ids, "messages", &app.metrics)?;
         request.logprobs = logprobs.then_some(top);
         app.metrics.input_processing_time.observe(ms(t.elapsed()));
         let job = Job {

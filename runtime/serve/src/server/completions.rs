@@ -57,7 +57,7 @@ impl Endpoint for CompletionRequest {
                 }
                 None => ids,
             };
-            let mut request = request_for(l, &req.common, ids, "prompt")?;
+            let mut request = request_for(l, &req.common, ids, "prompt", &app.metrics)?;
             request.logprobs = logprobs;
             request.prompt_logprobs = echo && logprobs.is_some();
             let echo_text = if echo {

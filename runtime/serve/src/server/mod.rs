@@ -13,6 +13,7 @@ pub mod listen;
 mod observe;
 pub mod openai;
 mod respond;
+mod structured;
 mod tokenize;
 
 use crate::chat::ChatTemplate;
@@ -122,11 +123,33 @@ pub enum ServeError {
 struct Loaded {
     sched: SchedulerHandle,
     tokenizer: Option<&'static Tokenizer>,
+    /// The artifact's `tokenizer.json` and end-of-sequence ids, for structured outputs.
+    grammar_source: Option<(PathBuf, Vec<i64>)>,
+    /// Structured outputs' grammar compiler, built at the first request that needs it.
+    grammars: OnceLock<Result<crate::constraint::Grammars, String>>,
     chat: Option<ChatTemplate>,
     max_model_len: usize,
     vocab: usize,
     all_logits: bool,
     capacity: usize,
+}
+
+impl Loaded {
+    /// The grammar compiler over this artifact's tokenizer (built once), or why there is none.
+    fn grammars(&self) -> Result<&crate::constraint::Grammars, String> {
+        self.grammars
+            .get_or_init(|| {
+                let (Some(tokenizer), Some((path, eos))) = (self.tokenizer, &self.grammar_source)
+                else {
+                    return Err("the artifact has no tokenizer".into());
+                };
+                let json = std::fs::read_to_string(path)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                crate::constraint::Grammars::new(&json, tokenizer, self.vocab, eos)
+            })
+            .as_ref()
+            .map_err(Clone::clone)
+    }
 }
 
 struct App {
@@ -240,6 +263,13 @@ fn load(opts: &ServeOptions, metrics: &Arc<Metrics>, tracer: Tracer) -> Result<L
         all_logits,
         capacity: cfg.max_batch_size * cfg.data_parallel_degree,
         tokenizer,
+        grammar_source: tokenizer.map(|_| {
+            (
+                artifact.dir.join(maxc_runtime::schema::TOKENIZER_FILE),
+                artifact.manifest.eos_token_ids.clone(),
+            )
+        }),
+        grammars: OnceLock::new(),
         chat,
         sched: SchedulerHandle::spawn(scheduler).map_err(|e| e.to_string())?,
     };

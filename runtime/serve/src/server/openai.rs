@@ -152,6 +152,10 @@ pub struct Common {
     pub return_tokens_as_token_ids: Option<bool>,
     /// Added to the logits of tokens (by id, as a string key) before sampling: -100 to 100.
     pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    /// OpenAI: `{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}`.
+    pub response_format: Option<Value>,
+    /// vLLM: one of `json` (a schema), `json_object`, `regex`, `choice`, `grammar` (Lark).
+    pub structured_outputs: Option<Value>,
 }
 
 /// `POST /v1/completions`.
@@ -259,7 +263,7 @@ pub fn parse<T: serde::de::DeserializeOwned + Fields>(body: &[u8]) -> Result<T, 
     })
 }
 
-const COMMON: [&str; 22] = [
+const COMMON: [&str; 24] = [
     "model",
     "max_tokens",
     "max_completion_tokens",
@@ -282,6 +286,8 @@ const COMMON: [&str; 22] = [
     "logprobs",
     "return_tokens_as_token_ids",
     "logit_bias",
+    "response_format",
+    "structured_outputs",
 ];
 
 /// The top-level fields a request body may have, and those every endpoint shares.

@@ -1,0 +1,149 @@
+"""Structured outputs over HTTP on SmolLM2: JSON Schema, JSON objects, regex, choice and Lark
+grammars through `response_format` and vLLM's `structured_outputs`, sampled at temperature 1,
+streamed and not, 16 at once; every output parses and validates."""
+
+import concurrent.futures as cf
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+
+from test_serve import client
+
+SCHEMAS = [
+    {"type": "object",
+     "properties": {
+         "name": {"type": "string", "maxLength": 20},
+         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+         "email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.(com|org)$"}},
+     "required": ["name", "age", "email"], "additionalProperties": False},
+    {"type": "object",
+     "properties": {
+         "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+         "tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                  "minItems": 1, "maxItems": 3},
+         "location": {"type": "object",
+                      "properties": {"lat": {"type": "integer", "minimum": -90, "maximum": 90},
+                                     "lon": {"type": "integer", "minimum": -180,
+                                             "maximum": 180}},
+                      "required": ["lat", "lon"], "additionalProperties": False}},
+     "required": ["city", "tags", "location"], "additionalProperties": False},
+    {"type": "object",
+     "properties": {
+         "answer": {"type": "boolean"},
+         "confidence": {"type": "string", "enum": ["low", "medium", "high"]},
+         "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}},
+     "required": ["answer", "confidence", "code"], "additionalProperties": False},
+    {"type": "object",
+     "properties": {
+         "items": {"type": "array", "maxItems": 3,
+                   "items": {"type": "object",
+                             "properties": {"id": {"type": "integer", "minimum": 1,
+                                                   "maximum": 99},
+                                            "done": {"type": "boolean"}},
+                             "required": ["id", "done"], "additionalProperties": False}}},
+     "required": ["items"], "additionalProperties": False},
+    {"$defs": {"color": {"type": "string", "enum": ["red", "green", "blue"]}},
+     "type": "object",
+     "properties": {"primary": {"$ref": "#/$defs/color"},
+                    "others": {"type": "array", "items": {"$ref": "#/$defs/color"},
+                               "maxItems": 2}},
+     "required": ["primary", "others"], "additionalProperties": False},
+]
+
+PROMPT = "Reply with a JSON object describing something you like."
+
+
+def ask(s, schema, i, stream):
+    body = {"model": "smollm2.maxc", "max_tokens": 160, "temperature": 1.0, "seed": i,
+            "messages": [{"role": "user", "content": PROMPT}],
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": f"s{i}", "schema": schema,
+                                                "strict": True}}}
+    if not stream:
+        r = httpx.post(s.v1 + "/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["message"]["content"], choice["finish_reason"]
+    body["stream"] = True
+    text, finish = "", None
+    with httpx.stream("POST", s.v1 + "/chat/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for c in chunk["choices"]:
+                text += c["delta"].get("content") or ""
+                finish = c.get("finish_reason") or finish
+    return text, finish
+
+
+def test_fifty_json_schema_requests_all_validate(smol):
+    jobs = [(SCHEMAS[i % len(SCHEMAS)], i, i % 2 == 1) for i in range(50)]
+    with cf.ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(lambda j: ask(smol, *j), jobs))
+    distinct = set()
+    for (schema, i, stream), (text, finish) in zip(jobs, outs):
+        assert finish == "stop", (i, text)
+        value = json.loads(text)
+        jsonschema.validate(value, schema)
+        distinct.add(text)
+    assert len(distinct) > 25, "sampling at temperature 1 varies the outputs"
+
+
+def test_json_object_regex_choice_and_grammar(smol):
+    c = client(smol)
+    r = c.completions.create(model="smollm2.maxc", prompt="A JSON object:", max_tokens=120,
+                             temperature=1.0, seed=3,
+                             extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(r.choices[0].text), dict)
+    for seed in range(4):
+        r = c.completions.create(model="smollm2.maxc", prompt="Call me at", max_tokens=40,
+                                 temperature=1.0, seed=seed,
+                                 extra_body={"structured_outputs": {
+                                     "regex": "\\([0-9]{3}\\) [0-9]{3}-[0-9]{4}"}})
+        assert re.fullmatch(r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}", r.choices[0].text), r
+        assert r.choices[0].finish_reason == "stop"
+        choices = ["positive", "negative", "neutral"]
+        r = c.chat.completions.create(
+            model="smollm2.maxc", temperature=1.0, seed=seed, max_tokens=10,
+            messages=[{"role": "user", "content": "Sentiment of 'I love it'?"}],
+            extra_body={"structured_outputs": {"choice": choices}})
+        assert r.choices[0].message.content in choices
+    grammar = 'start: "SELECT " COL " FROM " TABLE\nCOL: "name" | "age"\nTABLE: "users" | "pets"'
+    r = c.completions.create(model="smollm2.maxc", prompt="SQL:", max_tokens=20,
+                             temperature=1.0, seed=5,
+                             extra_body={"structured_outputs": {"grammar": grammar}})
+    assert re.fullmatch(r"SELECT (name|age) FROM (users|pets)", r.choices[0].text), r
+
+
+@pytest.mark.parametrize("body,param,why", [
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "response_format", "foo"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/nowhere"}}}},
+     "response_format", "nowhere"),
+    ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs", "regex"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs", "non-empty"),
+    ({"structured_outputs": {"grammar": "start: nope"}}, "structured_outputs", "nope"),
+])
+def test_a_grammar_that_cannot_compile_is_a_400_naming_the_field(smol, body, param, why):
+    before = sum(v for k, v in smol.metrics().items()
+                 if k.startswith("maxserve_structured_output_grammar_rejections_total"))
+    r = httpx.post(smol.v1 + "/completions",
+                   json={"prompt": "hi", "max_tokens": 4, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and why in err["message"], err
+    after = sum(v for k, v in smol.metrics().items()
+                if k.startswith("maxserve_structured_output_grammar_rejections_total"))
+    compiled = "cannot be compiled" in err["message"]
+    assert after == before + (1 if compiled else 0), (before, after, err)
+    ok = httpx.post(smol.v1 + "/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
