@@ -57,7 +57,7 @@ PROMPT = "Reply with a JSON object describing something you like."
 
 
 def ask(s, schema, i, stream):
-    body = {"model": "smollm2.maxc", "max_tokens": 160, "temperature": 1.0, "seed": i,
+    body = {"max_tokens": 160, "temperature": 1.0, "seed": i,
             "messages": [{"role": "user", "content": PROMPT}],
             "response_format": {"type": "json_schema",
                                 "json_schema": {"name": f"s{i}", "schema": schema,
@@ -147,3 +147,42 @@ def test_a_grammar_that_cannot_compile_is_a_400_naming_the_field(smol, body, par
     assert after == before + (1 if compiled else 0), (before, after, err)
     ok = httpx.post(smol.v1 + "/completions", json={"prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_constraints_with_speculation_and_preemption(tmp_path, smol):
+    """A decoder that verifies 3 drafts from a differently quantized draft, with a KV cache
+    small enough to preempt: sampled outputs still validate, and greedy ones equal the plain
+    server's."""
+    from conftest import SMOLLM2, Server, compile_artifact
+    common = ("--max-seq-len", "512", "--page-size", "16", "--max-batch-size", "8")
+    dec = compile_artifact(SMOLLM2, str(tmp_path / "dec.maxc"), *common,
+                           "--num-speculative-tokens", "3", "--kv-cache-pages", "16")
+    draft = compile_artifact(SMOLLM2, str(tmp_path / "draft.maxc"), *common,
+                             "--weights", "q4_0")
+    s = Server(dec, "--draft", draft)
+    try:
+        jobs = [(SCHEMAS[i % len(SCHEMAS)], 100 + i, i % 2 == 0) for i in range(16)]
+        with cf.ThreadPoolExecutor(16) as pool:
+            outs = list(pool.map(lambda j: ask(s, *j), jobs))
+        for (schema, i, _), (text, finish) in zip(jobs, outs):
+            assert finish == "stop", (i, text)
+            jsonschema.validate(json.loads(text), schema)
+        assert s.metric("maxserve_cache_preemption_count_total") > 0, "no preemption"
+        accepted = s.metric("maxserve_spec_decode_avg_acceptance_length_tokens_sum")
+        assert accepted > 0, "no draft accepted"
+
+        def greedy(server, schema):
+            r = httpx.post(server.v1 + "/chat/completions", json={
+                "max_tokens": 160, "temperature": 0,
+                "messages": [{"role": "user", "content": PROMPT}],
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "g", "schema": schema}}},
+                timeout=300)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+        for schema in SCHEMAS[:3]:
+            got = greedy(s, schema)
+            jsonschema.validate(json.loads(got), schema)
+            assert got == greedy(smol, schema)
+    finally:
+        s.stop()
