@@ -186,3 +186,23 @@ def test_constraints_with_speculation_and_preemption(tmp_path, smol):
             assert got == greedy(smol, schema)
     finally:
         s.stop()
+
+
+def test_instructor_with_a_pydantic_model(smol):
+    """`instructor` (a structured-output library from PyPI) asks for a Pydantic model in its
+    JSON-schema mode; every answer parses into the model (instructor validates it)."""
+    import os
+    import subprocess
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "..")
+    py = subprocess.run(["bash", "scripts/install-py-instructor.sh"], cwd=root,
+                        capture_output=True, text=True, timeout=600)
+    assert py.returncode == 0, "scripts/install-py-instructor.sh (pip from PyPI): " + py.stderr
+    r = subprocess.run(
+        ["python3", os.path.join(os.path.dirname(__file__), "instructor_client.py"), smol.v1,
+         "6", "smollm2.maxc"],
+        env={**os.environ, "PYTHONPATH": py.stdout.strip()}, capture_output=True, text=True,
+        timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    people = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(people) == 6
+    assert all(p["address"]["city"] in ("Paris", "Tokyo", "Lima") for p in people)

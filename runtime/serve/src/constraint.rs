@@ -56,7 +56,11 @@ impl GrammarSpec {
             GrammarSpec::JsonObject => {
                 TopLevelGrammar::from_json_schema(compact(json!({"type": "object"})))
             }
-            GrammarSpec::JsonSchema(s) => TopLevelGrammar::from_json_schema(compact(s.clone())),
+            GrammarSpec::JsonSchema(s) => {
+                let mut s = s.clone();
+                close_objects(&mut s);
+                TopLevelGrammar::from_json_schema(compact(s))
+            }
             GrammarSpec::Regex(r) => TopLevelGrammar::from_regex(r),
             GrammarSpec::Choice(c) => {
                 // Lark string literals are JSON strings.
@@ -68,6 +72,43 @@ impl GrammarSpec {
             }
             GrammarSpec::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
         }
+    }
+}
+
+/// Closes every object schema that lists its `properties` but says nothing of others
+/// (`additionalProperties`, `patternProperties`, `unevaluatedProperties`): as OpenAI's strict
+/// mode and xgrammar (vLLM's default) read such schemas, the object holds its listed
+/// properties only. A free-form object (no `properties`) stays open.
+fn close_objects(v: &mut Value) {
+    match v {
+        Value::Object(o) => {
+            let open_said = [
+                "additionalProperties",
+                "patternProperties",
+                "unevaluatedProperties",
+            ]
+            .iter()
+            .any(|k| o.contains_key(*k));
+            if o.get("properties").is_some_and(Value::is_object) && !open_said {
+                o.insert("additionalProperties".into(), Value::Bool(false));
+            }
+            for (k, x) in o.iter_mut() {
+                match k.as_str() {
+                    // Maps of names to schemas: each schema, not the map.
+                    "properties" | "$defs" | "definitions" | "patternProperties"
+                    | "dependentSchemas" => {
+                        if let Value::Object(m) = x {
+                            m.values_mut().for_each(close_objects);
+                        }
+                    }
+                    // Values, not schemas.
+                    "enum" | "const" | "examples" | "default" => {}
+                    _ => close_objects(x),
+                }
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(close_objects),
+        _ => {}
     }
 }
 
@@ -252,5 +293,33 @@ impl Constraint {
     /// Whether the output is complete and nothing can follow it: the request ends here.
     pub fn is_complete(&self) -> bool {
         self.matcher.is_stopped()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn objects_with_listed_properties_are_closed_and_free_ones_stay_open() {
+        let mut s = json!({
+            "type": "object",
+            "properties": {
+                "properties": {"type": "object", "properties": {"a": {"type": "integer"}}},
+                "free": {"type": "object"},
+                "open": {"type": "object", "properties": {}, "additionalProperties": true},
+                "e": {"enum": [{"properties": {}}]}
+            },
+            "$defs": {"d": {"properties": {"x": {}}}}
+        });
+        close_objects(&mut s);
+        assert_eq!(s["additionalProperties"], false);
+        let p = &s["properties"];
+        assert!(p.get("additionalProperties").is_none(), "{p}");
+        assert_eq!(p["properties"]["additionalProperties"], false);
+        assert!(p["free"].get("additionalProperties").is_none());
+        assert_eq!(p["open"]["additionalProperties"], true);
+        assert_eq!(p["e"]["enum"], json!([{"properties": {}}]));
+        assert_eq!(s["$defs"]["d"]["additionalProperties"], false);
     }
 }
