@@ -128,8 +128,12 @@ impl Sampler {
         self.params.temperature <= 0.0
     }
 
-    /// The tokens [`Sampler::sample`] may choose for `logits`, after temperature, top-k, min-p
-    /// and top-p, with their probabilities (most likely first); greedy gives the argmax alone.
+    /// The tokens [`Sampler::sample`] may choose for `logits`, after temperature, min-p, top-k
+    /// and top-p, with their probabilities; greedy gives the argmax alone. Where top-k or top-p
+    /// choose, the kept tokens come most likely first (ties to the lower id); where every token
+    /// is kept they come in id order. Only the head that top-k and top-p keep is ever sorted:
+    /// sorting a whole vocabulary per token would cost more than the rest of a decode step's
+    /// sampling.
     pub fn distribution(&self, logits: &[f32]) -> Distribution {
         if self.is_greedy() {
             return Distribution {
@@ -146,25 +150,49 @@ impl Sampler {
             .collect();
         let sum: f32 = probs.iter().map(|p| p.1).sum();
         probs.iter_mut().for_each(|p| p.1 /= sum);
-        probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if self.params.top_k > 0 {
-            probs.truncate(self.params.top_k);
-        }
+        let desc = |a: &(usize, f32), b: &(usize, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if self.params.min_p > 0.0 {
-            let floor = probs[0].1 * self.params.min_p;
+            // Relative to the most likely token, which top-k keeps: filtering first keeps the
+            // same tokens.
+            let top = probs.iter().map(|p| p.1).fold(0.0, f32::max);
+            let floor = top * self.params.min_p;
             probs.retain(|p| p.1 >= floor);
         }
-        let mut kept = 0;
-        let mut mass = 0.0;
-        for p in &probs {
-            kept += 1;
-            mass += p.1;
-            if mass >= self.params.top_p {
-                break;
-            }
+        let k = self.params.top_k;
+        if k > 0 && k < probs.len() {
+            probs.select_nth_unstable_by(k - 1, desc);
+            probs.truncate(k);
         }
-        probs.truncate(kept);
-        Distribution { probs, mass }
+        if self.params.top_p >= 1.0 {
+            if k > 0 {
+                probs.sort_by(desc);
+            }
+            let mass = probs.iter().map(|p| p.1).sum();
+            return Distribution { probs, mass };
+        }
+        // The smallest head, most likely first, whose mass reaches top_p: sort a head of `n`
+        // tokens, growing it until it holds that mass.
+        let mut n = probs.len().min(64);
+        loop {
+            if n < probs.len() {
+                probs.select_nth_unstable_by(n - 1, desc);
+            }
+            probs[..n].sort_by(desc);
+            let mut kept = 0;
+            let mut mass = 0.0;
+            for p in &probs[..n] {
+                kept += 1;
+                mass += p.1;
+                if mass >= self.params.top_p {
+                    break;
+                }
+            }
+            if mass >= self.params.top_p || n == probs.len() {
+                probs.truncate(kept);
+                return Distribution { probs, mass };
+            }
+            n = (n * 4).min(probs.len());
+        }
     }
 
     /// The next token for `logits`.
@@ -224,7 +252,7 @@ impl Sampler {
 /// The tokens a sampler may choose, with unnormalised probabilities summing to `mass`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Distribution {
-    /// `(token, weight)`, most likely first.
+    /// `(token, weight)`: most likely first where top-k or top-p chose them, else in id order.
     pub probs: Vec<(usize, f32)>,
     /// The weights' sum.
     pub mass: f32,
@@ -391,5 +419,87 @@ mod tests {
         // token 0: 2/2 - 3·0.5 - 0.25; token 1 untouched; token 2: 0.5/2 - 0.5 - 0.25;
         // token 3 (prompt only): -3·2.
         assert_eq!(l, vec![-0.75, 1.0, -0.5, -6.0]);
+    }
+
+    /// The distribution as a whole-vocabulary sort gives it: the definition the partial
+    /// selection in [`Sampler::distribution`] must keep.
+    fn sorted_distribution(params: &SamplingParams, logits: &[f32]) -> Distribution {
+        let t = params.temperature;
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut probs: Vec<(usize, f32)> = logits
+            .iter()
+            .map(|&l| ((l - max) / t).exp())
+            .enumerate()
+            .collect();
+        let sum: f32 = probs.iter().map(|p| p.1).sum();
+        probs.iter_mut().for_each(|p| p.1 /= sum);
+        probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if params.top_k > 0 {
+            probs.truncate(params.top_k);
+        }
+        if params.min_p > 0.0 {
+            let floor = probs[0].1 * params.min_p;
+            probs.retain(|p| p.1 >= floor);
+        }
+        if params.top_p < 1.0 {
+            let (mut kept, mut mass) = (0, 0.0);
+            for p in &probs {
+                kept += 1;
+                mass += p.1;
+                if mass >= params.top_p {
+                    break;
+                }
+            }
+            probs.truncate(kept);
+        }
+        let mass = probs.iter().map(|p| p.1).sum();
+        Distribution { probs, mass }
+    }
+
+    #[test]
+    fn partial_selection_keeps_what_a_full_sort_keeps() {
+        let mut state = 7u64;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 40) as f32 / (1u64 << 24) as f32
+        };
+        for case in 0..40 {
+            let vocab = [5, 300, 5000][case % 3];
+            // Peaked and flat rows, with ties.
+            let logits: Vec<f32> = (0..vocab)
+                .map(|_| (next() * [2.0, 12.0][case % 2]).round() / 2.0)
+                .collect();
+            for (top_k, top_p, min_p) in [
+                (0, 1.0, 0.0),
+                (0, 0.9, 0.0),
+                (0, 0.3, 0.0),
+                (40, 1.0, 0.0),
+                (40, 0.95, 0.0),
+                (0, 1.0, 0.05),
+                (3, 0.5, 0.1),
+                (0, 0.999, 0.0),
+            ] {
+                let params = SamplingParams {
+                    temperature: 0.7,
+                    top_k,
+                    top_p,
+                    min_p,
+                    ..Default::default()
+                };
+                let got = Sampler::new(params.clone()).distribution(&logits);
+                let want = sorted_distribution(&params, &logits);
+                let mut a = got.probs.clone();
+                let mut b = want.probs.clone();
+                if top_k > 0 || top_p < 1.0 {
+                    assert_eq!(a, b, "order, case {case} {top_k} {top_p} {min_p}");
+                }
+                a.sort_by_key(|p| p.0);
+                b.sort_by_key(|p| p.0);
+                assert_eq!(a, b, "case {case} {top_k} {top_p} {min_p}");
+                assert!((got.mass - want.mass).abs() < 1e-4, "case {case}");
+            }
+        }
     }
 }
