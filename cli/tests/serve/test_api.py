@@ -1,5 +1,7 @@
 """The application API around generation: logit_bias, /tokenize and /detokenize."""
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -98,3 +100,63 @@ def test_bad_tokenize_requests(smol, path, body, param):
     r = httpx.post(smol.base + path, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+WORDS = ("river stone garden music winter bread lantern forest morning silver window "
+         "harbor paper thunder orange village candle mountain letter summer").split()
+# A 400-token prompt that does not repeat itself (a repeated one makes every sample the same).
+LONG = " ".join(WORDS[(i * 7 + i * i) % len(WORDS)] for i in range(400)) + ". Then"
+
+
+def test_n_choices_share_the_prompt_and_fork(artifacts, smol):
+    """n = 4 on a 400-token prompt: one prefill, the choices start from its pages (without a
+    prefix cache), greedy choices are identical, sampled ones differ, the prompt counts once."""
+    from conftest import Server
+    tok = httpx.post(smol.base + "/tokenize", json={"prompt": LONG}).json()
+    assert 380 <= tok["count"] <= 450, tok["count"]
+    s = Server(artifacts["smol"], "--no-prefix-caching")
+    try:
+        # Greedy: four identical choices, usage counting the prompt once.
+        r = httpx.post(s.v1 + "/completions", json={
+            "prompt": LONG, "max_tokens": 12, "temperature": 0, "n": 4}, timeout=300).json()
+        assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+        assert len({c["text"] for c in r["choices"]}) == 1, r
+        assert r["usage"]["prompt_tokens"] == tok["count"]
+        assert r["usage"]["completion_tokens"] == 4 * 12
+        # Sampled and streamed: while the four choices run, the cache holds one prompt's pages
+        # (16 tokens each) plus four tails, far below four prompts.
+        body = {"prompt": LONG, "max_tokens": 48, "temperature": 1.0, "seed": 11, "n": 4,
+                "stream": True, "ignore_eos": True}
+        texts, used = ["", "", "", ""], []
+        with httpx.stream("POST", s.v1 + "/completions", json=body, timeout=300) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for c in json.loads(line[6:])["choices"]:
+                    texts[c["index"]] += c["text"]
+                used.append(s.metric("maxserve_cache_num_used_blocks"))
+        prompt_pages = tok["count"] // 16
+        print(f"n=4 over a {tok['count']}-token prompt: at most {max(used):.0f} pages in use "
+              f"({prompt_pages} full prompt pages)")
+        assert max(used) <= prompt_pages + 4 * 5, (prompt_pages, max(used))
+        assert max(used) > prompt_pages, used
+        assert len(set(texts)) > 1, texts
+        # The same seed gives the same four choices.
+        again = httpx.post(s.v1 + "/completions", json={**body, "stream": False},
+                           timeout=300).json()
+        assert [c["text"] for c in again["choices"]] == texts
+    finally:
+        s.stop()
+    # Chat, through the openai client.
+    r = client(smol).chat.completions.create(
+        model="smollm2.maxc", messages=[{"role": "user", "content": "Name a color."}],
+        max_tokens=8, temperature=1.0, seed=3, n=3)
+    assert len(r.choices) == 3 and [c.index for c in r.choices] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("n,why", [(0, "at least 1"), (1000, "sequences a step")])
+def test_bad_n_names_the_field(smol, n, why):
+    r = httpx.post(smol.v1 + "/completions", json={"prompt": "hi", "max_tokens": 2, "n": n})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "n" and why in err["message"], err

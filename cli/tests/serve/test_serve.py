@@ -357,7 +357,7 @@ def test_request_count_labels_come_from_a_fixed_set(artifacts):
     ({"prompt": "hi", "max_tokens": 100000}, "max_tokens", 400),
     ({"prompt": "", "max_tokens": 2}, "prompt", 400),
     ({"prompt": [], "max_tokens": 2}, "prompt", 400),
-    ({"prompt": "hi", "n": 2}, "n", 400),
+    ({"prompt": "hi", "n": 0}, "n", 400),
     ({"prompt": "hi", "best_of": 2}, "best_of", 400),
     ({"prompt": "hi", "top_p": 0}, "top_p", 400),
     ({"prompt": "hi", "model": "gpt-4"}, "model", 404),

@@ -96,10 +96,17 @@ def test_fifty_json_schema_requests_all_validate(smol):
 
 def test_json_object_regex_choice_and_grammar(smol):
     c = client(smol)
-    r = c.completions.create(model="smollm2.maxc", prompt="A JSON object:", max_tokens=120,
-                             temperature=1.0, seed=3,
-                             extra_body={"response_format": {"type": "json_object"}})
-    assert isinstance(json.loads(r.choices[0].text), dict)
+    # A free-form object may run past max_tokens at temperature 1 (a string can go on): every
+    # one that finishes is an object, and most finish.
+    finished = 0
+    for seed in range(6):
+        r = c.completions.create(model="smollm2.maxc", prompt="A JSON object:",
+                                 max_tokens=200, temperature=1.0, seed=seed,
+                                 extra_body={"response_format": {"type": "json_object"}})
+        if r.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(r.choices[0].text), dict)
+            finished += 1
+    assert finished >= 3, finished
     for seed in range(4):
         r = c.completions.create(model="smollm2.maxc", prompt="Call me at", max_tokens=40,
                                  temperature=1.0, seed=seed,

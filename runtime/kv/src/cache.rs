@@ -65,6 +65,33 @@ impl KvCache {
         n * self.table.page_size()
     }
 
+    /// Starts the new sequence `seq` from the full pages of `parent` that hold the start of
+    /// `tokens` (the same prompt: a choice of `n > 1` forked from the first), leaving at least
+    /// one token to compute, in every page group (a sliding group needs only what its window
+    /// reads from there). Returns the tokens shared (0 where none could be).
+    pub fn fork_prefix(&mut self, parent: u64, seq: u64, tokens: &[i64]) -> usize {
+        let ps = self.table.page_size().max(1);
+        let most = (tokens.len().saturating_sub(1) / ps).min(self.table.len(parent) / ps);
+        for k in (1..=most).rev() {
+            let t = &self.table;
+            let pages: Vec<Vec<u32>> = (0..t.groups())
+                .map(|g| {
+                    let first = t.first_read_page(g, k * ps);
+                    t.group_pages(parent, g)[..k]
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &p)| if i < first { FREED } else { p })
+                        .collect()
+                })
+                .collect();
+            // Refused where a sliding group freed a page the fork's next row reads.
+            if self.table.attach_prefix_groups(seq, &pages).is_ok() {
+                return k * ps;
+            }
+        }
+        0
+    }
+
     /// Evicts unreferenced cached pages, least recently used first, until `free` pages are
     /// free; returns whether they are.
     pub fn make_room(&mut self, free: usize) -> bool {

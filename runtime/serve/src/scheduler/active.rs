@@ -98,6 +98,10 @@ impl Active {
     pub(super) fn pending(&self) -> usize {
         self.tokens.len() - self.computed
     }
+    /// Whether it has not chosen a token yet (its prompt is not prefilled).
+    pub(super) fn prefilling(&self) -> bool {
+        self.generated == 0
+    }
     pub(super) fn is_decode(&self) -> bool {
         self.generated > 0 && self.pending() == 1
     }

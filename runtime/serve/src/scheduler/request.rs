@@ -30,6 +30,18 @@ pub struct Request {
     /// The grammar its output must match (structured outputs), compiled; it ends the request
     /// once the output is complete.
     pub constraint: Option<crate::constraint::Constraint>,
+    /// One of several choices of one prompt (`n > 1`): the choices after the group's leader
+    /// wait until its prefill is done, then start from its prompt pages.
+    pub fork: Option<Fork>,
+}
+
+/// A request's place among the choices of one prompt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fork {
+    /// The group: every choice of the prompt has the same, unique among requests.
+    pub group: u64,
+    /// Whether this is the choice that prefills the prompt (submitted first).
+    pub leader: bool,
 }
 
 impl Request {
@@ -46,6 +58,7 @@ impl Request {
             prompt_logprobs: false,
             trace: None,
             constraint: None,
+            fork: None,
         }
     }
 }

@@ -38,6 +38,7 @@ impl Scheduler {
     /// Plans the next step and allocates its pages; `None` where no request can run.
     pub(super) fn schedule(&mut self, stats: &mut StepStats) -> Option<StepPlan> {
         stats.finished += self.drop_cancelled();
+        self.release_forks();
         let t0 = Instant::now();
         let mut rows = self.compose(stats);
         if !self.fit(&mut rows, stats) {
@@ -164,6 +165,12 @@ impl Scheduler {
         let before = self.waiting.len();
         self.waiting.retain(|a| !a.events.is_closed());
         let mut n = before - self.waiting.len();
+        for parked in self.parked.values_mut() {
+            let before = parked.len();
+            parked.retain(|a| !a.events.is_closed());
+            n += before - parked.len();
+        }
+        self.parked.retain(|_, p| !p.is_empty());
         let mut i = 0;
         while i < self.running.len() {
             if self.running[i].events.is_closed() {
@@ -269,11 +276,21 @@ impl Scheduler {
             self.next_seq += 1;
             a.seq = self.next_seq;
             a.replica = r;
-            // Prompt log-probabilities need every prompt row computed: no cache for them.
+            // Prompt log-probabilities need every prompt row computed: no cache for them. A
+            // choice after the first of its prompt starts from the first's prompt pages.
+            let leader = a
+                .req
+                .fork
+                .filter(|f| !f.leader)
+                .and_then(|f| self.leader(f.group))
+                .map(|l| l.seq);
             a.computed = if a.req.prompt_logprobs {
                 0
             } else {
-                self.kv.attach_cached_prefix(a.seq, &a.tokens)
+                match leader.map(|l| self.kv.fork_prefix(l, a.seq, &a.tokens)) {
+                    Some(n) if n > 0 => n,
+                    _ => self.kv.attach_cached_prefix(a.seq, &a.tokens),
+                }
             };
             if !a.admitted_once {
                 a.admitted_once = true;

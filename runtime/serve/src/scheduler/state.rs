@@ -14,7 +14,7 @@ use crate::trace::{StepTracing, TraceLevel};
 use maxc_kv::KvCache;
 use maxc_runtime::engine::{RoleInfo, StepExecutor};
 use maxc_runtime::schema::manifest::RuntimeSettings;
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -75,6 +75,8 @@ pub struct Scheduler {
     pub(super) profiling_on: bool,
     /// Forward passes run.
     pub(super) passes: u64,
+    /// Choices of `n > 1` requests waiting for their leader's prefill, by fork group.
+    pub(super) parked: BTreeMap<u64, Vec<Active>>,
 }
 
 impl Scheduler {
@@ -99,6 +101,7 @@ impl Scheduler {
             tracing: StepTracing::default(),
             profiling_on: false,
             passes: 0,
+            parked: BTreeMap::new(),
         };
         s.gauges().record(&s.metrics);
         s
@@ -153,7 +156,7 @@ impl Scheduler {
 
     /// Whether any request is waiting or running.
     pub fn has_work(&self) -> bool {
-        !self.waiting.is_empty() || !self.running.is_empty()
+        !self.waiting.is_empty() || !self.running.is_empty() || !self.parked.is_empty()
     }
 
     /// Pages held by the prefix cache alone (freed when needed).
@@ -170,7 +173,45 @@ impl Scheduler {
             return;
         }
         let capture = self.arm_capture(&req);
-        self.waiting.push_back(Active::new(req, events, capture));
+        let a = Active::new(req, events, capture);
+        match a.req.fork {
+            // A choice after the first waits for the first's prefill.
+            Some(f) if !f.leader && self.leader(f.group).is_some_and(|l| l.prefilling()) => {
+                self.parked.entry(f.group).or_default().push(a)
+            }
+            _ => self.waiting.push_back(a),
+        }
+    }
+
+    /// The leader of fork group `group`, where it is queued or running.
+    pub(super) fn leader(&self, group: u64) -> Option<&Active> {
+        let is_leader = |a: &&Active| {
+            a.req.fork
+                == Some(super::request::Fork {
+                    group,
+                    leader: true,
+                })
+        };
+        self.running
+            .iter()
+            .find(is_leader)
+            .or_else(|| self.waiting.iter().find(is_leader))
+    }
+
+    /// Sends the parked choices whose leader has prefilled its prompt (or is gone) to the head
+    /// of the queue, in submission order.
+    pub(super) fn release_forks(&mut self) {
+        let ready: Vec<u64> = self
+            .parked
+            .keys()
+            .copied()
+            .filter(|&g| !self.leader(g).is_some_and(|l| l.prefilling()))
+            .collect();
+        for g in ready {
+            for a in self.parked.remove(&g).into_iter().flatten().rev() {
+                self.waiting.push_front(a);
+            }
+        }
     }
 
     /// Why `req` can never run, if it cannot.

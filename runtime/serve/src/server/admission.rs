@@ -56,10 +56,74 @@ impl Drop for InFlight {
     }
 }
 
-/// One prompt ready for the scheduler.
+/// One choice of a prompt, ready for the scheduler.
 pub(super) struct Job {
     pub(super) request: Request,
     pub(super) echo: Option<String>,
+    /// Whether its usage counts the prompt (the first choice of each prompt does).
+    pub(super) counts_prompt: bool,
+}
+
+impl Job {
+    /// A prompt's one choice.
+    pub(super) fn new(request: Request, echo: Option<String>) -> Self {
+        Job {
+            request,
+            echo,
+            counts_prompt: true,
+        }
+    }
+}
+
+/// Each prompt's job as `n` choices (`n` of the request, 1 by default), in prompt order, the
+/// choices of a prompt next to each other: the first prefills the prompt, the others start
+/// from its pages, each with a seed of its own (the request's plus the choice's index).
+pub(super) fn choices(
+    app: &App,
+    l: &Loaded,
+    c: &Common,
+    jobs: Vec<Job>,
+) -> Result<Vec<Job>, ApiError> {
+    let n = match c.n {
+        None => 1,
+        Some(n) if n < 1 => {
+            return Err(ApiError::invalid(
+                "n",
+                format!("`n` is {n}; it must be at least 1"),
+            ))
+        }
+        Some(n) if n as usize > l.capacity => {
+            return Err(ApiError::invalid(
+                "n",
+                format!(
+                    "`n` is {n}, above the {} sequences a step of this artifact holds",
+                    l.capacity
+                ),
+            ))
+        }
+        Some(n) => n as usize,
+    };
+    if n == 1 {
+        return Ok(jobs);
+    }
+    let mut out = Vec::with_capacity(jobs.len() * n);
+    for job in jobs {
+        let group = app.next_id.fetch_add(1, Ordering::Relaxed);
+        for j in 0..n {
+            let mut request = job.request.clone();
+            request.sampling.seed = request.sampling.seed.wrapping_add(j as u64);
+            request.fork = Some(crate::scheduler::Fork {
+                group,
+                leader: j == 0,
+            });
+            out.push(Job {
+                request,
+                echo: job.echo.clone(),
+                counts_prompt: j == 0,
+            });
+        }
+    }
+    Ok(out)
 }
 
 /// What both endpoints share once their prompts are tokenized.
@@ -234,6 +298,7 @@ pub(super) fn request_for(
         prompt_logprobs: false,
         trace: None,
         constraint,
+        fork: None,
     })
 }
 
@@ -284,14 +349,6 @@ pub(super) fn check_common(app: &App, c: &Common) -> Result<(), ApiError> {
                 ),
                 param: Some("model".into()),
             });
-        }
-    }
-    if let Some(n) = c.n {
-        if n != 1 {
-            return Err(ApiError::invalid(
-                "n",
-                format!("`n` is {n}; this server returns one choice per prompt (n = 1)"),
-            ));
         }
     }
     check_range("temperature", c.temperature, 0.0, 2.0, false)?;

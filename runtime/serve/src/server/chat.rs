@@ -1,7 +1,7 @@
 //! `POST /v1/chat/completions`: the conversation rendered by the artifact's chat template
 //! into one job.
 
-use super::admission::{request_for, tokenizer, Job, Plan};
+use super::admission::{choices, request_for, tokenizer, Job, Plan};
 use super::choice::ms;
 use super::generation::Endpoint;
 use super::openai::{self, ApiError, ChatRequest, Content};
@@ -86,10 +86,7 @@ impl Endpoint for ChatRequest {
         let mut request = request_for(l, &req.common, ids, "messages", &app.metrics)?;
         request.logprobs = logprobs.then_some(top);
         app.metrics.input_processing_time.observe(ms(t.elapsed()));
-        let job = Job {
-            request,
-            echo: None,
-        };
-        Ok(Plan::new(&req.common, vec![job], true, logprobs))
+        let jobs = choices(app, l, &req.common, vec![Job::new(request, None)])?;
+        Ok(Plan::new(&req.common, jobs, true, logprobs))
     }
 }

@@ -188,10 +188,15 @@ impl Choice {
     fn finish(&mut self, delta: &mut Delta, reason: &'static str) {
         self.done = true;
         delta.finish = Some(reason);
+        // A choice that does not count the prompt (n > 1) does not count its cached part.
         let usage = Usage {
             prompt_tokens: self.prompt_tokens,
             completion_tokens: self.completion_tokens,
-            cached_tokens: self.cached_tokens,
+            cached_tokens: if self.prompt_tokens == 0 {
+                0
+            } else {
+                self.cached_tokens
+            },
         };
         delta.usage = Some(usage);
         let m = &self.metrics;

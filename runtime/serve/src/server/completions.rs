@@ -1,6 +1,6 @@
 //! `POST /v1/completions`: prompts (text or token ids, one or many) become one job each.
 
-use super::admission::{request_for, tokenizer, Job, Plan};
+use super::admission::{choices, request_for, tokenizer, Job, Plan};
 use super::choice::ms;
 use super::generation::Endpoint;
 use super::openai::{ApiError, CompletionRequest, Prompt};
@@ -74,11 +74,9 @@ impl Endpoint for CompletionRequest {
             } else {
                 None
             };
-            jobs.push(Job {
-                request,
-                echo: echo_text,
-            });
+            jobs.push(Job::new(request, echo_text));
         }
+        let jobs = choices(app, l, &req.common, jobs)?;
         app.metrics.input_processing_time.observe(ms(t.elapsed()));
         Ok(Plan::new(&req.common, jobs, false, logprobs.is_some()))
     }

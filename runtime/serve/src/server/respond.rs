@@ -60,7 +60,12 @@ pub(super) async fn respond(
     );
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<(usize, Delta, Instant)>();
     for (i, mut job) in plan.jobs.into_iter().enumerate() {
-        let prompt_tokens = job.request.prompt.len();
+        // A prompt's usage counts once, with its first choice.
+        let prompt_tokens = if job.counts_prompt {
+            job.request.prompt.len()
+        } else {
+            0
+        };
         job.request.trace = trace;
         let events = l.sched.submit(job.request);
         let Some(tok) = tokenizer.or_else(empty_tokenizer) else {
