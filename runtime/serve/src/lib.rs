@@ -10,4 +10,5 @@ pub mod metrics;
 pub mod scheduler;
 pub mod server;
 pub mod tokenizer;
+pub mod tools;
 pub mod trace;
