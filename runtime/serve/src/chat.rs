@@ -25,13 +25,24 @@ pub enum ChatTemplateError {
     Render(String),
 }
 
-/// One chat message.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// One chat message, as transformers hands it to a template: an assistant's `tool_calls`
+/// (OpenAI's shape, `function.arguments` as an object, as templates expect) and a tool
+/// result's `tool_call_id` and `name` only where the message has them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
-    /// `system`, `user`, `assistant`, ...
+    /// `system`, `user`, `assistant`, `tool`, ...
     pub role: String,
     /// The message text.
     pub content: String,
+    /// The calls an assistant made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// The call a `tool` message answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The participant's or the tool's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -40,6 +51,9 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
         }
     }
 }
@@ -93,6 +107,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> Result<String, _> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
         });
+        env.add_function("strftime_now", |format: String| strftime_now(&format));
         env.add_template_owned(TEMPLATE_NAME, source.to_owned())
             .map_err(|e| ChatTemplateError::Syntax(describe(&e)))?;
         Ok(ChatTemplate {
@@ -116,19 +131,103 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, ChatTemplateError> {
+        self.render_with_tools(messages, add_generation_prompt, None)
+    }
+
+    /// [`ChatTemplate::render`] with the tools the model may call (OpenAI's `tools` list, as
+    /// transformers' `apply_chat_template(tools=...)` passes it; `None` leaves `tools`
+    /// undefined).
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        tools: Option<&serde_json::Value>,
+    ) -> Result<String, ChatTemplateError> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| ChatTemplateError::Render(describe(&e)))?;
+        let ctx = context! {
+            messages => Value::from(Serde(messages)),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.as_str(),
+            eos_token => self.eos_token.as_str(),
+        };
+        let ctx = match tools {
+            Some(t) => context! { tools => Value::from(Serde(t)), ..ctx },
+            None => ctx,
+        };
         template
-            .render(context! {
-                messages => Value::from(Serde(messages)),
-                add_generation_prompt => add_generation_prompt,
-                bos_token => self.bos_token.as_str(),
-                eos_token => self.eos_token.as_str(),
-            })
+            .render(ctx)
             .map_err(|e| ChatTemplateError::Render(describe(&e)))
     }
+}
+
+/// transformers' `strftime_now(format)`: the date and time now (UTC), with `%Y %y %m %d %e
+/// %B %b %H %M %S %%` (the directives chat templates use); other directives stay as written.
+fn strftime_now(format: &str) -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    format_time(format, secs)
+}
+
+/// `format` (see [`strftime_now`]) of `secs` seconds after the Unix epoch, UTC.
+fn format_time(format: &str, secs: u64) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    // Howard Hinnant's civil_from_days.
+    let days = (secs / 86_400) as i64;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (h, m, s) = ((secs / 3600) % 24, (secs / 60) % 60, secs % 60);
+    let name = MONTHS[(month - 1) as usize];
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year % 100)),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('e') => out.push_str(&format!("{day:>2}")),
+            Some('B') => out.push_str(name),
+            Some('b') => out.push_str(&name[..3]),
+            Some('H') => out.push_str(&format!("{h:02}")),
+            Some('M') => out.push_str(&format!("{m:02}")),
+            Some('S') => out.push_str(&format!("{s:02}")),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
 }
 
 /// A minijinja error with its kind, detail, template name and line.
@@ -138,4 +237,20 @@ fn describe(e: &minijinja::Error) -> String {
         text.push_str(&format!(" (bytes {}..{})", range.start, range.end));
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn strftime_formats_a_date_as_python_does() {
+        // 2026-12-05 04:34:52 UTC.
+        let t = 1_796_445_292;
+        assert_eq!(super::format_time("%Y-%m-%d", t), "2026-12-05");
+        assert_eq!(super::format_time("%d %b %Y", t), "05 Dec 2026");
+        assert_eq!(
+            super::format_time("%B %e, %y %H:%M:%S %% %q", t),
+            "December  5, 26 04:34:52 % %q"
+        );
+        assert_eq!(super::format_time("%Y-%m-%d", 951_782_400), "2000-02-29");
+    }
 }

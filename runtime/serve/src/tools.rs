@@ -9,7 +9,8 @@
 //! - [`ToolFormat::Llama3`]: a JSON object `{"name": ..., "parameters": {...}}`, after
 //!   `<|python_tag|>` or alone, several separated by `;` (Llama 3.1 to 3.3).
 //! - [`ToolFormat::Mistral`]: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or
-//!   `[TOOL_CALLS]name[ARGS]{...}` per call (Mistral Small 3.2 and later).
+//!   `[TOOL_CALLS]name[ARGS]{...}` (or `name[CALL_ID]id[ARGS]{...}`) per call (Mistral Small
+//!   3.2 and later).
 //! - [`ToolFormat::Json`]: any other template: the whole output a JSON call object or a list
 //!   of them.
 
@@ -51,6 +52,7 @@ const HERMES_CLOSE: &str = "</tool_call>";
 const PYTHON_TAG: &str = "<|python_tag|>";
 const MISTRAL_CALLS: &str = "[TOOL_CALLS]";
 const MISTRAL_ARGS: &str = "[ARGS]";
+const MISTRAL_CALL_ID: &str = "[CALL_ID]";
 
 impl ToolFormat {
     /// The format the chat template `source` teaches (what it writes for an assistant's
@@ -158,7 +160,9 @@ fn mistral(body: &str) -> Option<Vec<ToolCall>> {
         .map(|one| {
             let (name, args) = one.split_once(MISTRAL_ARGS)?;
             let args: Value = serde_json::from_str(args.trim()).ok()?;
-            let name = name.trim();
+            // `name[CALL_ID]id[ARGS]...`, as Mistral Small 3.2's template writes a call it
+            // gives an id.
+            let name = name.split(MISTRAL_CALL_ID).next().unwrap_or(name).trim();
             (!name.is_empty() && args.is_object()).then(|| ToolCall {
                 name: name.to_string(),
                 arguments: args.to_string(),
