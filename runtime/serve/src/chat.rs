@@ -64,6 +64,7 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    source: String,
 }
 
 impl ChatTemplate {
@@ -114,7 +115,13 @@ impl ChatTemplate {
             env,
             bos_token: String::new(),
             eos_token: String::new(),
+            source: source.to_owned(),
         })
+    }
+
+    /// The template's source.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Sets the `bos_token` and `eos_token` the template sees.

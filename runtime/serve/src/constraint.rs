@@ -79,7 +79,7 @@ impl GrammarSpec {
 /// (`additionalProperties`, `patternProperties`, `unevaluatedProperties`): as OpenAI's strict
 /// mode and xgrammar (vLLM's default) read such schemas, the object holds its listed
 /// properties only. A free-form object (no `properties`) stays open.
-fn close_objects(v: &mut Value) {
+pub(crate) fn close_objects(v: &mut Value) {
     match v {
         Value::Object(o) => {
             let open_said = [

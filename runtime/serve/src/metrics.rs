@@ -144,6 +144,9 @@ pub struct Metrics {
     pub model_load_time: Family<Labels, Gauge<f64, AtomicU64>>,
     /// Pipelines (artifacts) loaded.
     pub pipeline_load: Counter,
+    /// Answers whose tool calls did not conform, by `outcome` (`invalid_json`: text that
+    /// opened a call is not one; `unknown_tool`: a call of a tool not listed).
+    pub tool_call_conformance_errors: Family<Labels, Counter>,
     /// Requests refused with a 400 because their grammar could not be compiled, by `kind`
     /// (`json_schema`, `tool_grammar`, `regex`, `choice`, `grammar`).
     pub structured_output_grammar_rejections: Family<Labels, Counter>,
@@ -392,6 +395,15 @@ impl Metrics {
                 "Requests preempted",
                 None,
             ),
+            tool_call_conformance_errors: {
+                let f = Family::<Labels, Counter>::default();
+                r.register(
+                    "maxserve_tool_call_conformance_errors",
+                    "Answers whose tool calls did not conform, by outcome",
+                    f.clone(),
+                );
+                f
+            },
             structured_output_grammar_rejections: {
                 let f = Family::<Labels, Counter>::default();
                 r.register(

@@ -135,6 +135,18 @@ pub(super) struct Plan {
     pub(super) include_usage: bool,
     pub(super) chat: bool,
     pub(super) logprobs: bool,
+    /// Where the answer may call tools: how the model writes calls, and the tools' names.
+    pub(super) tools: Option<ToolParsing>,
+}
+
+/// How a response's text is read for tool calls.
+#[derive(Clone, Debug)]
+pub(super) struct ToolParsing {
+    pub(super) format: crate::tools::ToolFormat,
+    pub(super) names: Vec<String>,
+    /// End-of-sequence ids, kept out of the text (special tokens are decoded, since some
+    /// formats open calls with one).
+    pub(super) eos: Vec<i64>,
 }
 
 impl Plan {
@@ -151,6 +163,7 @@ impl Plan {
                 .unwrap_or(false),
             chat,
             logprobs,
+            tools: None,
         }
     }
 }

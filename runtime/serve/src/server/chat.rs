@@ -1,12 +1,13 @@
 //! `POST /v1/chat/completions`: the conversation rendered by the artifact's chat template
 //! into one job.
 
-use super::admission::{choices, request_for, tokenizer, Job, Plan};
+use super::admission::{choices, request_for, tokenizer, Job, Plan, ToolParsing};
 use super::choice::ms;
 use super::generation::Endpoint;
 use super::openai::{self, ApiError, ChatRequest, Content};
+use super::tool_choice::{call_grammar, chat_message, tools_of, ToolMode};
 use super::{App, Loaded};
-use crate::chat::ChatMessage;
+use crate::tools::ToolFormat;
 use std::time::Instant;
 
 pub(super) fn message_text(m: &openai::Message, i: usize) -> Result<String, ApiError> {
@@ -47,8 +48,9 @@ impl Endpoint for ChatRequest {
         let msgs = messages
             .iter()
             .enumerate()
-            .map(|(i, m)| Ok(ChatMessage::new(m.role.clone(), message_text(m, i)?)))
+            .map(|(i, m)| Ok(chat_message(m, message_text(m, i)?)))
             .collect::<Result<Vec<_>, ApiError>>()?;
+        let (tools, mode) = tools_of(&req)?;
         app.metrics
             .num_input_characters
             .inc_by(msgs.iter().map(|m| m.content.chars().count() as u64).sum());
@@ -58,9 +60,11 @@ impl Endpoint for ChatRequest {
                 "the artifact has no chat template; use /v1/completions",
             )
         })?;
+        let tools_value = (mode != ToolMode::None).then(|| serde_json::Value::Array(tools.clone()));
         let text = template
-            .render(&msgs, true)
+            .render_with_tools(&msgs, true, tools_value.as_ref())
             .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+        let format = ToolFormat::of_template(template.source());
         let ids: Vec<i64> = tokenizer(l, "messages")?
             .encode(&text, false)
             .map_err(|e| ApiError::invalid("messages", e.to_string()))?
@@ -85,8 +89,39 @@ impl Endpoint for ChatRequest {
         };
         let mut request = request_for(l, &req.common, ids, "messages", &app.metrics)?;
         request.logprobs = logprobs.then_some(top);
+        if let ToolMode::Required(names) = &mode {
+            if request.constraint.is_some() {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "a required tool call and `response_format` cannot both constrain the output",
+                ));
+            }
+            let spec = call_grammar(format, &tools, names);
+            let compiled = l.grammars().and_then(|g| g.compile(&spec)).map_err(|e| {
+                app.metrics
+                    .structured_output_grammar_rejections
+                    .get_or_create(&vec![("kind".into(), "tool_grammar".into())])
+                    .inc();
+                ApiError::invalid(
+                    "tools",
+                    format!("the tools' call grammar cannot be compiled: {e}"),
+                )
+            })?;
+            request.constraint = Some(compiled);
+        }
         app.metrics.input_processing_time.observe(ms(t.elapsed()));
         let jobs = choices(app, l, &req.common, vec![Job::new(request, None)])?;
-        Ok(Plan::new(&req.common, jobs, true, logprobs))
+        let mut plan = Plan::new(&req.common, jobs, true, logprobs);
+        if mode != ToolMode::None {
+            plan.tools = Some(ToolParsing {
+                format,
+                names: tools
+                    .iter()
+                    .filter_map(|t| t["function"]["name"].as_str().map(str::to_string))
+                    .collect(),
+                eos: l.eos.clone(),
+            });
+        }
+        Ok(plan)
     }
 }

@@ -22,6 +22,15 @@ pub struct Delta {
     pub usage: Option<Usage>,
     /// An error that ended the choice.
     pub error: Option<String>,
+    /// The tool calls the choice ended with (its finish is then `tool_calls`).
+    pub tool_calls: Vec<crate::tools::ToolCall>,
+}
+
+/// A choice's text read for tool calls: held back while it may still be a call.
+struct ToolHold {
+    parsing: super::admission::ToolParsing,
+    held: String,
+    holding: bool,
 }
 
 /// Text produced so far, holding back the bytes that could begin a stop string.
@@ -90,11 +99,14 @@ pub struct Choice {
     arrival: Instant,
     last_token: Option<Instant>,
     first_token: Option<Instant>,
+    tools: Option<ToolHold>,
 }
 
 impl Choice {
-    /// A choice fed by `events`, decoding with `tokenizer`, cutting at `stops`.
-    pub fn new(
+    /// A choice fed by `events`, decoding with `tokenizer`, cutting at `stops`; where
+    /// `tools` says how, its text is read for tool calls.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
         events: UnboundedReceiver<Event>,
         tokenizer: &'static Tokenizer,
         stops: Vec<String>,
@@ -102,10 +114,13 @@ impl Choice {
         echo: Option<String>,
         metrics: Arc<Metrics>,
         arrival: Instant,
+        tools: Option<super::admission::ToolParsing>,
     ) -> Self {
         Choice {
             events: Some(events),
-            decode: tokenizer.decode_stream(true),
+            // Some formats open a call with a special token: read them all where tools may
+            // be called (end-of-sequence ids are kept out below).
+            decode: tokenizer.decode_stream(tools.is_none()),
             text: TextState::new(stops),
             prompt_tokens,
             cached_tokens: 0,
@@ -116,6 +131,11 @@ impl Choice {
             arrival,
             last_token: None,
             first_token: None,
+            tools: tools.map(|parsing| ToolHold {
+                parsing,
+                held: String::new(),
+                holding: true,
+            }),
         }
     }
 
@@ -155,7 +175,15 @@ impl Choice {
                 self.completion_tokens += 1;
                 delta.logprobs.extend(logprob);
                 let t = Instant::now();
-                let piece = match u32::try_from(id).ok().map(|i| self.decode.push(i)) {
+                let eos = self
+                    .tools
+                    .as_ref()
+                    .is_some_and(|t| t.parsing.eos.contains(&id));
+                let piece = match u32::try_from(id)
+                    .ok()
+                    .filter(|_| !eos)
+                    .map(|i| self.decode.push(i))
+                {
                     Some(Ok(Some(p))) => p,
                     _ => String::new(),
                 };
@@ -182,7 +210,58 @@ impl Choice {
                 delta.error = Some(e);
             }
         }
+        self.read_tool_calls(&mut delta);
         Some(delta)
+    }
+
+    /// Holds the text back while it may still be a tool call; at the end, turns it into the
+    /// calls it holds (counting text that opened a call but is none, or calls a tool not
+    /// listed, in `maxserve_tool_call_conformance_errors_total`).
+    fn read_tool_calls(&mut self, delta: &mut Delta) {
+        let Some(t) = self.tools.as_mut() else {
+            return;
+        };
+        if !t.holding {
+            return;
+        }
+        t.held.push_str(&delta.text);
+        delta.text.clear();
+        let format = t.parsing.format;
+        if delta.finish.is_none() && delta.error.is_none() {
+            if !format.may_open_call(&t.held) {
+                t.holding = false;
+                delta.text = std::mem::take(&mut t.held);
+            }
+            return;
+        }
+        t.holding = false;
+        let held = std::mem::take(&mut t.held);
+        let parsed = format.parse(&held);
+        let count = |outcome: &str| {
+            self.metrics
+                .tool_call_conformance_errors
+                .get_or_create(&vec![("outcome".into(), outcome.into())])
+                .inc();
+        };
+        if parsed.calls.is_empty() {
+            if !held.trim().is_empty() {
+                count("invalid_json");
+            }
+            delta.text = held;
+            return;
+        }
+        if parsed
+            .calls
+            .iter()
+            .any(|c| !t.parsing.names.contains(&c.name))
+        {
+            count("unknown_tool");
+        }
+        delta.text = parsed.content;
+        delta.tool_calls = parsed.calls;
+        if delta.finish == Some("stop") {
+            delta.finish = Some("tool_calls");
+        }
     }
 
     fn finish(&mut self, delta: &mut Delta, reason: &'static str) {

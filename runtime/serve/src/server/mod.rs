@@ -15,6 +15,7 @@ pub mod openai;
 mod respond;
 mod structured;
 mod tokenize;
+mod tool_choice;
 
 use crate::chat::ChatTemplate;
 use crate::metrics::Metrics;
@@ -125,6 +126,8 @@ struct Loaded {
     tokenizer: Option<&'static Tokenizer>,
     /// The artifact's `tokenizer.json` and end-of-sequence ids, for structured outputs.
     grammar_source: Option<(PathBuf, Vec<i64>)>,
+    /// The model's end-of-sequence token ids.
+    eos: Vec<i64>,
     /// Structured outputs' grammar compiler, built at the first request that needs it.
     grammars: OnceLock<Result<crate::constraint::Grammars, String>>,
     chat: Option<ChatTemplate>,
@@ -270,6 +273,7 @@ fn load(opts: &ServeOptions, metrics: &Arc<Metrics>, tracer: Tracer) -> Result<L
             )
         }),
         grammars: OnceLock::new(),
+        eos: artifact.manifest.eos_token_ids.clone(),
         chat,
         sched: SchedulerHandle::spawn(scheduler).map_err(|e| e.to_string())?,
     };

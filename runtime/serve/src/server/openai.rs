@@ -203,8 +203,12 @@ pub struct Message {
     pub role: String,
     /// The content.
     pub content: Option<Content>,
-    /// A participant name (accepted, not rendered).
+    /// A participant name, or a tool result's tool.
     pub name: Option<String>,
+    /// An assistant's tool calls (OpenAI's shape; `function.arguments` a JSON string).
+    pub tool_calls: Option<Value>,
+    /// The call a `tool` message answers.
+    pub tool_call_id: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -217,6 +221,14 @@ pub struct ChatRequest {
     pub logprobs: Option<bool>,
     /// Alternatives per token with `logprobs`, 0 to 20.
     pub top_logprobs: Option<i64>,
+    /// Functions the model may call: `{"type": "function", "function": {"name",
+    /// "description", "parameters"}}` each.
+    pub tools: Option<Vec<Value>>,
+    /// `none`, `auto` (the default with tools), `required`, or
+    /// `{"type": "function", "function": {"name"}}`.
+    pub tool_choice: Option<Value>,
+    /// Several calls in one answer (accepted; `required` and a named function make one).
+    pub parallel_tool_calls: Option<bool>,
     /// The other fields.
     #[serde(flatten)]
     pub common: Common,
@@ -312,7 +324,13 @@ impl Fields for CompletionRequest {
 impl Fields for ChatRequest {
     fn fields() -> Vec<&'static str> {
         let mut v = COMMON.to_vec();
-        v.extend(["messages", "top_logprobs"]);
+        v.extend([
+            "messages",
+            "top_logprobs",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+        ]);
         v
     }
     fn common(&self) -> &Common {

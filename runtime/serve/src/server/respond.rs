@@ -79,6 +79,7 @@ pub(super) async fn respond(
             job.echo,
             app.metrics.clone(),
             arrival,
+            plan.tools.clone(),
         );
         let tx = tx.clone();
         let metrics = app.metrics.clone();
@@ -204,6 +205,33 @@ pub(super) fn usage_json(u: &Usage) -> Value {
     })
 }
 
+/// OpenAI's `tool_calls` of choice `choice`: ids unique in the response; with `indexed`, as a
+/// stream delta (each call's `index`).
+fn tool_calls_json(
+    id: &str,
+    choice: usize,
+    calls: &[crate::tools::ToolCall],
+    indexed: bool,
+) -> Value {
+    Value::Array(
+        calls
+            .iter()
+            .enumerate()
+            .map(|(k, c)| {
+                let mut v = json!({
+                    "id": format!("call-{id}-{choice}-{k}"),
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                });
+                if indexed {
+                    v["index"] = json!(k);
+                }
+                v
+            })
+            .collect(),
+    )
+}
+
 pub(super) fn add(total: &mut Usage, u: &Usage) {
     total.prompt_tokens += u.prompt_tokens;
     total.completion_tokens += u.completion_tokens;
@@ -244,6 +272,7 @@ pub(super) async fn collect_response(ctx: Ctx, mut rx: Responses, n: usize) -> R
         text: String,
         logprobs: Vec<TokenLogprob>,
         finish: Option<&'static str>,
+        tool_calls: Vec<crate::tools::ToolCall>,
     }
     let mut acc: Vec<Acc> = (0..n).map(|_| Acc::default()).collect();
     let mut total = Usage::default();
@@ -254,6 +283,7 @@ pub(super) async fn collect_response(ctx: Ctx, mut rx: Responses, n: usize) -> R
         let a = &mut acc[i];
         a.text.push_str(&d.text);
         a.logprobs.extend(d.logprobs);
+        a.tool_calls.extend(d.tool_calls);
         if let Some(u) = &d.usage {
             add(&mut total, u);
         }
@@ -269,9 +299,16 @@ pub(super) async fn collect_response(ctx: Ctx, mut rx: Responses, n: usize) -> R
                 let lp = ctx
                     .logprobs
                     .then(|| json!({"content": ctx.chat_logprobs(&a.logprobs)}));
+                let mut message = json!({"role": "assistant", "content": a.text});
+                if !a.tool_calls.is_empty() {
+                    message["tool_calls"] = tool_calls_json(&ctx.id, i, &a.tool_calls, false);
+                    if a.text.is_empty() {
+                        message["content"] = Value::Null;
+                    }
+                }
                 json!({
                     "index": i,
-                    "message": {"role": "assistant", "content": a.text},
+                    "message": message,
                     "logprobs": lp,
                     "finish_reason": a.finish,
                 })
@@ -310,6 +347,8 @@ pub(super) fn stream_response(
         total: Usage,
         include_usage: bool,
         phase: u8,
+        /// Events made ahead (a tool call's arguments after its name).
+        pending: std::collections::VecDeque<SseEvent>,
         _guards: Vec<InFlight>,
     }
     let st = St {
@@ -320,6 +359,7 @@ pub(super) fn stream_response(
         total: Usage::default(),
         include_usage,
         phase: 0,
+        pending: std::collections::VecDeque::new(),
         _guards: guards,
     };
     let chunk = |ctx: &Ctx, choices: Vec<Value>, usage: Option<Value>| -> SseEvent {
@@ -337,6 +377,9 @@ pub(super) fn stream_response(
     };
     let stream = futures_util::stream::unfold(st, move |mut st| async move {
         loop {
+            if let Some(ev) = st.pending.pop_front() {
+                return Some((Ok(ev), st));
+            }
             match st.phase {
                 0 => match st.rx.recv().await {
                     Some((i, d)) => {
@@ -370,6 +413,28 @@ pub(super) fn stream_response(
                             }
                             if !d.text.is_empty() || d.finish.is_none() {
                                 delta["content"] = json!(d.text);
+                            }
+                            if !d.tool_calls.is_empty() {
+                                // As OpenAI streams calls: each call's id and name with empty
+                                // arguments, then (in a chunk of their own, with the finish)
+                                // the arguments.
+                                let mut calls = tool_calls_json(&ctx.id, i, &d.tool_calls, true);
+                                let args: Vec<Value> = calls
+                                    .as_array_mut()
+                                    .into_iter()
+                                    .flatten()
+                                    .map(|c| {
+                                        let a = c["function"]["arguments"].take();
+                                        c["function"]["arguments"] = json!("");
+                                        json!({"index": c["index"], "function": {"arguments": a}})
+                                    })
+                                    .collect();
+                                delta["tool_calls"] = calls;
+                                let head = json!({"index": i, "delta": delta, "logprobs": null, "finish_reason": null});
+                                let tail = json!({"index": i, "delta": {"tool_calls": args}, "logprobs": null, "finish_reason": d.finish});
+                                let ev = chunk(&st.ctx, vec![head], None);
+                                st.pending.push_back(chunk(&st.ctx, vec![tail], None));
+                                return Some((Ok(ev), st));
                             }
                             let lp = (ctx.logprobs && !d.logprobs.is_empty())
                                 .then(|| json!({"content": ctx.chat_logprobs(&d.logprobs)}));
