@@ -3,7 +3,7 @@
 
 use anyhow::{Context, Result};
 use maxc_runtime::engine::Device;
-use maxc_serve::server::{serve, ServeOptions, ServeTracing};
+use maxc_serve::server::{serve, ReasoningParser, ServeOptions, ServeTracing};
 use maxc_serve::trace::{ExportOptions, ProfilingConfig, TraceLevel};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -28,6 +28,11 @@ pub struct Args {
     /// Do not share KV pages between requests with a common prefix.
     #[arg(long)]
     pub no_prefix_caching: bool,
+    /// Which chat answers have their `<think>` section returned apart, as `reasoning_content`:
+    /// auto (where the chat template writes one: Qwen 3, DeepSeek-R1's distills), think
+    /// (every answer) or none.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "think", "none"])]
+    pub reasoning_parser: String,
     /// Where to run: cpu or cuda.
     #[arg(long, default_value = "cpu")]
     pub device: Device,
@@ -213,6 +218,11 @@ pub fn run(mut args: Args, matches: Option<&clap::ArgMatches>) -> Result<()> {
         header_read_timeout: seconds("--header-read-timeout-s", args.header_read_timeout_s)?,
         body_read_timeout: seconds("--body-read-timeout-s", args.body_read_timeout_s)?,
         expert_parallel_degree: args.expert_parallel.expert_parallel_degree,
+        reasoning: match args.reasoning_parser.as_str() {
+            "think" => ReasoningParser::Think,
+            "none" => ReasoningParser::None,
+            _ => ReasoningParser::Auto,
+        },
         tracing: ServeTracing {
             level: args.kernel_trace_level,
             headers: args.kernel_trace_headers,

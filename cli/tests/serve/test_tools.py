@@ -3,6 +3,7 @@ a call of a listed tool whose arguments validate, streamed calls reassemble to t
 call, a conversation with tool results renders, bad tool requests are 400s naming the field."""
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -105,3 +106,29 @@ def test_bad_tool_requests_name_the_field(smol, body, param, why):
     assert err["param"] == param and why in err["message"], err
     ok = httpx.post(smol.v1 + "/chat/completions", json={"messages": ASK, "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_reasoning_content_apart_from_content(artifacts):
+    """A thinking section goes to reasoning_content (streamed as its own deltas); a regex makes
+    SmolLM2 write one, on a server that reads every answer for it."""
+    from conftest import Server
+    s = Server(artifacts["smol"], "--reasoning-parser", "think")
+    try:
+        body = {"messages": [{"role": "user", "content": "Think, then answer."}],
+                "max_tokens": 80, "temperature": 1.0, "seed": 4,
+                "structured_outputs": {"regex": "<think>[a-z ]{5,30}</think>\\n[A-Z][a-z ]{5,30}\\."}}
+        r = httpx.post(s.v1 + "/chat/completions", json=body, timeout=120).json()
+        m = r["choices"][0]["message"]
+        assert re.fullmatch(r"[a-z ]{5,30}", m["reasoning_content"]), m
+        assert re.fullmatch(r"[A-Z][a-z ]{5,30}\.", m["content"]), m
+        reasoning, content = "", ""
+        with httpx.stream("POST", s.v1 + "/chat/completions", json={**body, "stream": True},
+                          timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    d = json.loads(line[6:])["choices"][0]["delta"]
+                    reasoning += d.get("reasoning_content") or ""
+                    content += d.get("content") or ""
+        assert (reasoning, content) == (m["reasoning_content"], m["content"])
+    finally:
+        s.stop()

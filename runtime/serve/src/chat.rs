@@ -141,6 +141,12 @@ impl ChatTemplate {
         self.render_with_tools(messages, add_generation_prompt, None)
     }
 
+    /// Whether the template writes a thinking section (`<think>` ... `</think>`, as Qwen 3
+    /// and DeepSeek-R1's distills do) or takes `enable_thinking`.
+    pub fn thinks(&self) -> bool {
+        self.source.contains("<think>") || self.source.contains("enable_thinking")
+    }
+
     /// [`ChatTemplate::render`] with the tools the model may call (OpenAI's `tools` list, as
     /// transformers' `apply_chat_template(tools=...)` passes it; `None` leaves `tools`
     /// undefined).
@@ -149,6 +155,18 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
         tools: Option<&serde_json::Value>,
+    ) -> Result<String, ChatTemplateError> {
+        self.render_with(messages, add_generation_prompt, tools, None)
+    }
+
+    /// [`ChatTemplate::render_with_tools`] with the request's `chat_template_kwargs` as more
+    /// variables (`enable_thinking`, say), which never replace the ones above.
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        tools: Option<&serde_json::Value>,
+        kwargs: Option<&serde_json::Map<String, serde_json::Value>>,
     ) -> Result<String, ChatTemplateError> {
         let template = self
             .env
@@ -162,6 +180,10 @@ impl ChatTemplate {
         };
         let ctx = match tools {
             Some(t) => context! { tools => Value::from(Serde(t)), ..ctx },
+            None => ctx,
+        };
+        let ctx = match kwargs {
+            Some(k) => context! { ..ctx, ..Value::from(Serde(k)) },
             None => ctx,
         };
         template

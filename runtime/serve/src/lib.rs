@@ -7,6 +7,7 @@ pub mod chat;
 pub mod config;
 pub mod constraint;
 pub mod metrics;
+pub mod reasoning;
 pub mod scheduler;
 pub mod server;
 pub mod tokenizer;

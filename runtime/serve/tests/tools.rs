@@ -118,3 +118,26 @@ fn the_call_a_template_writes_parses_back() {
         );
     }
 }
+
+#[test]
+fn chat_template_kwargs_reach_the_template() {
+    let (_, source) = templates()
+        .into_iter()
+        .find(|(n, _)| n == "Qwen-Qwen3-0.6B")
+        .unwrap();
+    let t = template(&source);
+    assert!(t.thinks());
+    let off: serde_json::Map<String, Value> =
+        serde_json::from_value(json!({"enable_thinking": false})).unwrap();
+    let quiet = t.render_with(&[user()], true, None, Some(&off)).unwrap();
+    assert!(quiet.ends_with("<think>\n\n</think>\n\n"), "{quiet}");
+    let thinking = t.render_with(&[user()], true, None, None).unwrap();
+    assert!(!thinking.contains("</think>"), "{thinking}");
+    // A variable of the template's own wins over a kwarg of the same name.
+    let sneaky: serde_json::Map<String, Value> =
+        serde_json::from_value(json!({"add_generation_prompt": false})).unwrap();
+    assert_eq!(
+        t.render_with(&[user()], true, None, Some(&sneaky)).unwrap(),
+        thinking
+    );
+}

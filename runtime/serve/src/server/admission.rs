@@ -137,6 +137,8 @@ pub(super) struct Plan {
     pub(super) logprobs: bool,
     /// Where the answer may call tools: how the model writes calls, and the tools' names.
     pub(super) tools: Option<ToolParsing>,
+    /// Where the answer's thinking section is split out: whether the prompt opened it.
+    pub(super) reasoning: Option<bool>,
 }
 
 /// How a response's text is read for tool calls.
@@ -164,6 +166,7 @@ impl Plan {
             chat,
             logprobs,
             tools: None,
+            reasoning: None,
         }
     }
 }

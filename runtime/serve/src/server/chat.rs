@@ -62,7 +62,12 @@ impl Endpoint for ChatRequest {
         })?;
         let tools_value = (mode != ToolMode::None).then(|| serde_json::Value::Array(tools.clone()));
         let text = template
-            .render_with_tools(&msgs, true, tools_value.as_ref())
+            .render_with(
+                &msgs,
+                true,
+                tools_value.as_ref(),
+                req.chat_template_kwargs.as_ref(),
+            )
             .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
         let format = ToolFormat::of_template(template.source());
         let ids: Vec<i64> = tokenizer(l, "messages")?
@@ -112,6 +117,9 @@ impl Endpoint for ChatRequest {
         app.metrics.input_processing_time.observe(ms(t.elapsed()));
         let jobs = choices(app, l, &req.common, vec![Job::new(request, None)])?;
         let mut plan = Plan::new(&req.common, jobs, true, logprobs);
+        // A prompt that ends by opening the thinking section (DeepSeek-R1's template does)
+        // starts the answer inside it.
+        plan.reasoning = l.reasoning.then(|| text.trim_end().ends_with("<think>"));
         if mode != ToolMode::None {
             plan.tools = Some(ToolParsing {
                 format,

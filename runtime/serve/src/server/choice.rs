@@ -24,6 +24,8 @@ pub struct Delta {
     pub error: Option<String>,
     /// The tool calls the choice ended with (its finish is then `tool_calls`).
     pub tool_calls: Vec<crate::tools::ToolCall>,
+    /// New text of the answer's thinking section (`reasoning_content`).
+    pub reasoning: String,
 }
 
 /// A choice's text read for tool calls: held back while it may still be a call.
@@ -100,6 +102,7 @@ pub struct Choice {
     last_token: Option<Instant>,
     first_token: Option<Instant>,
     tools: Option<ToolHold>,
+    reasoning: Option<crate::reasoning::ReasoningSplit>,
 }
 
 impl Choice {
@@ -115,6 +118,7 @@ impl Choice {
         metrics: Arc<Metrics>,
         arrival: Instant,
         tools: Option<super::admission::ToolParsing>,
+        reasoning: Option<bool>,
     ) -> Self {
         Choice {
             events: Some(events),
@@ -136,6 +140,7 @@ impl Choice {
                 held: String::new(),
                 holding: true,
             }),
+            reasoning: reasoning.map(crate::reasoning::ReasoningSplit::new),
         }
     }
 
@@ -210,8 +215,24 @@ impl Choice {
                 delta.error = Some(e);
             }
         }
+        self.split_reasoning(&mut delta);
         self.read_tool_calls(&mut delta);
         Some(delta)
+    }
+
+    /// Moves the text of the answer's thinking section to `reasoning`.
+    fn split_reasoning(&mut self, delta: &mut Delta) {
+        let Some(r) = self.reasoning.as_mut() else {
+            return;
+        };
+        let mut split = r.push(&std::mem::take(&mut delta.text));
+        if delta.finish.is_some() || delta.error.is_some() {
+            let rest = r.finish();
+            split.reasoning.push_str(&rest.reasoning);
+            split.content.push_str(&rest.content);
+        }
+        delta.reasoning = split.reasoning;
+        delta.text = split.content;
     }
 
     /// Holds the text back while it may still be a tool call; at the end, turns it into the

@@ -77,6 +77,20 @@ pub struct ServeOptions {
     pub tracing: ServeTracing,
     /// Refuse an artifact compiled for another expert-parallel degree.
     pub expert_parallel_degree: Option<usize>,
+    /// Where chat answers' thinking sections go to `reasoning_content`.
+    pub reasoning: ReasoningParser,
+}
+
+/// Which chat answers have their `<think>` section split into `reasoning_content`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ReasoningParser {
+    /// Where the chat template writes a thinking section (Qwen 3, DeepSeek-R1's distills).
+    #[default]
+    Auto,
+    /// Every chat answer.
+    Think,
+    /// None.
+    None,
 }
 
 /// How the server traces (see [`crate::trace`]).
@@ -128,6 +142,8 @@ struct Loaded {
     grammar_source: Option<(PathBuf, Vec<i64>)>,
     /// The model's end-of-sequence token ids.
     eos: Vec<i64>,
+    /// Whether chat answers' thinking sections go to `reasoning_content`.
+    reasoning: bool,
     /// Structured outputs' grammar compiler, built at the first request that needs it.
     grammars: OnceLock<Result<crate::constraint::Grammars, String>>,
     chat: Option<ChatTemplate>,
@@ -274,6 +290,11 @@ fn load(opts: &ServeOptions, metrics: &Arc<Metrics>, tracer: Tracer) -> Result<L
         }),
         grammars: OnceLock::new(),
         eos: artifact.manifest.eos_token_ids.clone(),
+        reasoning: match opts.reasoning {
+            ReasoningParser::Think => true,
+            ReasoningParser::None => false,
+            ReasoningParser::Auto => chat.as_ref().is_some_and(|c| c.thinks()),
+        },
         chat,
         sched: SchedulerHandle::spawn(scheduler).map_err(|e| e.to_string())?,
     };

@@ -229,6 +229,8 @@ pub struct ChatRequest {
     pub tool_choice: Option<Value>,
     /// Several calls in one answer (accepted; `required` and a named function make one).
     pub parallel_tool_calls: Option<bool>,
+    /// More variables for the chat template (`enable_thinking`, say), as vLLM takes them.
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     /// The other fields.
     #[serde(flatten)]
     pub common: Common,
@@ -330,6 +332,7 @@ impl Fields for ChatRequest {
             "tools",
             "tool_choice",
             "parallel_tool_calls",
+            "chat_template_kwargs",
         ]);
         v
     }

@@ -80,6 +80,7 @@ pub(super) async fn respond(
             app.metrics.clone(),
             arrival,
             plan.tools.clone(),
+            plan.reasoning,
         );
         let tx = tx.clone();
         let metrics = app.metrics.clone();
@@ -273,6 +274,7 @@ pub(super) async fn collect_response(ctx: Ctx, mut rx: Responses, n: usize) -> R
         logprobs: Vec<TokenLogprob>,
         finish: Option<&'static str>,
         tool_calls: Vec<crate::tools::ToolCall>,
+        reasoning: String,
     }
     let mut acc: Vec<Acc> = (0..n).map(|_| Acc::default()).collect();
     let mut total = Usage::default();
@@ -284,6 +286,7 @@ pub(super) async fn collect_response(ctx: Ctx, mut rx: Responses, n: usize) -> R
         a.text.push_str(&d.text);
         a.logprobs.extend(d.logprobs);
         a.tool_calls.extend(d.tool_calls);
+        a.reasoning.push_str(&d.reasoning);
         if let Some(u) = &d.usage {
             add(&mut total, u);
         }
@@ -300,6 +303,9 @@ pub(super) async fn collect_response(ctx: Ctx, mut rx: Responses, n: usize) -> R
                     .logprobs
                     .then(|| json!({"content": ctx.chat_logprobs(&a.logprobs)}));
                 let mut message = json!({"role": "assistant", "content": a.text});
+                if !a.reasoning.is_empty() {
+                    message["reasoning_content"] = json!(a.reasoning);
+                }
                 if !a.tool_calls.is_empty() {
                     message["tool_calls"] = tool_calls_json(&ctx.id, i, &a.tool_calls, false);
                     if a.text.is_empty() {
@@ -399,6 +405,7 @@ pub(super) fn stream_response(
                         // Nothing new to say (text held back for a stop string, say).
                         if st.started[i]
                             && d.text.is_empty()
+                            && d.reasoning.is_empty()
                             && d.finish.is_none()
                             && d.logprobs.is_empty()
                         {
@@ -411,7 +418,11 @@ pub(super) fn stream_response(
                                 delta["role"] = json!("assistant");
                                 st.started[i] = true;
                             }
-                            if !d.text.is_empty() || d.finish.is_none() {
+                            if !d.reasoning.is_empty() {
+                                delta["reasoning_content"] = json!(d.reasoning);
+                            }
+                            if !d.text.is_empty() || (d.finish.is_none() && d.reasoning.is_empty())
+                            {
                                 delta["content"] = json!(d.text);
                             }
                             if !d.tool_calls.is_empty() {
