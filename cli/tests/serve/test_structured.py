@@ -213,3 +213,18 @@ def test_instructor_with_a_pydantic_model(smol):
     people = [json.loads(line) for line in r.stdout.splitlines()]
     assert len(people) == 6
     assert all(p["address"]["city"] in ("Paris", "Tokyo", "Lima") for p in people)
+
+
+def test_n_choices_each_follow_the_schema(smol):
+    schema = SCHEMAS[2]
+    r = httpx.post(smol.v1 + "/chat/completions", json={
+        "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 120,
+        "temperature": 1.0, "seed": 9, "n": 3,
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "n", "schema": schema}}}, timeout=300)
+    assert r.status_code == 200, r.text
+    texts = [c["message"]["content"] for c in r.json()["choices"]]
+    assert len(texts) == 3
+    for t in texts:
+        jsonschema.validate(json.loads(t), schema)
+    assert len(set(texts)) > 1, texts

@@ -211,8 +211,7 @@ impl Grammars {
 }
 
 /// A request's grammar as its output grows: the mask of the next token, and the tokens
-/// chosen so far consumed.
-#[derive(Clone)]
+/// chosen so far consumed. A clone runs on its own (`n > 1` choices each have one).
 pub struct Constraint {
     spec: GrammarSpec,
     matcher: Matcher,
@@ -220,6 +219,18 @@ pub struct Constraint {
     mask: Option<SimpleVob>,
     /// The end-of-sequence tokens (the first is allowed where the matcher failed).
     eos: Vec<TokenId>,
+}
+
+impl Clone for Constraint {
+    fn clone(&self) -> Self {
+        Constraint {
+            spec: self.spec.clone(),
+            // Its own parser and lexer caches, not shared with the original's.
+            matcher: self.matcher.deep_clone(),
+            mask: self.mask.clone(),
+            eos: self.eos.clone(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Constraint {
