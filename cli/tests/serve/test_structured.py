@@ -228,3 +228,24 @@ def test_n_choices_each_follow_the_schema(smol):
     for t in texts:
         jsonschema.validate(json.loads(t), schema)
     assert len(set(texts)) > 1, texts
+
+
+def test_an_answer_cut_before_its_json_completes_counts_as_truncated(smol):
+    key = 'maxserve_response_format_conformance_errors_total{outcome="truncated"}'
+    before = smol.metric(key)
+    r = httpx.post(smol.v1 + "/completions", json={
+        "prompt": "A JSON object:", "max_tokens": 3, "temperature": 0,
+        "response_format": {"type": "json_object"}}, timeout=60).json()
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert smol.metric(key) == before + 1
+    # A complete answer counts nothing.
+    total = sum(v for k, v in smol.metrics().items()
+                if k.startswith("maxserve_response_format_conformance_errors_total"))
+    r = httpx.post(smol.v1 + "/completions", json={
+        "prompt": "Call me at", "max_tokens": 40, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "c", "schema": {"type": "object", "properties": {
+                "ok": {"type": "boolean"}}, "required": ["ok"]}}}}, timeout=60).json()
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert sum(v for k, v in smol.metrics().items()
+               if k.startswith("maxserve_response_format_conformance_errors_total")) == total

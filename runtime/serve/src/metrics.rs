@@ -144,6 +144,9 @@ pub struct Metrics {
     pub model_load_time: Family<Labels, Gauge<f64, AtomicU64>>,
     /// Pipelines (artifacts) loaded.
     pub pipeline_load: Counter,
+    /// Answers that do not conform to their JSON `response_format`, by `outcome`
+    /// (`truncated`: cut at `max_tokens`; `invalid_json`: ended and does not parse).
+    pub response_format_conformance_errors: Family<Labels, Counter>,
     /// Answers whose tool calls did not conform, by `outcome` (`invalid_json`: text that
     /// opened a call is not one; `unknown_tool`: a call of a tool not listed).
     pub tool_call_conformance_errors: Family<Labels, Counter>,
@@ -395,6 +398,15 @@ impl Metrics {
                 "Requests preempted",
                 None,
             ),
+            response_format_conformance_errors: {
+                let f = Family::<Labels, Counter>::default();
+                r.register(
+                    "maxserve_response_format_conformance_errors",
+                    "Answers that do not conform to their JSON response_format, by outcome",
+                    f.clone(),
+                );
+                f
+            },
             tool_call_conformance_errors: {
                 let f = Family::<Labels, Counter>::default();
                 r.register(

@@ -139,6 +139,8 @@ pub(super) struct Plan {
     pub(super) tools: Option<ToolParsing>,
     /// Where the answer's thinking section is split out: whether the prompt opened it.
     pub(super) reasoning: Option<bool>,
+    /// Whether `response_format` asked for JSON (its answers are checked for conformance).
+    pub(super) json_response: bool,
 }
 
 /// How a response's text is read for tool calls.
@@ -167,6 +169,12 @@ impl Plan {
             logprobs,
             tools: None,
             reasoning: None,
+            json_response: c.response_format.as_ref().is_some_and(|f| {
+                matches!(
+                    f["type"].as_str(),
+                    Some("json_object") | Some("json_schema")
+                )
+            }),
         }
     }
 }

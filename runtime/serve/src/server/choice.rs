@@ -103,6 +103,8 @@ pub struct Choice {
     first_token: Option<Instant>,
     tools: Option<ToolHold>,
     reasoning: Option<crate::reasoning::ReasoningSplit>,
+    /// Whether the answer must be JSON (`response_format`): checked when it ends.
+    json_response: bool,
 }
 
 impl Choice {
@@ -141,6 +143,7 @@ impl Choice {
                 holding: true,
             }),
             reasoning: reasoning.map(crate::reasoning::ReasoningSplit::new),
+            json_response: false,
         }
     }
 
@@ -220,6 +223,34 @@ impl Choice {
         Some(delta)
     }
 
+    /// Checks the answer against its JSON `response_format` when it ends.
+    pub(super) fn with_json_response(mut self, on: bool) -> Self {
+        self.json_response = on;
+        self
+    }
+
+    /// Counts an answer that does not conform to its JSON `response_format` in
+    /// `maxserve_response_format_conformance_errors_total{outcome}`: `truncated` where it
+    /// ended at `max_tokens` before the JSON was complete, `invalid_json` where it ended and
+    /// does not parse (a stop string cut it, say).
+    fn check_json(&self, finish: &str) {
+        if !self.json_response {
+            return;
+        }
+        let text = &self.text.text;
+        let outcome = if serde_json::from_str::<serde_json::Value>(text).is_ok() {
+            return;
+        } else if finish == "length" {
+            "truncated"
+        } else {
+            "invalid_json"
+        };
+        self.metrics
+            .response_format_conformance_errors
+            .get_or_create(&vec![("outcome".into(), outcome.into())])
+            .inc();
+    }
+
     /// Moves the text of the answer's thinking section to `reasoning`.
     fn split_reasoning(&mut self, delta: &mut Delta) {
         let Some(r) = self.reasoning.as_mut() else {
@@ -288,6 +319,7 @@ impl Choice {
     fn finish(&mut self, delta: &mut Delta, reason: &'static str) {
         self.done = true;
         delta.finish = Some(reason);
+        self.check_json(reason);
         // A choice that does not count the prompt (n > 1) does not count its cached part.
         let usage = Usage {
             prompt_tokens: self.prompt_tokens,

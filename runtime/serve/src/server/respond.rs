@@ -81,7 +81,8 @@ pub(super) async fn respond(
             arrival,
             plan.tools.clone(),
             plan.reasoning,
-        );
+        )
+        .with_json_response(plan.json_response);
         let tx = tx.clone();
         let metrics = app.metrics.clone();
         tokio::spawn(async move {
