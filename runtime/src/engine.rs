@@ -135,6 +135,12 @@ pub trait StepExecutor: Send {
     /// for the step's rows undefined: its caller rolls the step back.
     fn execute(&mut self, inputs: &StepInputs) -> Result<Logits>;
 
+    /// Rows `rows` of the last step's final hidden states (`[width]` each, the decoder's
+    /// `hidden_states` output), for embeddings; `None` where the executor or program has none.
+    fn hidden_states(&mut self, _rows: std::ops::Range<usize>) -> Option<Vec<f32>> {
+        None
+    }
+
     /// Times every kernel launch of the following steps, where the executor can.
     fn set_profiling(&mut self, on: bool) -> Result<()> {
         if on {
@@ -404,6 +410,13 @@ impl StepExecutor for Engine {
     }
     fn execute(&mut self, inputs: &StepInputs) -> Result<Logits> {
         self.exec.execute(inputs)
+    }
+    fn hidden_states(&mut self, rows: std::ops::Range<usize>) -> Option<Vec<f32>> {
+        match &mut self.exec {
+            Executor::Cpu(e) => e.output_rows("hidden_states", rows),
+            // Not read back from the device yet: embeddings run on the CPU.
+            Executor::Cuda(_) => None,
+        }
     }
     fn set_profiling(&mut self, on: bool) -> Result<()> {
         Engine::set_profiling(self, on)

@@ -160,3 +160,67 @@ def test_bad_n_names_the_field(smol, n, why):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "n" and why in err["message"], err
+
+
+def bf16_tensor(path, name):
+    """A bf16 tensor of a safetensors file as float32 (numpy has no bf16)."""
+    import numpy as np
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        meta = header[name]
+        assert meta["dtype"] == "BF16", meta
+        start, end = meta["data_offsets"]
+        f.seek(8 + n + start)
+        raw = np.frombuffer(f.read(end - start), dtype=np.uint16)
+    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(meta["shape"])
+
+
+def test_embeddings_are_the_final_hidden_states_transformers_computes(artifacts):
+    """tiny-llama: transformers' final hidden state, recovered from its logits (logits = h W^T,
+    W the 1024 × 256 untied head: least squares gives h exactly), pooled and normalized."""
+    import base64
+    import os
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from conftest import FIXTURES, Server
+    fixture = os.path.join(FIXTURES, "tiny-llama")
+    ref = load_file(os.path.join(fixture, "reference.safetensors"))
+    w = bf16_tensor(os.path.join(fixture, "model.safetensors"), "lm_head.weight")
+    prompts = [ref[f"p{i}.tokens"].tolist() for i in range(4)]
+
+    def unit(v):
+        return v / np.linalg.norm(v)
+
+    want_last = [unit(np.linalg.lstsq(w, ref[f"p{i}.last"], rcond=None)[0]) for i in range(4)]
+    want_mean = [unit(np.linalg.lstsq(w, ref[f"p{i}.logits"].T, rcond=None)[0].mean(axis=1))
+                 for i in range(4)]
+    s = Server(artifacts["tiny"])
+    try:
+        for pooling, want in [("last", want_last), ("mean", want_mean)]:
+            r = httpx.post(s.v1 + "/embeddings",
+                           json={"input": prompts, "pooling": pooling}, timeout=120)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
+            for d, w_ in zip(body["data"], want):
+                got = np.array(d["embedding"], dtype=np.float64)
+                cos = float(got @ w_)
+                print(f"{pooling} pooling, prompt {d['index']}: cosine {cos:.8f}, "
+                      f"max |diff| {np.abs(got - w_).max():.2e}")
+                assert cos > 0.99999 and np.abs(got - w_).max() < 1e-4, (pooling, d["index"], cos)
+        # base64 holds the same little-endian floats.
+        f = httpx.post(s.v1 + "/embeddings", json={"input": prompts[2]}).json()
+        b = httpx.post(s.v1 + "/embeddings",
+                       json={"input": prompts[2], "encoding_format": "base64"}).json()
+        raw = np.frombuffer(base64.b64decode(b["data"][0]["embedding"]), dtype="<f4")
+        assert np.array_equal(raw, np.array(f["data"][0]["embedding"], dtype=np.float32))
+        for body, param in [({"input": []}, "input"), ({"input": [[]]}, "input"),
+                            ({"input": [5], "encoding_format": "hex"}, "encoding_format"),
+                            ({"input": [99999]}, "input"), ({}, "input")]:
+            r = httpx.post(s.v1 + "/embeddings", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    finally:
+        s.stop()

@@ -563,6 +563,8 @@ impl DecoderBuilder<'_> {
             h = self.b.op(&lp.key("mlp_residual"), Op::Add, &[h, mlp])?;
         }
         let mut h = self.rms_norm(&model.pp("norm"), h)?;
+        // Every row's final hidden state, which embeddings pool (it lives to the step's end).
+        self.b.output("hidden_states", h);
         if !self.opts.all_logits {
             h = self
                 .b

@@ -395,6 +395,40 @@ impl CpuExecutor {
         &self.bounds
     }
 
+    /// Rows `rows` of the last step's f32 output `name` (`[rows of the step, width]` in the
+    /// arena, as the decoder's `hidden_states`); `None` where the program has no such output or
+    /// the rows pass its bound.
+    pub fn output_rows(&mut self, name: &str, rows: std::ops::Range<usize>) -> Option<Vec<f32>> {
+        let id = *self.program.outputs.get(name)?;
+        let buf = &self.program.buffers[id as usize];
+        let Storage::Arena { offset } = buf.storage else {
+            return None;
+        };
+        let extent = |e: &Extent| match e {
+            Extent::Fixed(n) => *n as usize,
+            Extent::Step(d) => self.bounds[*d as usize] as usize,
+        };
+        let (Some(first), Some(last)) = (buf.shape.first(), buf.shape.last()) else {
+            return None;
+        };
+        let (bound, width) = (extent(first), extent(last));
+        if buf.dtype != DType::F32 || buf.shape.len() != 2 || rows.end > bound {
+            return None;
+        }
+        let base = self.arena.ptr();
+        // SAFETY: the buffer holds `bound × width` f32 at its arena offset (Program::validate
+        // checked it lies in the arena) and `rows` lie below `bound`.
+        let data = unsafe {
+            std::slice::from_raw_parts(
+                base.add(offset as usize)
+                    .cast::<f32>()
+                    .add(rows.start * width),
+                rows.len() * width,
+            )
+        };
+        Some(data.to_vec())
+    }
+
     /// Runs one step and returns the `logits` output.
     pub fn execute(&mut self, s: &StepInputs) -> Result<Logits> {
         let dims = s.checked_dims(&self.limits)?;

@@ -34,6 +34,8 @@ pub(super) struct Active {
     pub(super) draft_sampler: Sampler,
     /// Its kernel capture, while armed (`x-max-trace-level: kernel`).
     pub(super) capture: Option<ArmedCapture>,
+    /// An embedding's pooled hidden states so far (the sum, or the last row).
+    pub(super) pooled: Vec<f32>,
 }
 
 /// A request's kernel capture: replayed into spans when it is full or the request ends
@@ -90,6 +92,7 @@ impl Active {
             cached_tokens: 0,
             admitted_once: false,
             prompt_logprobs: Vec::new(),
+            pooled: Vec::new(),
             draft_computed: 0,
             draft_sampler,
         }
@@ -98,6 +101,44 @@ impl Active {
     pub(super) fn pending(&self) -> usize {
         self.tokens.len() - self.computed
     }
+    /// Pools the final hidden states of its `n` rows of a step (`hidden`, `None` where the
+    /// executor has none); once the prompt is done, sends its embedding (normalized) or an
+    /// error.
+    pub(super) fn pool(&mut self, hidden: Option<Vec<f32>>, n: usize) {
+        let Some(pooling) = self.req.embed else {
+            return;
+        };
+        let Some(h) = hidden.filter(|h| n > 0 && !h.is_empty()) else {
+            let _ = self.events.send(Event::Error(
+                "embeddings need the final hidden states, which this executor does not return \
+                 (run on the CPU)"
+                    .into(),
+            ));
+            return;
+        };
+        let width = h.len() / n;
+        match pooling {
+            super::request::Pooling::Last => self.pooled = h[(n - 1) * width..].to_vec(),
+            super::request::Pooling::Mean => {
+                self.pooled.resize(width, 0.0);
+                for row in h.chunks_exact(width) {
+                    for (s, x) in self.pooled.iter_mut().zip(row) {
+                        *s += x;
+                    }
+                }
+            }
+        }
+        if self.computed + n == self.tokens.len() {
+            let norm = self.pooled.iter().map(|x| x * x).sum::<f32>().sqrt();
+            let v: Vec<f32> = self
+                .pooled
+                .iter()
+                .map(|x| if norm > 0.0 { x / norm } else { *x })
+                .collect();
+            let _ = self.events.send(Event::Embedding(v));
+        }
+    }
+
     /// Whether it has not chosen a token yet (its prompt is not prefilled).
     pub(super) fn prefilling(&self) -> bool {
         self.generated == 0

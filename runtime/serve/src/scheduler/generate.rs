@@ -42,7 +42,7 @@ pub fn generate(
                 }
                 Event::Error(e) => return Err(RuntimeError::Input(e)),
                 Event::Finished { .. } => return Ok(out),
-                Event::Admitted { .. } | Event::PromptLogprobs(_) => {}
+                Event::Admitted { .. } | Event::PromptLogprobs(_) | Event::Embedding(_) => {}
             }
         }
         if !scheduler.has_work() {

@@ -34,7 +34,7 @@ mod update;
 
 pub use generate::{generate, GenerateOptions};
 pub use handle::SchedulerHandle;
-pub use request::{Event, EventSender, FinishReason, Fork, Request, TokenLogprob, Usage};
+pub use request::{Event, EventSender, FinishReason, Fork, Pooling, Request, TokenLogprob, Usage};
 pub use speculative::{Speculation, SpeculationOptions, SpeculationStats};
 pub use state::{Scheduler, SchedulerConfig, StepReport};
 pub use stats::StepStats;

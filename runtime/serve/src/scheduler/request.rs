@@ -33,6 +33,18 @@ pub struct Request {
     /// One of several choices of one prompt (`n > 1`): the choices after the group's leader
     /// wait until its prefill is done, then start from its prompt pages.
     pub fork: Option<Fork>,
+    /// Pool the prompt's final hidden states into an embedding (sent as
+    /// [`Event::Embedding`] before the request finishes; `max_tokens` is then 0).
+    pub embed: Option<Pooling>,
+}
+
+/// How an embedding pools the prompt's final hidden states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pooling {
+    /// The last token's.
+    Last,
+    /// Every token's mean (the prompt is computed whole, without the prefix cache).
+    Mean,
 }
 
 /// A request's place among the choices of one prompt.
@@ -59,6 +71,7 @@ impl Request {
             trace: None,
             constraint: None,
             fork: None,
+            embed: None,
         }
     }
 }
@@ -131,6 +144,8 @@ pub enum Event {
         /// Token counts.
         usage: Usage,
     },
+    /// The prompt's embedding: its final hidden states pooled and normalized to length 1.
+    Embedding(Vec<f32>),
     /// The request failed; the message says why.
     Error(String),
 }

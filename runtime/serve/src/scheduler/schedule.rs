@@ -284,7 +284,9 @@ impl Scheduler {
                 .filter(|f| !f.leader)
                 .and_then(|f| self.leader(f.group))
                 .map(|l| l.seq);
-            a.computed = if a.req.prompt_logprobs {
+            // Mean pooling needs every prompt row's hidden state: no cache for it either.
+            let whole = a.req.prompt_logprobs || a.req.embed == Some(super::request::Pooling::Mean);
+            a.computed = if whole {
                 0
             } else {
                 match leader.map(|l| self.kv.fork_prefix(l, a.seq, &a.tokens)) {

@@ -87,6 +87,11 @@ impl Scheduler {
             batch.tokens += p.rows();
             batch.context_tokens += a.computed + p.rows();
             row_end += p.rows();
+            if self.running[p.idx].req.embed.is_some() {
+                let start = row_end - p.rows();
+                let hidden = self.exec.hidden_states(start..start + p.n);
+                self.running[p.idx].pool(hidden, p.n);
+            }
             let out = self.update_sequence(b, p, &logits, &rows, row_end);
             acceptance.add(out.examined, out.accepted);
             if out.done {

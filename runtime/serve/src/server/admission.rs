@@ -323,6 +323,7 @@ pub(super) fn request_for(
         trace: None,
         constraint,
         fork: None,
+        embed: None,
     })
 }
 

@@ -168,6 +168,8 @@ impl Choice {
         match event {
             Event::Admitted { cached_tokens } => self.cached_tokens = cached_tokens,
             Event::PromptLogprobs(lp) => delta.logprobs = lp,
+            // Embeddings are answered by their own endpoint.
+            Event::Embedding(_) => {}
             Event::Token { id, logprob } => {
                 let now = Instant::now();
                 match self.last_token {

@@ -7,6 +7,7 @@ mod admission;
 mod chat;
 mod choice;
 mod completions;
+mod embeddings;
 mod generation;
 mod info;
 pub mod listen;
@@ -372,6 +373,7 @@ pub async fn serve(
             "/v1/chat/completions",
             post(generation::generation::<openai::ChatRequest>),
         )
+        .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/v1/models", get(info::models))
