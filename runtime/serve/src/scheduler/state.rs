@@ -273,7 +273,10 @@ impl Scheduler {
             let sampling: Vec<usize> = plan
                 .rows
                 .iter()
-                .filter(|p| self.running[p.idx].pending() == p.n)
+                .filter(|p| {
+                    let a = &self.running[p.idx];
+                    a.req.constraint.is_some() && a.pending() == p.n
+                })
                 .map(|p| p.idx)
                 .collect();
             let mut constraints: Vec<&mut crate::constraint::Constraint> = self

@@ -362,20 +362,24 @@ pub(super) fn rand_seed() -> u64 {
         .map_or(0, |d| d.as_nanos() as u64)
 }
 
+/// A 404 naming `model` where a request names another model than this server's.
+pub(super) fn check_model(app: &App, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != app.model => Err(ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!(
+                "the model `{m}` does not exist; this server serves `{}`",
+                app.model
+            ),
+            param: Some("model".into()),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// Checks the fields every endpoint shares that do not depend on the prompt.
 pub(super) fn check_common(app: &App, c: &Common) -> Result<(), ApiError> {
-    if let Some(m) = &c.model {
-        if *m != app.model {
-            return Err(ApiError {
-                status: StatusCode::NOT_FOUND,
-                message: format!(
-                    "the model `{m}` does not exist; this server serves `{}`",
-                    app.model
-                ),
-                param: Some("model".into()),
-            });
-        }
-    }
+    check_model(app, c.model.as_deref())?;
     check_range("temperature", c.temperature, 0.0, 2.0, false)?;
     check_range("top_p", c.top_p, 0.0, 1.0, true)?;
     check_range("min_p", c.min_p, 0.0, 1.0, false)?;

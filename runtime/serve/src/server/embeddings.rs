@@ -2,7 +2,7 @@
 //! or the mean with `pooling: "mean"`, an extension) and normalized, as floats or base64 of
 //! little-endian f32 (`encoding_format`); usage counts the inputs' tokens.
 
-use super::admission::body_bytes;
+use super::admission::{body_bytes, check_model};
 use super::openai::{ApiError, Prompt};
 use super::Shared;
 use crate::scheduler::{Event, Pooling, Request};
@@ -64,18 +64,7 @@ async fn answer(app: &Shared, body: Result<Bytes, BytesRejection>) -> Result<Val
     let req: EmbeddingRequest = serde_json::from_slice(&body_bytes(body)?)
         .map_err(|e| ApiError::invalid("body", e.to_string()))?;
     let _ = &req.user;
-    if let Some(m) = &req.model {
-        if *m != app.model {
-            return Err(ApiError {
-                status: StatusCode::NOT_FOUND,
-                message: format!(
-                    "the model `{m}` does not exist; this server serves `{}`",
-                    app.model
-                ),
-                param: Some("model".into()),
-            });
-        }
-    }
+    check_model(app, req.model.as_deref())?;
     let l = app.ready()?;
     let base64_out = match req.encoding_format.as_deref() {
         None | Some("float") => false,

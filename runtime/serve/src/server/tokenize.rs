@@ -1,7 +1,7 @@
 //! `POST /tokenize` and `POST /detokenize`, in vLLM's shapes: a prompt (or a conversation
 //! rendered by the chat template) to token ids, and token ids back to text.
 
-use super::admission::{body_bytes, tokenizer};
+use super::admission::{body_bytes, check_model, tokenizer};
 use super::chat::message_text;
 use super::openai::{ApiError, Message};
 use super::Shared;
@@ -43,27 +43,13 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::invalid("body", e.to_string()))
 }
 
-fn check_model(app: &Shared, model: &Option<String>) -> Result<(), ApiError> {
-    match model {
-        Some(m) if *m != app.model => Err(ApiError {
-            status: StatusCode::NOT_FOUND,
-            message: format!(
-                "the model `{m}` does not exist; this server serves `{}`",
-                app.model
-            ),
-            param: Some("model".into()),
-        }),
-        _ => Ok(()),
-    }
-}
-
 pub(super) async fn tokenize(
     State(app): State<Shared>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let result = (|| {
         let req: TokenizeRequest = parse(&body_bytes(body)?)?;
-        check_model(&app, &req.model)?;
+        check_model(&app, req.model.as_deref())?;
         let l = app.ready()?;
         let (text, param, special) = match (&req.prompt, &req.messages) {
             (Some(p), None) => (p.clone(), "prompt", req.add_special_tokens.unwrap_or(true)),
@@ -116,7 +102,7 @@ pub(super) async fn detokenize(
 ) -> Response {
     let result = (|| {
         let req: DetokenizeRequest = parse(&body_bytes(body)?)?;
-        check_model(&app, &req.model)?;
+        check_model(&app, req.model.as_deref())?;
         let l = app.ready()?;
         let tok = tokenizer(l, "tokens")?;
         let ids = req
