@@ -47,6 +47,12 @@ pub struct RuntimeArgs {
     /// num_draft_tokens where it has a draft, else 0].
     #[arg(long)]
     pub num_speculative_tokens: Option<usize>,
+    /// Logit rows one step may return: each sequence's next-token and draft rows, and the
+    /// prompt rows being scored (`echo` with `logprobs`), so a prompt is scored in chunks of
+    /// this many [default: the larger of 64 and max_batch_size × (num_speculative_tokens + 1),
+    /// within the step budget; `compile --all-logits`: the step budget].
+    #[arg(long, value_parser = positive, allow_negative_numbers = true)]
+    pub max_logit_rows: Option<usize>,
     /// Expert-parallel ranks a mixture-of-experts model's experts are spread over; it must
     /// divide the expert count.
     #[arg(long, default_value = "1", value_parser = positive, allow_negative_numbers = true)]
@@ -74,6 +80,7 @@ impl RuntimeArgs {
                     .num_speculative_tokens
                     .or_else(|| spec.num_draft_tokens())
                     .unwrap_or(0),
+                max_logit_rows: self.max_logit_rows,
             },
             kv: KvCacheParams {
                 page_size: self.page_size,

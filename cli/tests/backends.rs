@@ -30,7 +30,8 @@ fn runtime() -> ModuleRuntime {
     rt
 }
 
-/// A backend: runs steps of `(sequence, tokens)` chunks, returning `rows × vocab` logits.
+/// A backend: runs steps of `(sequence, tokens)` chunks, returning `rows × vocab` logits: every
+/// row's where [`Backend::all_logits`], else each sequence's last.
 trait Backend {
     fn step(&mut self, chunks: &[(u64, &[i64])]) -> Vec<f32>;
     fn reset(&mut self);
@@ -44,7 +45,10 @@ struct Interp {
 
 impl Backend for Interp {
     fn step(&mut self, chunks: &[(u64, &[i64])]) -> Vec<f32> {
-        self.session.step(chunks).expect("interpreter step").data
+        self.session
+            .step_all(chunks)
+            .expect("interpreter step")
+            .data
     }
     fn reset(&mut self) {
         self.session = Session::new(self.interp, 48, MAX_LEN.div_ceil(PAGE));
@@ -57,12 +61,19 @@ impl Backend for Interp {
 struct Compiled {
     engine: RuntimeSession,
     seqs: Vec<u64>,
+    /// Every row's logits come back (compiled with `--all-logits`).
+    all: bool,
 }
 
 impl Backend for Compiled {
     fn step(&mut self, chunks: &[(u64, &[i64])]) -> Vec<f32> {
         self.seqs.extend(chunks.iter().map(|c| c.0));
-        self.engine.step(chunks).expect("artifact step").data
+        let logits = if self.all {
+            self.engine.step_all(chunks)
+        } else {
+            self.engine.step(chunks)
+        };
+        logits.expect("artifact step").data
     }
     fn reset(&mut self) {
         for s in self.seqs.drain(..) {
@@ -70,7 +81,7 @@ impl Backend for Compiled {
         }
     }
     fn all_logits(&self) -> bool {
-        self.engine.engine().all_logits()
+        self.all
     }
 }
 
@@ -136,7 +147,6 @@ impl Case {
             Kind::Interpreter => {
                 let opts = LoadOptions {
                     runtime: runtime(),
-                    all_logits: true,
                     roles: vec![self.role],
                     ..Default::default()
                 };
@@ -161,6 +171,7 @@ impl Case {
                 Box::new(Compiled {
                     engine,
                     seqs: vec![],
+                    all: true,
                 })
             }
             Kind::Ep(degree) => Box::new(Compiled {
@@ -170,17 +181,20 @@ impl Case {
                 )
                 .expect("artifact opens"),
                 seqs: vec![],
+                all: true,
             }),
             Kind::Gguf => Box::new(Compiled {
                 engine: RuntimeSession::open(&gguf_artifact(self.model), self.role.name())
                     .expect("artifact opens"),
                 seqs: vec![],
+                all: true,
             }),
             Kind::Artifact(dtype, all_logits) => {
                 let out = artifact_dir(self.model, dtype, all_logits);
                 Box::new(Compiled {
                     engine: RuntimeSession::open(&out, self.role.name()).expect("artifact opens"),
                     seqs: vec![],
+                    all: all_logits,
                 })
             }
         }
@@ -620,7 +634,6 @@ fn gemma3_vision_checkpoints_compile_their_language_model() {
         .unwrap();
         let opts = LoadOptions {
             runtime: runtime(),
-            all_logits: true,
             ..Default::default()
         };
         let mut loaded = load_model(dir.path(), &Registry::builtin(), &opts).expect("loads");
@@ -629,7 +642,7 @@ fn gemma3_vision_checkpoints_compile_their_language_model() {
         for i in case.prompts() {
             let mut session = Session::new(&interp, 48, MAX_LEN.div_ceil(PAGE));
             let tokens = case.i64s(&format!("p{i}.tokens"));
-            let got = session.step(&[(0, &tokens)]).unwrap().data;
+            let got = session.step_all(&[(0, &tokens)]).unwrap().data;
             let want = case.f32s(&format!("p{i}.logits"));
             let d = max_diff(&got, 0..tokens.len(), &want, 0, 1024);
             assert!(
@@ -777,6 +790,7 @@ fn every_stopping_point_of_the_fusion_passes_gives_the_fixtures_logits() {
         let mut b = Compiled {
             engine: RuntimeSession::open(&out, "decoder").expect("artifact opens"),
             seqs: vec![],
+            all: true,
         };
         for i in case.prompts() {
             b.reset();

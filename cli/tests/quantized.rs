@@ -72,7 +72,6 @@ fn check_with(
     let load = LoadOptions {
         runtime: runtime(),
         weights,
-        all_logits: true,
         roles: vec![role],
     };
     let mut loaded = load_model(&dir, &Registry::builtin(), &load).expect("loads");
@@ -101,8 +100,8 @@ fn check_with(
     for (i, tokens) in prompts.iter().enumerate() {
         let mut session = Session::new(&interp, 48, MAX_LEN.div_ceil(PAGE));
         let seq = i as u64;
-        let want = session.step(&[(seq, tokens)]).unwrap().data;
-        let got = engine.step(&[(seq, tokens)]).unwrap().data;
+        let want = session.step_all(&[(seq, tokens)]).unwrap().data;
+        let got = engine.step_all(&[(seq, tokens)]).unwrap().data;
         let d = max_diff(&got, &want);
         assert!(d < TOL, "{what}, prompt {i}: max |diff| {d}");
         let mut next = *tokens.last().unwrap();
@@ -128,8 +127,8 @@ fn check_with(
         .enumerate()
         .map(|(i, t)| (100 + i as u64, t.as_slice()))
         .collect();
-    let want = session.step(&chunks).unwrap().data;
-    let got = engine.step(&chunks).unwrap().data;
+    let want = session.step_all(&chunks).unwrap().data;
+    let got = engine.step_all(&chunks).unwrap().data;
     let d = max_diff(&got, &want);
     assert!(d < TOL, "{what}, ragged batch: max |diff| {d}");
 }

@@ -357,10 +357,7 @@ fn sliding_layers_hold_only_their_windows_pages_as_a_long_request_runs() {
         }
     }
     assert_eq!(tokens.len(), long_max);
-    let opts = maxc_graph::pipeline::LoadOptions {
-        all_logits: true,
-        ..Default::default()
-    };
+    let opts = maxc_graph::pipeline::LoadOptions::default();
     let mut loaded =
         maxc_graph::pipeline::load_model(&fixture, &maxc_graph::Registry::builtin(), &opts)
             .unwrap();
@@ -369,7 +366,7 @@ fn sliding_layers_hold_only_their_windows_pages_as_a_long_request_runs() {
     let mut session = maxc_graph::interp::Session::new(&interp, 32, 32);
     let mut all = prompt.clone();
     all.extend(&tokens[..tokens.len() - 1]);
-    let logits = session.step(&[(0, &all)]).unwrap();
+    let logits = session.step_all(&[(0, &all)]).unwrap();
     let mut checked = 0;
     for (i, &t) in tokens.iter().enumerate() {
         let row = logits.row(prompt.len() - 1 + i);

@@ -251,6 +251,9 @@ fn eight_bit_activations_stay_near_the_reference() {
             &ids.join(","),
             "--activations",
             "q8",
+            // Decode steps, where 8-bit activations apply.
+            "--step-tokens",
+            "1",
             "--dump-logits",
             dump.to_str().unwrap(),
         ]);

@@ -74,7 +74,9 @@ pub struct CompileOptions {
     pub runtime: ModuleRuntime,
     /// The formats weights are stored in.
     pub weights: WeightFormat,
-    /// Logits for every token row instead of each sequence's last.
+    /// Logits for every token row of a full step (scoring at full prefill speed): the
+    /// `logit_rows` bound becomes the step's token budget, overriding the runtime's
+    /// `max_logit_rows`.
     pub all_logits: bool,
     /// How matmuls run on the CPU.
     pub cpu_matmul: CpuMatmul,
@@ -113,11 +115,16 @@ pub fn compile(
     if out.exists() && !opts.force {
         return Err(ExportError::Exists(out.to_path_buf()));
     }
+    let mut opts = opts.clone();
+    if opts.all_logits {
+        let b = &mut opts.runtime.batch;
+        b.max_logit_rows = Some(b.max_batch_active_tokens().max(b.least_logit_rows()));
+    }
+    let opts = &opts;
     progress(&format!("loading {}", model.display()));
     let load = LoadOptions {
         runtime: opts.runtime.clone(),
         weights: opts.weights,
-        all_logits: opts.all_logits,
         roles: Vec::new(),
     };
     let loaded = load_model(model, &Registry::builtin(), &load)?;

@@ -23,7 +23,17 @@ pub struct BatchProcessorRuntime {
     /// up to this many plus one logit rows per sequence. 0: no speculation.
     #[serde(default)]
     pub num_speculative_tokens: usize,
+    /// Logit rows one step may return (the `logit_rows` bound): each sequence's next-token
+    /// and draft rows, and the prompt rows being scored (`echo` with `logprobs`). `None`:
+    /// [`DEFAULT_SCORING_ROWS`] or the per-sequence rows, whichever is more, within the token
+    /// budget ([`BatchProcessorRuntime::max_logit_rows`]).
+    #[serde(default)]
+    pub max_logit_rows: Option<usize>,
 }
+
+/// The default bound on logit rows, for scoring: a prompt is scored in chunks of this many
+/// rows (its logits buffer is this many vocabulary rows of f32).
+pub const DEFAULT_SCORING_ROWS: usize = 64;
 
 impl Default for BatchProcessorRuntime {
     fn default() -> Self {
@@ -34,6 +44,7 @@ impl Default for BatchProcessorRuntime {
             enable_chunked_prefill: true,
             data_parallel_degree: 1,
             num_speculative_tokens: 0,
+            max_logit_rows: None,
         }
     }
 }
@@ -52,6 +63,21 @@ impl BatchProcessorRuntime {
                     field: field.into(),
                     value: value.to_string(),
                     message: "must be at least 1".into(),
+                });
+            }
+        }
+        if let Some(n) = self.max_logit_rows {
+            let least = self.least_logit_rows();
+            let most = self.max_batch_active_tokens().max(least);
+            if n < least || n > most {
+                return Err(Error::Setting {
+                    field: "max_logit_rows".into(),
+                    value: n.to_string(),
+                    message: format!(
+                        "must be at least {least} (max_batch_size × data_parallel_degree × \
+                         (num_speculative_tokens + 1): every sequence's next-token and draft \
+                         rows) and at most {most} (the token rows of a step)"
+                    ),
                 });
             }
         }
@@ -78,10 +104,20 @@ impl BatchProcessorRuntime {
         per_replica * self.data_parallel_degree
     }
 
-    /// Logit rows one step returns at most: `return_n_logits` up to
-    /// `num_speculative_tokens + 1` for every sequence of every replica.
-    pub fn max_logit_rows(&self) -> usize {
+    /// The logit rows every step must be able to return: `num_speculative_tokens + 1` for
+    /// every sequence of every replica.
+    pub fn least_logit_rows(&self) -> usize {
         self.max_global_batch_size() * (self.num_speculative_tokens + 1)
+    }
+
+    /// Logit rows one step returns at most: `max_logit_rows` where set, else the larger of
+    /// [`BatchProcessorRuntime::least_logit_rows`] and [`DEFAULT_SCORING_ROWS`] (at most the
+    /// step's token rows), so that every artifact can score prompts.
+    pub fn max_logit_rows(&self) -> usize {
+        self.max_logit_rows.unwrap_or_else(|| {
+            self.least_logit_rows()
+                .max(DEFAULT_SCORING_ROWS.min(self.max_batch_active_tokens()))
+        })
     }
 }
 
@@ -264,6 +300,7 @@ mod tests {
                 enable_chunked_prefill: chunked,
                 data_parallel_degree: dp,
                 num_speculative_tokens: 0,
+                max_logit_rows: None,
             },
             kv: KvCacheParams {
                 page_size: 16,
@@ -309,9 +346,25 @@ mod tests {
     #[test]
     fn logit_rows_grow_with_the_speculation_depth() {
         let mut r = rt(8, 512, 512, true, 2);
-        assert_eq!(r.max_dims(["logit_rows"], &[]).unwrap()["logit_rows"], 16);
-        r.batch.num_speculative_tokens = 3;
-        assert_eq!(r.max_dims(["logit_rows"], &[]).unwrap()["logit_rows"], 64);
+        let rows = |r: &ModuleRuntime| r.max_dims(["logit_rows"], &[]).unwrap()["logit_rows"];
+        // Sixteen sequences' next-token rows, raised to the default scoring chunk.
+        assert_eq!(rows(&r), DEFAULT_SCORING_ROWS);
+        r.batch.num_speculative_tokens = 7;
+        assert_eq!(rows(&r), 128);
+        // The scoring chunk never exceeds a step's token rows.
+        assert_eq!(rows(&rt(2, 512, 16, true, 1)), 16);
+    }
+
+    #[test]
+    fn max_logit_rows_is_checked_against_what_a_step_needs_and_holds() {
+        let mut r = rt(8, 512, 512, true, 1);
+        r.batch.max_logit_rows = Some(512);
+        assert_eq!(r.max_dims(["logit_rows"], &[]).unwrap()["logit_rows"], 512);
+        for (n, want) in [(7, "at least 8"), (513, "at most 512")] {
+            r.batch.max_logit_rows = Some(n);
+            let e = r.max_dims(["logit_rows"], &[]).unwrap_err().to_string();
+            assert!(e.contains("max_logit_rows") && e.contains(want), "{e}");
+        }
     }
 
     #[test]

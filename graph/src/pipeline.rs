@@ -89,8 +89,6 @@ pub struct LoadOptions {
     pub runtime: ModuleRuntime,
     /// The formats weights are stored in.
     pub weights: WeightFormat,
-    /// Graphs output logits for every token row, not only each sequence's last.
-    pub all_logits: bool,
     /// The roles to build; empty means every role of the model.
     pub roles: Vec<GraphRole>,
 }
@@ -100,7 +98,6 @@ impl Default for LoadOptions {
         LoadOptions {
             runtime: ModuleRuntime::default(),
             weights: WeightFormat::Keep,
-            all_logits: false,
             roles: Vec::new(),
         }
     }
@@ -295,7 +292,6 @@ pub fn load_model(dir: &Path, registry: &Registry, opts: &LoadOptions) -> Result
             _ => DType::F32,
         },
         page_size: opts.runtime.kv.page_size,
-        all_logits: opts.all_logits,
         takes_batch_context_lengths: deployment.takes_batch_context_lengths,
         checkpoint_dtype,
         runtime: opts.runtime.clone(),

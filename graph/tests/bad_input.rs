@@ -282,10 +282,10 @@ fn bad_step_inputs_are_errors() {
         kv_lookup_table: vec![1],
         pages_per_seq: 1,
         kv_groups: 1,
-        return_n_logits: 1,
+        logit_indices: vec![2],
     };
     assert!(interp.step(&good, &mut cache).is_ok());
-    let cases: [(StepInputs, &str); 4] = [
+    let cases: [(StepInputs, &str); 5] = [
         (
             StepInputs {
                 tokens: vec![1, 2048, 3],
@@ -313,6 +313,13 @@ fn bad_step_inputs_are_errors() {
                 ..good.clone()
             },
             "beyond its 1 pages",
+        ),
+        (
+            StepInputs {
+                logit_indices: vec![3],
+                ..good.clone()
+            },
+            "logit index 3",
         ),
     ];
     for (inputs, want) in cases {

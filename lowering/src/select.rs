@@ -136,7 +136,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                     scale: *scale,
                 }
             }
-            Op::LastTokens => {
+            Op::LogitRows => {
                 let out_shape = node
                     .ty
                     .shape
@@ -146,7 +146,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                 KernelBody::Gather {
                     rows: rows_of(&out_shape),
                     cols: cols_of(&out_shape),
-                    index: GatherIndex::LastRows,
+                    index: GatherIndex::LogitRows,
                     src_dtype: DType::F32,
                     scale: 1.0,
                 }
@@ -358,10 +358,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                 }
             }
         };
-        let inputs = match &node.op {
-            Op::LastTokens => vec![ops[0], ops[1]],
-            _ => ops.clone(),
-        };
+        let inputs = ops.clone();
         let out = new_value(&mut k, &node.ty, ValueKind::Temp)?;
         k.nodes.push(KNode {
             body,

@@ -199,41 +199,35 @@ fn gather_tokens_in_every_weight_type() {
 }
 
 #[test]
-fn gather_last_rows_returns_the_last_n_rows_of_each_sequence() {
+fn gather_logit_rows_returns_the_indexed_rows_and_zeros_for_minus_one() {
     let mut rng = Rng(2);
     let cols = 13usize;
     let Some(k) = Kernel::new(KernelBody::Gather {
         rows: Rows::Step(StepDim::LogitRows),
         cols: cols as u64,
-        index: GatherIndex::LastRows,
+        index: GatherIndex::LogitRows,
         src_dtype: DType::F32,
         scale: 1.0,
     }) else {
         return;
     };
-    let mut offsets: Vec<i32> = vec![0, 3, 3, 4, 9];
     let t = 9;
     let mut x = rng.vec(t * cols);
-    for n in [1usize, 3] {
-        let mut out = vec![f32::NAN; 4 * n * cols];
+    for mut index in [vec![2i32], vec![8, -1, 0, 3, 3, 7], (0..9).collect()] {
+        let n = index.len();
+        let mut out = vec![f32::NAN; n * cols];
         let mut d = dims(t, 4, 1, 1);
-        d[StepDim::LogitRows as usize] = 4 * n as u64;
-        k.run(&ptrs![x, offsets, out], d);
-        let mut want = Vec::new();
-        for b in 0..4 {
-            let (lo, hi) = (offsets[b] as i64, offsets[b + 1] as i64);
-            for j in 0..n as i64 {
-                let row = hi - n as i64 + j;
-                for c in 0..cols {
-                    want.push(if row >= lo {
-                        f64::from(x[row as usize * cols + c])
-                    } else {
-                        0.0
-                    });
-                }
-            }
-        }
-        assert_close(&out, &want, 0.0, &format!("gather last {n} rows"));
+        d[StepDim::LogitRows as usize] = n as u64;
+        k.run(&ptrs![x, index, out], d);
+        let want: Vec<f64> = index
+            .iter()
+            .flat_map(|&r| (0..cols).map(move |c| (r, c)))
+            .map(|(r, c)| match usize::try_from(r) {
+                Ok(r) => f64::from(x[r * cols + c]),
+                Err(_) => 0.0,
+            })
+            .collect();
+        assert_close(&out, &want, 0.0, &format!("gather rows {index:?}"));
     }
 }
 

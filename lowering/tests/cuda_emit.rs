@@ -98,7 +98,7 @@ fn gather_guards_rows_and_reads_the_chosen_row() {
     let last = emit(&KernelBody::Gather {
         rows: Rows::Step(StepDim::LogitRows),
         cols: 300,
-        index: GatherIndex::LastRows,
+        index: GatherIndex::LogitRows,
         src_dtype: DType::F32,
         scale: 1.0,
     });
@@ -107,11 +107,9 @@ fn gather_guards_rows_and_reads_the_chosen_row() {
         &last,
         &[
             "const int* __restrict__ index",
-            "if (i >= logit_rows || batch_size == 0) return;",
-            "const maxc_u64 n = logit_rows / batch_size;",
-            "row = (long long)index[b + 1] - (long long)n + (long long)j;",
-            "if (row < (long long)index[b]) row = -1;",
-            "(maxc_u64)row < total_seq_len",
+            "if (i >= logit_rows) return;",
+            "const long long row = (long long)index[i];",
+            "row >= 0 && (maxc_u64)row < total_seq_len",
             ": 0.0f;",
         ],
     );

@@ -112,7 +112,7 @@ fn all_kinds() -> Vec<KernelBody> {
             KernelBody::Gather {
                 rows: Rows::Step(StepDim::LogitRows),
                 cols: 13,
-                index: GatherIndex::LastRows,
+                index: GatherIndex::LogitRows,
                 src_dtype: dtype,
                 scale: 1.0,
             },

@@ -101,10 +101,11 @@ pub struct RoleInfo {
     pub pages_per_seq: usize,
     /// Each KV page group's sliding window (`None`: full attention), in lookup-table order.
     pub kv_windows: Vec<Option<usize>>,
-    /// Whether a step returns logits for every token row (else the last rows of each sequence).
-    pub all_logits: bool,
-    /// Most logit rows a step returns per sequence (`num_speculative_tokens + 1`; 1 where
-    /// every row's logits come back).
+    /// Most logit rows one step returns (the `logit_rows` bound: the length of its
+    /// [`StepInputs::logit_indices`]).
+    pub max_logit_rows: usize,
+    /// Most rows a step verifies per sequence: the artifact's `num_speculative_tokens` plus one
+    /// (every sequence of a full batch can return this many).
     pub max_return_n_logits: usize,
     /// End-of-sequence token ids.
     pub eos_token_ids: Vec<i64>,
@@ -131,7 +132,7 @@ pub trait StepExecutor: Send {
     fn info(&self) -> &RoleInfo;
 
     /// Runs one step whose pages its caller has allocated; returns its logit rows (see
-    /// [`StepInputs::return_n_logits`]). A step that fails leaves the KV cache's contents
+    /// [`StepInputs::logit_indices`]). A step that fails leaves the KV cache's contents
     /// for the step's rows undefined: its caller rolls the step back.
     fn execute(&mut self, inputs: &StepInputs) -> Result<Logits>;
 
@@ -238,16 +239,11 @@ impl Engine {
         let bounds = *exec.bounds();
         let bound = |d: StepDim| bounds[d as usize] as usize;
         let program = exec.program();
-        let all_logits = program.outputs.get("logits").is_some_and(|&o| {
-            program.buffers[o as usize].shape.first()
-                == Some(&crate::schema::Extent::Step(StepDim::TotalSeqLen))
-        });
-        let max_return_n_logits = if all_logits {
-            1
-        } else {
-            (bound(StepDim::LogitRows) / bound(StepDim::BatchSize).max(1)).max(1)
-        };
         let m = &artifact.manifest;
+        let max_logit_rows = bound(StepDim::LogitRows);
+        let max_return_n_logits = (m.runtime.num_speculative_tokens as usize + 1)
+            .min(max_logit_rows / bound(StepDim::BatchSize).max(1))
+            .max(1);
         let info = RoleInfo {
             vocab_size: program.vocab_size as usize,
             max_seq_len: m.runtime.max_seq_len as usize,
@@ -261,7 +257,7 @@ impl Engine {
                 .as_ref()
                 .map(|kv| kv.windows().iter().map(|w| w.map(|w| w as usize)).collect())
                 .unwrap_or_else(|| vec![None]),
-            all_logits,
+            max_logit_rows,
             max_return_n_logits,
             eos_token_ids: m.eos_token_ids.clone(),
             tokenizer_sha256: m.files.get(TOKENIZER_FILE).map(|f| f.sha256.clone()),
@@ -308,9 +304,9 @@ impl Engine {
         self.info.max_batch_size
     }
 
-    /// Whether the program returns logits for every token row (else one row per sequence).
-    pub fn all_logits(&self) -> bool {
-        self.info.all_logits
+    /// Most logit rows one step returns.
+    pub fn max_logit_rows(&self) -> usize {
+        self.info.max_logit_rows
     }
 
     /// Most logit rows a step returns per sequence: the artifact's `num_speculative_tokens`

@@ -1,7 +1,6 @@
 //! A step's output.
 
-/// Logits of a step: `rows × vocab`, one row per token row, or the last `return_n_logits` rows
-/// of each sequence (`batch_size × return_n_logits` rows).
+/// Logits of a step: `rows × vocab`, one row per entry of its `logit_indices`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Logits {
     /// Rows.

@@ -52,25 +52,51 @@ impl Session {
     }
 
     /// One step: each `(sequence, tokens)` appends a prefill chunk or a decode token; the
-    /// logits of each sequence's last row come back (every row's, where the program returns
-    /// all). A step that fails (bad input, an executor error) leaves every sequence as it was.
+    /// logits of each sequence's last row come back. A step that fails (bad input, an executor
+    /// error) leaves every sequence as it was.
     pub fn step(&mut self, chunks: &[(u64, &[i64])]) -> Result<Logits> {
         self.step_n(chunks, 1)
     }
 
     /// [`Session::step`] returning the logits of the last `n` rows of each sequence (row
     /// `b·n + j` is sequence `b`'s `j`-th of its last `n`; zeros in front where it has fewer),
-    /// so that one step verifies `n - 1` speculated tokens. `n` is at most
-    /// [`Engine::max_return_n_logits`].
+    /// so that one step verifies `n - 1` speculated tokens. Every sequence's `n` rows together
+    /// are at most [`Engine::max_logit_rows`].
     pub fn step_n(&mut self, chunks: &[(u64, &[i64])], n: usize) -> Result<Logits> {
-        let info = self.engine.info();
-        if n == 0 || n > info.max_return_n_logits {
+        let most = self.engine.max_logit_rows();
+        if n == 0 || chunks.len() * n > most {
             return Err(RuntimeError::Input(format!(
-                "return_n_logits is {n}; this artifact returns 1 to {} logit rows per sequence \
-                 (compile with --num-speculative-tokens to return more)",
-                info.max_return_n_logits
+                "{} sequences × {n} logit rows: this artifact returns 1 to {most} logit rows \
+                 per step (compile with --max-logit-rows to return more)",
+                chunks.len()
             )));
         }
+        self.step_with(chunks, |inputs| inputs.last_rows(n))
+    }
+
+    /// [`Session::step`] returning the logits of every token row of the step, in order (for
+    /// scoring): at most [`Engine::max_logit_rows`] rows, which `--all-logits` raises to the
+    /// step's token budget.
+    pub fn step_all(&mut self, chunks: &[(u64, &[i64])]) -> Result<Logits> {
+        let rows: usize = chunks.iter().map(|c| c.1.len()).sum();
+        let most = self.engine.max_logit_rows();
+        if rows == 0 || rows > most {
+            return Err(RuntimeError::Input(format!(
+                "the step has {rows} token rows; this artifact returns 1 to {most} logit rows \
+                 per step (compile with --all-logits to return every row of a full step)"
+            )));
+        }
+        self.step_with(chunks, |inputs| {
+            inputs.logit_indices = (0..rows as i32).collect();
+        })
+    }
+
+    fn step_with(
+        &mut self,
+        chunks: &[(u64, &[i64])],
+        rows: impl FnOnce(&mut crate::schema::StepInputs),
+    ) -> Result<Logits> {
+        let info = self.engine.info();
         for &(seq, tokens) in chunks {
             let end = self.pages.len(seq) + tokens.len();
             if end > info.max_seq_len {
@@ -86,7 +112,7 @@ impl Session {
             self.pages.slide(seq);
         }
         let mut step = self.pages.prepare(chunks)?;
-        step.inputs.return_n_logits = n;
+        rows(&mut step.inputs);
         match self.engine.execute(&step.inputs) {
             Ok(logits) => {
                 self.pages.commit(step)?;

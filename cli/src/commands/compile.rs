@@ -30,8 +30,10 @@ pub struct Args {
     pub weights: WeightFormat,
     #[command(flatten)]
     pub runtime: RuntimeArgs,
-    /// Return logits for every token row, not only each sequence's last (for scoring and tests).
-    #[arg(long)]
+    /// Return logits for every token row of a full step (the logit-row bound becomes the step
+    /// budget), so that prompts are scored at full prefill speed; every artifact scores
+    /// prompts, in chunks of --max-logit-rows rows without it.
+    #[arg(long, conflicts_with = "max_logit_rows")]
     pub all_logits: bool,
     /// How matmuls run on the CPU: `auto` (the runtime chooses per CPU: on AVX-512 the
     /// library's register tiles and blocked attention; elsewhere generated code for steps of 2

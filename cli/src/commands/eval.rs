@@ -46,7 +46,6 @@ pub fn run(args: Args) -> Result<()> {
     };
     let opts = LoadOptions {
         runtime,
-        all_logits: true,
         roles: vec![args.role],
         weights: args.weights,
     };
@@ -58,7 +57,7 @@ pub fn run(args: Args) -> Result<()> {
     let interp = Interpreter::new(rg.graph, &rg.weights)?;
     let pages = tokens.len().div_ceil(page_size);
     let mut session = Session::new(&interp, pages, pages);
-    let logits = session.step(&[(0, &tokens)])?;
+    let logits = session.step_all(&[(0, &tokens)])?;
     crate::report::logits(
         tokens.len(),
         interp.vocab_size(),

@@ -16,6 +16,10 @@ pub struct Args {
     /// The role to run.
     #[arg(long, default_value = "decoder")]
     role: String,
+    /// Prompt tokens per step [default: as many as a step returns logits for]; 1 runs the
+    /// prompt as decode steps, through the kernels decoding takes.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    step_tokens: Option<u32>,
     /// Where to run: `cpu`, or `cuda` (GPU 0; the artifact needs --target cuda or all).
     #[arg(long, default_value = "cpu")]
     device: maxc_runtime::engine::Device,
@@ -30,20 +34,22 @@ pub struct Args {
     activations: crate::args::ActivationArgs,
 }
 
-/// Every position's logits of `tokens`: one step where the program returns every row, else one
-/// step per token.
-pub fn prompt_logits(engine: &mut Session, tokens: &[i64]) -> Result<Vec<f32>> {
+/// Every position's logits of `tokens`, in steps of `step` tokens at most, or of as many rows
+/// as the artifact returns logits for (the whole step budget where compiled with
+/// `--all-logits`).
+pub fn prompt_logits(
+    engine: &mut Session,
+    tokens: &[i64],
+    step: Option<usize>,
+) -> Result<Vec<f32>> {
     let seq = 0;
     engine.release(seq);
     let mut out = Vec::with_capacity(tokens.len() * engine.engine().vocab_size());
-    if engine.engine().all_logits() {
-        for chunk in tokens.chunks(engine.engine().max_step_tokens().max(1)) {
-            out.extend(engine.step(&[(seq, chunk)])?.data);
-        }
-    } else {
-        for t in tokens {
-            out.extend(engine.step(&[(seq, std::slice::from_ref(t))])?.data);
-        }
+    let e = engine.engine();
+    let most = e.max_step_tokens().min(e.max_logit_rows()).max(1);
+    let chunk = step.unwrap_or(most).min(most);
+    for chunk in tokens.chunks(chunk) {
+        out.extend(engine.step_all(&[(seq, chunk)])?.data);
     }
     engine.release(seq);
     Ok(out)
@@ -68,7 +74,8 @@ pub fn run(args: Args) -> Result<()> {
             engine.engine().max_seq_len()
         );
     }
-    let logits = prompt_logits(&mut engine, &tokens)?;
+    let step = args.step_tokens.map(|n| n as usize);
+    let logits = prompt_logits(&mut engine, &tokens, step)?;
     crate::report::logits(
         tokens.len(),
         engine.engine().vocab_size(),

@@ -100,6 +100,10 @@ def artifacts(tmp_path_factory):
         "tiny_all": compile_artifact(
             tiny, str(d / "tiny-all.maxc"), "--all-logits", "--max-seq-len", "128",
             "--page-size", "16", "--max-batch-size", "8", "--max-batch-input-tokens", "256"),
+        # Steps return at most 8 logit rows: prompts are scored in chunks of 8.
+        "tiny_rows8": compile_artifact(
+            tiny, str(d / "tiny-rows8.maxc"), "--max-logit-rows", "8", "--max-seq-len", "128",
+            "--page-size", "16", "--max-batch-size", "8", "--max-batch-input-tokens", "256"),
         "tiny_small_kv": compile_artifact(
             tiny, str(d / "tiny-small.maxc"), "--max-seq-len", "128", "--page-size", "16",
             "--max-batch-size", "8", "--kv-cache-pages", "12"),

@@ -138,8 +138,11 @@ def test_concurrent_greedy_requests_equal_generate_alone(smol, artifacts):
         assert got[i] == want[i], (i, prompts[i], got[i], want[i])
 
 
-def test_logprobs_with_echo_score_the_prompt_like_transformers(artifacts):
-    s = Server(artifacts["tiny_all"])
+@pytest.mark.parametrize("artifact", ["tiny_all", "tiny", "tiny_rows8"])
+def test_logprobs_with_echo_score_the_prompt_like_transformers(artifacts, artifact):
+    """Every artifact scores prompts: compiled with --all-logits (a whole step's rows), with no
+    flag (64 rows a step) and with --max-logit-rows 8 (the prompt in chunks of 8)."""
+    s = Server(artifacts[artifact])
     try:
         ref = load_file(os.path.join(FIXTURES, "tiny-llama", "reference.safetensors"))
         tokens = ref["p1.tokens"].tolist()
@@ -155,6 +158,20 @@ def test_logprobs_with_echo_score_the_prompt_like_transformers(artifacts):
         assert len(got) == len(want)
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-3
         assert all(len(t) == 1 for t in lp["top_logprobs"][1:])
+        # vLLM's prompt_logprobs: the same values, with each token's rank and alternatives.
+        r = httpx.post(s.v1 + "/completions", json={
+            "prompt": tokens, "max_tokens": 1, "prompt_logprobs": 2}, timeout=60)
+        assert r.status_code == 200, r.text
+        plp = r.json()["choices"][0]["prompt_logprobs"]
+        assert plp[0] is None and len(plp) == len(tokens)
+        for j, entry in enumerate(plp[1:]):
+            e = entry[str(tokens[j + 1])]
+            assert abs(e["logprob"] - want[j]) < 1e-3
+            rank = 1 + int((logits[j] > logits[j, tokens[j + 1]]).sum())
+            assert e["rank"] == rank
+            # The two most likely, the token among them where it is one.
+            assert sorted(v["rank"] for v in entry.values())[:2] == [1, 2] or rank > 2
+            assert len(entry) == 2 + (rank > 2)
         # Generated tokens' logprobs too, for chat-less completions with echo off.
         # Generated tokens: transformers' greedy continuation, each the top-1 alternative.
         r = httpx.post(s.v1 + "/completions", json={

@@ -502,6 +502,10 @@ impl DecoderBuilder<'_> {
                 )
             })
             .collect::<Result<Vec<_>>>()?;
+        let logit_indices = self.b.input(
+            "logit_indices",
+            TensorType::new(DType::I32, [Dim::sym(names::LOGIT_ROWS)]),
+        )?;
         if self.opts.takes_batch_context_lengths {
             self.b.input(
                 "batch_context_lengths",
@@ -562,14 +566,13 @@ impl DecoderBuilder<'_> {
             }
             h = self.b.op(&lp.key("mlp_residual"), Op::Add, &[h, mlp])?;
         }
-        let mut h = self.rms_norm(&model.pp("norm"), h)?;
+        let h = self.rms_norm(&model.pp("norm"), h)?;
         // Every row's final hidden state, which embeddings pool (it lives to the step's end).
         self.b.output("hidden_states", h);
-        if !self.opts.all_logits {
-            h = self
-                .b
-                .op("last_tokens", Op::LastTokens, &[h, row_offsets])?;
-        }
+        // The head runs only on the rows the step returns logits for.
+        let h = self
+            .b
+            .op("logit_rows", Op::LogitRows, &[h, logit_indices])?;
         let head = if c.tie_word_embeddings {
             embed
         } else {

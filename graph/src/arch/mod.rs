@@ -28,9 +28,6 @@ pub struct BuildOptions {
     pub param_dtype: DType,
     /// Tokens per KV cache page.
     pub page_size: usize,
-    /// Logits for every token row (`[total_seq_len, vocab]`) instead of each sequence's last
-    /// `return_n_logits` rows (`[logit_rows, vocab]`).
-    pub all_logits: bool,
     /// The graph takes `batch_context_lengths` (from the deployment config).
     pub takes_batch_context_lengths: bool,
     /// The float dtype the checkpoint stores its weights in (before conversion); rotary
@@ -45,7 +42,6 @@ impl Default for BuildOptions {
         BuildOptions {
             param_dtype: DType::F32,
             page_size: 128,
-            all_logits: false,
             takes_batch_context_lengths: false,
             checkpoint_dtype: DType::F32,
             runtime: crate::ModuleRuntime::default(),

@@ -230,7 +230,7 @@ impl Interpreter {
             ("input_row_offsets_len".to_string(), b + 1),
             ("max_num_pages".to_string(), s.pages_per_seq),
             ("total_num_pages".to_string(), cache.num_pages),
-            ("logit_rows".to_string(), b * s.return_n_logits),
+            ("logit_rows".to_string(), s.logit_indices.len()),
         ]);
         let widen = |v: &[i32]| v.iter().map(|&x| i64::from(x)).collect::<Vec<i64>>();
         let (offs, lens) = (widen(&s.input_row_offsets), widen(&s.cache_lengths));
@@ -278,6 +278,7 @@ impl Interpreter {
                     "tokens" => s.tokens.clone(),
                     "input_row_offsets" => offs.clone(),
                     "cache_lengths" => lens.clone(),
+                    "logit_indices" => widen(&s.logit_indices),
 
                     "batch_context_lengths" => {
                         (0..b).map(|i| lens[i] + offs[i + 1] - offs[i]).collect()
@@ -392,21 +393,15 @@ impl Interpreter {
                         node.op.name()
                     )))
                 }
-                Op::LastTokens => {
+                Op::LogitRows => {
                     let h = last(0);
                     let x = v(0).f();
-                    let n = s.return_n_logits;
                     Val::F(
-                        (0..b * n)
-                            .flat_map(|i| {
-                                let (start, end) = (offs[i / n], offs[i / n + 1]);
-                                let row = end - n as i64 + (i % n) as i64;
-                                if row < start {
-                                    vec![0.0; h]
-                                } else {
-                                    let row = row as usize;
-                                    x[row * h..(row + 1) * h].to_vec()
-                                }
+                        s.logit_indices
+                            .iter()
+                            .flat_map(|&row| match usize::try_from(row) {
+                                Ok(row) => x[row * h..(row + 1) * h].to_vec(),
+                                Err(_) => vec![0.0; h],
                             })
                             .collect(),
                     )

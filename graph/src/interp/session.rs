@@ -33,11 +33,26 @@ impl<'a> Session<'a> {
     }
 
     /// Runs one step in which each `(sequence, tokens)` pair appends its tokens (a prefill chunk
-    /// or a decode token); new sequences start empty. Returns the graph's logits. A failing
-    /// step changes no sequence.
+    /// or a decode token); new sequences start empty. Returns the logits of each sequence's
+    /// last row. A failing step changes no sequence.
     pub fn step(&mut self, chunks: &[(u64, &[i64])]) -> Result<Tensor> {
+        self.step_with(chunks, |_| {})
+    }
+
+    /// [`Session::step`] returning the logits of every token row of the step, in order.
+    pub fn step_all(&mut self, chunks: &[(u64, &[i64])]) -> Result<Tensor> {
+        let rows: usize = chunks.iter().map(|c| c.1.len()).sum();
+        self.step_with(chunks, |s| s.logit_indices = (0..rows as i32).collect())
+    }
+
+    fn step_with(
+        &mut self,
+        chunks: &[(u64, &[i64])],
+        rows: impl FnOnce(&mut maxc_schema::StepInputs),
+    ) -> Result<Tensor> {
         let eval = |e: maxc_kv::PageError| Error::Eval(e.to_string());
-        let step = self.pages.prepare(chunks).map_err(eval)?;
+        let mut step = self.pages.prepare(chunks).map_err(eval)?;
+        rows(&mut step.inputs);
         match self.interp.step(&step.inputs, &mut self.cache) {
             Ok(out) => {
                 self.pages.commit(step).map_err(eval)?;

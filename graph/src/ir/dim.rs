@@ -25,7 +25,7 @@ pub mod names {
     pub const MAX_NUM_PAGES: &str = "max_num_pages";
     /// Pages in the KV cache.
     pub const TOTAL_NUM_PAGES: &str = "total_num_pages";
-    /// Logit rows of a step: each sequence's last `return_n_logits` rows.
+    /// Logit rows of a step: the token rows its `logit_indices` input names.
     pub const LOGIT_ROWS: &str = "logit_rows";
 }
 

@@ -251,10 +251,9 @@ pub enum Op {
         /// Experts per rank.
         experts_per_rank: usize,
     },
-    /// `(x [T, H], input_row_offsets [B+1]) -> [logit_rows, H]`: the last `return_n_logits`
-    /// rows of each sequence (`logit_rows = B × return_n_logits`), zeros in front where a
-    /// sequence has fewer rows.
-    LastTokens,
+    /// `(x [T, H], logit_indices i32 [logit_rows]) -> [logit_rows, H]`: the rows whose logits
+    /// the step returns, row `logit_indices[i]` of `x` (zeros where it is -1).
+    LogitRows,
 }
 
 impl Op {
@@ -278,7 +277,7 @@ impl Op {
             Op::Softmax => "softmax",
             Op::TopK { .. } => "top_k",
             Op::MoeExperts { .. } => "moe_experts",
-            Op::LastTokens => "last_tokens",
+            Op::LogitRows => "logit_rows",
             Op::Zeros { .. } => "zeros",
             Op::RankExperts { .. } => "rank_experts",
         }
@@ -522,25 +521,17 @@ impl Op {
                 }
                 Ok(TensorType::new(DType::I32, [Dim::Fixed(*experts_per_rank)]))
             }
-            Op::LastTokens => {
+            Op::LogitRows => {
                 arity(xs, 2)?;
-                let (x, offs) = (xs[0], xs[1]);
+                let (x, idx) = (xs[0], xs[1]);
                 rank(x, 2, "x")?;
-                rank(offs, 1, "input_row_offsets")?;
-                integer(offs, "input_row_offsets")?;
-                match &offs.shape[0] {
-                    Dim::Fixed(n) if *n >= 1 => {}
-                    Dim::Sym(s) if s == names::INPUT_ROW_OFFSETS_LEN => {}
-                    other => {
-                        return Err(format!(
-                            "input_row_offsets has length {other}, expected {}",
-                            names::INPUT_ROW_OFFSETS_LEN
-                        ))
-                    }
-                };
+                rank(idx, 1, "logit_indices")?;
+                if idx.dtype != DType::I32 {
+                    return Err(format!("logit_indices is {idx}, expected i32"));
+                }
                 Ok(TensorType::new(
                     DType::F32,
-                    [Dim::sym(names::LOGIT_ROWS), x.shape[1].clone()],
+                    [idx.shape[0].clone(), x.shape[1].clone()],
                 ))
             }
         }

@@ -1,15 +1,15 @@
-//! Row gathers: embedding lookup by token id, and the last rows of each sequence.
+//! Row gathers: embedding lookup by token id, and the rows a step returns logits for.
 
 use super::builder::{check_size, KernelBuilder};
 use super::dtype::{self, FloatType};
 use super::CpuError;
 use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::{InstBuilder, Value};
-use maxc_schema::{DType, GatherIndex, StepDim};
+use maxc_schema::{DType, GatherIndex};
 
 /// Emits [`maxc_schema::KernelBody::Gather`]: for each output row `i` of this call's
 /// slice, copies (and widens to f32, times `scale` where that is not 1) the chosen source row
-/// with f32x4 stores; a last row before its sequence's first gets zeros.
+/// with f32x4 stores; a logit row of index -1 gets zeros.
 pub(crate) fn emit(
     kb: &mut KernelBuilder,
     cols: u64,
@@ -31,21 +31,12 @@ pub(crate) fn emit(
                 let token = kb.load_i64(idx, i);
                 copy_row(kb, (ft, scale), cols, src, token, out_row);
             }
-            GatherIndex::LastRows => {
-                // Rows per sequence n = logit_rows / batch_size (batch_size ≥ 1 where a row
-                // exists); output row i is row j = i mod n of sequence b = i / n's last n.
-                let logit_rows = kb.dim(StepDim::LogitRows);
-                let batch = kb.dim(StepDim::BatchSize);
-                let n = kb.b.ins().udiv(logit_rows, batch);
-                let seq = kb.b.ins().udiv(i, n);
-                let seq_start = kb.b.ins().imul(seq, n);
-                let j = kb.b.ins().isub(i, seq_start);
-                let lo = kb.load_i32(idx, seq);
-                let next = kb.b.ins().iadd_imm_s(seq, 1);
-                let hi = kb.load_i32(idx, next);
-                let back = kb.b.ins().isub(hi, n);
-                let row = kb.b.ins().iadd(back, j);
-                let has_row = kb.b.ins().icmp(IntCC::SignedGreaterThanOrEqual, row, lo);
+            GatherIndex::LogitRows => {
+                // The step check holds every index in -1..total_seq_len; -1 gives zeros.
+                let row = kb.load_i32(idx, i);
+                let has_row =
+                    kb.b.ins()
+                        .icmp_imm_s(IntCC::SignedGreaterThanOrEqual, row, 0);
                 kb.if_else(
                     has_row,
                     |kb| copy_row(kb, (ft, scale), cols, src, row, out_row),

@@ -1,13 +1,12 @@
-//! Row gathers: embedding lookup by token id, and the last rows of each sequence.
+//! Row gathers: embedding lookup by token id, and the rows a step returns logits for.
 
 use super::source::{self, fill, per_row, rows_expr, ull, Buf, Ctx};
 use super::{CudaError, Emitted};
 use maxc_schema::{CudaLaunch, DType, GatherIndex, GridExtent, Rows};
 
 /// Emits [`maxc_schema::KernelBody::Gather`]: one block per output row `i < rows`,
-/// threads striding over the columns. `Tokens` copies source row `index[i]`; `LastRows` copies
-/// row `index[b + 1] - n + j` for output row `i = b·n + j` (`n = logit_rows / batch_size`) when
-/// that row belongs to sequence `b` (and lies below `total_seq_len`), zeros otherwise.
+/// threads striding over the columns. `Tokens` copies source row `index[i]` (a token id);
+/// `LogitRows` copies row `index[i]` (a step row), zeros where it is -1.
 pub(crate) fn emit(
     cx: Ctx,
     rows: Rows,
@@ -43,20 +42,14 @@ pub(crate) fn emit(
                 &vars,
             ),
         ),
-        GatherIndex::LastRows => (
+        GatherIndex::LogitRows => (
             Buf::input("int", "index"),
             fill(
                 r#"
     const maxc_u64 i = blockIdx.x;
-    if (i >= ${ROWS} || batch_size == 0) return;
-    // Row j of sequence b's last n rows; sequence b owns rows index[b]..index[b + 1].
-    const maxc_u64 n = logit_rows / batch_size;
-    const maxc_u64 b = i / n, j = i % n;
-    long long row = -1;
-    if (b + 1 < input_row_offsets_len) {
-        row = (long long)index[b + 1] - (long long)n + (long long)j;
-        if (row < (long long)index[b]) row = -1;
-    }
+    if (i >= ${ROWS}) return;
+    // The step check holds every index in -1..total_seq_len.
+    const long long row = (long long)index[i];
     const bool has_row = row >= 0 && (maxc_u64)row < total_seq_len;
     for (maxc_u64 c = threadIdx.x; c < ${COLS}; c += blockDim.x)
         out[i * ${COLS} + c] = has_row ? maxc_ld(src, (maxc_u64)row * ${COLS} + c)${SCALE} : 0.0f;

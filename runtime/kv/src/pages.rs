@@ -542,7 +542,7 @@ impl PageTable {
             kv_lookup_table: Vec::new(),
             pages_per_seq: width,
             kv_groups: groups,
-            return_n_logits: 1,
+            logit_indices: Vec::new(),
         };
         let mut tables: Vec<Vec<i32>> =
             vec![Vec::with_capacity(chunks.len().saturating_mul(width)); groups];
@@ -582,6 +582,8 @@ impl PageTable {
             step_chunks.push((seq, tokens.len()));
         }
         inputs.kv_lookup_table = tables.concat();
+        // Each sequence's next-token row; the caller asks for more where it needs them.
+        inputs.last_rows(1);
         self.open_step = Some(id);
         Ok(PreparedStep {
             inputs,
@@ -1517,7 +1519,7 @@ mod tests {
                 kv_lookup_table: vec![2, 3, 0, 0, 1, 0, 0, 0, 0],
                 pages_per_seq: 3,
                 kv_groups: 1,
-                return_n_logits: 1,
+                logit_indices: vec![2, 3, -1],
             }
         );
         assert_eq!((t.len(9), t.len(5)), (0, 3));

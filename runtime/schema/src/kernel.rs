@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 /// range, buffer order). Bumped whenever that meaning changes without the body changing (as
 /// when attention's parallel range became (row, KV head) pairs), so that code compiled under the
 /// old meaning no longer matches its body's [`KernelBody::digest`].
-pub const KERNEL_CONTRACT: &str = "maxc kernel contract 3";
+pub const KERNEL_CONTRACT: &str = "maxc kernel contract 4";
 
 /// A per-step size, by its slot in the `dims` array passed to every kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -40,8 +40,7 @@ pub enum StepDim {
     TotalNumPages = 3,
     /// Entries of `input_row_offsets` (`input_row_offsets_len`, the batch size plus one).
     InputRowOffsetsLen = 4,
-    /// Logit rows the step returns (`logit_rows`): the last `return_n_logits` rows of each
-    /// sequence, `batch_size × return_n_logits`.
+    /// Logit rows the step returns (`logit_rows`): the length of its `logit_indices`.
     LogitRows = 5,
 }
 
@@ -123,10 +122,10 @@ pub struct EwInput {
 pub enum GatherIndex {
     /// Row `i` of the output is row `index[i]` (i64 token ids) of the source; `rows` = tokens.
     Tokens,
-    /// The last `n = logit_rows / batch_size` rows of each sequence (i32 row offsets in
-    /// `index`): output row `b·n + j` is source row `index[b + 1] - n + j`, or zeros where that
-    /// row lies before the sequence's first (`index[b]`). The kernel's rows are `logit_rows`.
-    LastRows,
+    /// Row `i` of the output is row `index[i]` (the step input `logit_indices`, i32, checked
+    /// to lie in `-1..total_seq_len`) of the source, or zeros where it is -1. The kernel's rows
+    /// are `logit_rows`.
+    LogitRows,
 }
 
 /// What a kernel computes. Each variant documents its buffers (in `bufs` order) and its

@@ -21,9 +21,11 @@ pub struct StepInputs {
     pub pages_per_seq: usize,
     /// KV page groups: the lookup tables in `kv_lookup_table` (at least 1).
     pub kv_groups: usize,
-    /// Logit rows returned per sequence: its last `return_n_logits` rows (zeros in front where
-    /// a sequence has fewer), so that a step can verify speculated tokens. At least 1.
-    pub return_n_logits: usize,
+    /// The token rows whose logits the step returns, in output order (the `logit_rows` dim):
+    /// each in `-1..total_seq_len`, `-1` giving a row of zeros. A step returns what it needs:
+    /// each sequence's last row (its next token), the rows before it that verify draft tokens,
+    /// or every row of a prompt being scored ([`StepInputs::last_rows`] builds the common case).
+    pub logit_indices: Vec<i32>,
 }
 
 /// What a step may hold: the bounds of the program that runs it and its cache.
@@ -45,6 +47,26 @@ pub struct StepLimits {
 }
 
 impl StepInputs {
+    /// Sets [`StepInputs::logit_indices`] to the last `n` rows of each sequence in order
+    /// (`batch_size × n` rows; `-1`, a row of zeros, in front where a sequence has fewer).
+    pub fn last_rows(&mut self, n: usize) {
+        let offs = &self.input_row_offsets;
+        self.logit_indices = offs
+            .windows(2)
+            .flat_map(|w| {
+                let (start, end) = (w[0], w[1]);
+                (0..n as i32).map(move |j| {
+                    let row = end - n as i32 + j;
+                    if row >= start {
+                        row
+                    } else {
+                        -1
+                    }
+                })
+            })
+            .collect();
+    }
+
     /// Group `g`'s `[B, pages_per_seq]` lookup table (empty past the last group).
     pub fn lookup_table(&self, g: usize) -> &[i32] {
         let n = self.batch_size() * self.pages_per_seq;
@@ -81,9 +103,9 @@ impl StepInputs {
     pub fn checked_dims(&self, limits: &StepLimits) -> Result<[u64; StepDim::COUNT], StepError> {
         let b = self.batch_size() as u64;
         let bounds = &limits.bounds;
-        if self.return_n_logits == 0 {
+        if self.logit_indices.is_empty() {
             return Err(StepError(
-                "return_n_logits is 0; a step returns at least one logit row per sequence".into(),
+                "logit_indices is empty; a step returns at least one logit row".into(),
             ));
         }
         let dims = [
@@ -92,7 +114,7 @@ impl StepInputs {
             self.pages_per_seq as u64,
             bounds[StepDim::TotalNumPages as usize],
             b + 1,
-            b.saturating_mul(self.return_n_logits as u64),
+            self.logit_indices.len() as u64,
         ];
         for d in [
             StepDim::TotalSeqLen,
@@ -146,6 +168,16 @@ impl StepInputs {
                 "kv_lookup_table has {} entries, expected {groups} × {b} × {}",
                 self.kv_lookup_table.len(),
                 self.pages_per_seq
+            ));
+        }
+        let rows = self.tokens.len() as i64;
+        if let Some(i) = self
+            .logit_indices
+            .iter()
+            .find(|&&i| i < -1 || i64::from(i) >= rows)
+        {
+            return bad(format!(
+                "logit index {i} is outside the step's rows (-1 for zeros, or 0..{rows})"
             ));
         }
         let vocab = limits.vocab_size;
@@ -222,17 +254,16 @@ mod tests {
             kv_lookup_table: vec![0, 0, 1, 2],
             pages_per_seq: 2,
             kv_groups: 1,
-            return_n_logits: 1,
+            logit_indices: vec![1, 2],
         }
     }
 
     #[test]
     fn a_good_step_gives_its_dims() {
         assert_eq!(good().checked_dims(&limits()), Ok([3, 2, 2, 4, 3, 2]));
-        let two = StepInputs {
-            return_n_logits: 2,
-            ..good()
-        };
+        let mut two = good();
+        two.last_rows(2);
+        assert_eq!(two.logit_indices, vec![0, 1, -1, 2]);
         assert_eq!(two.checked_dims(&limits()), Ok([3, 2, 2, 4, 3, 4]));
         assert_eq!(good().context_lengths(), vec![2, 5]);
     }
@@ -320,17 +351,31 @@ mod tests {
             ),
             (
                 StepInputs {
-                    return_n_logits: 3,
+                    logit_indices: vec![0, 1, 2, 2, 1],
                     ..good()
                 },
-                "logit_rows is 6",
+                "logit_rows is 5",
             ),
             (
                 StepInputs {
-                    return_n_logits: 0,
+                    logit_indices: vec![],
                     ..good()
                 },
-                "return_n_logits is 0",
+                "logit_indices is empty",
+            ),
+            (
+                StepInputs {
+                    logit_indices: vec![3],
+                    ..good()
+                },
+                "logit index 3",
+            ),
+            (
+                StepInputs {
+                    logit_indices: vec![-2],
+                    ..good()
+                },
+                "logit index -2",
             ),
         ];
         for (inputs, want) in cases {
@@ -344,7 +389,7 @@ mod tests {
             kv_lookup_table: vec![0, 1],
             pages_per_seq: 2,
             kv_groups: 1,
-            return_n_logits: 1,
+            logit_indices: vec![8],
         };
         let e = many.checked_dims(&limits()).unwrap_err().to_string();
         assert!(e.contains("total_seq_len is 9"), "{e}");

@@ -87,7 +87,7 @@ enum Use {
 }
 
 /// The step inputs an executor binds by name: dtype and shape.
-pub const STEP_INPUTS: [(&str, DType, &[StepDim]); 5] = [
+pub const STEP_INPUTS: [(&str, DType, &[StepDim]); 6] = [
     ("tokens", DType::I64, &[StepDim::TotalSeqLen]),
     (
         "input_row_offsets",
@@ -101,6 +101,7 @@ pub const STEP_INPUTS: [(&str, DType, &[StepDim]); 5] = [
         &[StepDim::BatchSize, StepDim::MaxNumPages],
     ),
     ("batch_context_lengths", DType::I32, &[StepDim::BatchSize]),
+    ("logit_indices", DType::I32, &[StepDim::LogitRows]),
 ];
 
 struct Ctx<'a> {
@@ -669,7 +670,6 @@ fn check_use(
 /// Each operand of `body`, in buffer order, with what the kernel touches at the bounds.
 fn operand_uses(body: &KernelBody, cx: &Ctx, what: &str) -> Result<Vec<Use>, ValidationError> {
     let t = || cx.bound(StepDim::TotalSeqLen, what);
-    let b = || cx.bound(StepDim::BatchSize, what);
     let f32s = |elements: u64, write: bool| Use::Values {
         dtype: DType::F32,
         elements,
@@ -688,9 +688,9 @@ fn operand_uses(body: &KernelBody, cx: &Ctx, what: &str) -> Result<Vec<Use>, Val
             src_dtype,
             ..
         } => {
-            if matches!(index, GatherIndex::LastRows) && *rows != Rows::Step(StepDim::LogitRows) {
+            if matches!(index, GatherIndex::LogitRows) && *rows != Rows::Step(StepDim::LogitRows) {
                 return err(format!(
-                    "{what}: a last-rows gather runs over logit_rows rows, not {rows:?}"
+                    "{what}: a logit-rows gather runs over logit_rows rows, not {rows:?}"
                 ));
             }
             let rows = cx.rows(rows, what)?;
@@ -699,14 +699,11 @@ fn operand_uses(body: &KernelBody, cx: &Ctx, what: &str) -> Result<Vec<Use>, Val
                     vals(*src_dtype, mul(&[cx.p.vocab_size, *cols], what)?),
                     Use::Input("tokens"),
                 ),
-                GatherIndex::LastRows => {
-                    // Sequence b = i / n reads offsets b and b + 1: within batch_size + 1.
-                    b()?;
-                    (
-                        vals(*src_dtype, mul(&[t()?, *cols], what)?),
-                        Use::Input("input_row_offsets"),
-                    )
-                }
+                GatherIndex::LogitRows => (
+                    // The step check holds every index below total_seq_len.
+                    vals(*src_dtype, mul(&[t()?, *cols], what)?),
+                    Use::Input("logit_indices"),
+                ),
             };
             if matches!(index, GatherIndex::Tokens) && rows > t()? {
                 return err(format!(

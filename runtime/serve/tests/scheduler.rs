@@ -70,7 +70,7 @@ impl Fake {
                 total_pages: pages,
                 pages_per_seq: MAX_SEQ / PAGE,
                 kv_windows: vec![None],
-                all_logits: false,
+                max_logit_rows: batch * n_logits,
                 max_return_n_logits: n_logits,
                 eos_token_ids: vec![0],
                 tokenizer_sha256: None,
@@ -95,7 +95,7 @@ impl Fake {
         bounds[StepDim::MaxNumPages as usize] = i.pages_per_seq as u64;
         bounds[StepDim::TotalNumPages as usize] = i.total_pages as u64;
         bounds[StepDim::InputRowOffsetsLen as usize] = i.max_batch_size as u64 + 1;
-        bounds[StepDim::LogitRows as usize] = (i.max_batch_size * i.max_return_n_logits) as u64;
+        bounds[StepDim::LogitRows as usize] = i.max_logit_rows as u64;
         StepLimits {
             bounds,
             vocab_size: VOCAB as u64,
@@ -121,11 +121,11 @@ impl StepExecutor for Fake {
             }
         }
         s.checked_dims(&self.limits())?;
-        let n = s.return_n_logits;
+        let n = s.logit_indices.len();
         let mut out = Logits {
-            rows: s.batch_size() * n,
+            rows: n,
             vocab: VOCAB,
-            data: vec![0.0; s.batch_size() * n * VOCAB],
+            data: vec![0.0; n * VOCAB],
         };
         // Every page group stores each token; a row reads its last `window` positions from a
         // sliding group's pages and the older ones from the first (full) group's, so a page
@@ -146,10 +146,13 @@ impl StepExecutor for Fake {
                     self.memory.insert((page_in(g, pos), pos % PAGE), t);
                 }
             }
-            let rows = to - from;
-            for k in 0..n.min(rows) {
-                // Row `rows - 1 - k` of this sequence fills logit row `b·n + n - 1 - k`.
-                let end = cached + rows - k;
+            // Each logit row of one of this sequence's rows: the next token after it.
+            for (i, &r) in s.logit_indices.iter().enumerate() {
+                let Ok(r) = usize::try_from(r) else { continue };
+                if !(from..to).contains(&r) {
+                    continue;
+                }
+                let end = cached + r - from + 1;
                 let context: Vec<i64> = (0..end)
                     .map(|pos| {
                         let g = match (window, sliding) {
@@ -163,8 +166,7 @@ impl StepExecutor for Fake {
                     })
                     .collect();
                 let next = (self.model)(&context) as usize;
-                let row = b * n + n - 1 - k;
-                out.data[row * VOCAB + next] = 10.0;
+                out.data[i * VOCAB + next] = 10.0;
             }
         }
         Ok(out)
@@ -600,4 +602,87 @@ fn sliding_groups_with_speculation_and_preemption_give_the_plain_tokens() {
     let st = s.speculation().unwrap().stats();
     assert!(st.accepted > 0, "{st:?}");
     assert!(idle(s.kv()));
+}
+
+/// Scores `prompts` (`echo` with `logprobs`) beside plain requests on a fake whose steps return
+/// at most `logit_rows` logit rows, with `pages` pages; checks every prompt log-probability
+/// against the fake model's and every continuation against the model alone; returns the
+/// preemptions.
+fn score_beside_plain_requests(pages: usize, logit_rows: usize) -> usize {
+    let mut fake = Fake::new(pages, 64, 4, 1);
+    fake.info.max_logit_rows = logit_rows;
+    let log = fake.log.clone();
+    let mut s = Scheduler::new(fake, config(4, 24), Arc::new(Metrics::new()));
+    let ps = prompts(6, 17);
+    let mut rx = Vec::new();
+    for (i, p) in ps.iter().enumerate() {
+        let mut req = Request::greedy(p.clone(), 6);
+        // The youngest score, so that preemption catches them mid-prompt.
+        if i >= 3 {
+            req.prompt_logprobs = Some(0);
+        }
+        let (tx, r) = tokio::sync::mpsc::unbounded_channel();
+        s.submit(req, tx);
+        rx.push(r);
+    }
+    let mut scored: Vec<Vec<Vec<f32>>> = vec![Vec::new(); ps.len()];
+    let mut tokens: Vec<Vec<i64>> = vec![Vec::new(); ps.len()];
+    let mut preempted = 0;
+    for _ in 0..1000 {
+        if !s.has_work() {
+            break;
+        }
+        preempted += s.step().preempted;
+        assert_eq!(s.kv().audit(), Ok(()));
+        for (i, r) in rx.iter_mut().enumerate() {
+            while let Ok(e) = r.try_recv() {
+                match e {
+                    Event::PromptLogprobs(lp) => {
+                        scored[i].push(lp.iter().map(|t| t.logprob).collect())
+                    }
+                    Event::Token { id, .. } => tokens[i].push(id),
+                    _ => {}
+                }
+            }
+        }
+    }
+    assert!(!s.has_work());
+    // The fake puts 10 on its next token and 0 on the other VOCAB - 1.
+    let lse = (10f32.exp() + (VOCAB - 1) as f32).ln();
+    for (i, p) in ps.iter().enumerate() {
+        assert_eq!(tokens[i], alone(p, 6), "request {i}'s tokens");
+        if i < 3 {
+            assert!(scored[i].is_empty(), "request {i} asked for no scores");
+            continue;
+        }
+        assert_eq!(scored[i].len(), 1, "request {i}'s prompt is scored once");
+        let got = &scored[i][0];
+        assert_eq!(got.len(), p.len());
+        assert!(got[0].is_nan());
+        for j in 1..p.len() {
+            let want = if next_token(&p[..j]) == p[j] {
+                10.0 - lse
+            } else {
+                -lse
+            };
+            assert!((got[j] - want).abs() < 1e-5, "request {i}, token {j}");
+        }
+    }
+    // No step scored more rows than the artifact returns (the fake checks each step's
+    // inputs), and scoring took several steps of the prompt.
+    assert!(log.lock().unwrap().rows.len() > 17 / logit_rows);
+    preempted
+}
+
+#[test]
+fn prompts_are_scored_in_chunks_of_the_logit_rows_left_beside_other_requests() {
+    assert_eq!(score_beside_plain_requests(128, 6), 0);
+    assert_eq!(score_beside_plain_requests(128, 4), 0);
+}
+
+#[test]
+fn a_preempted_prompt_is_scored_once() {
+    // 8 or 11 pages of 4 tokens: six requests of 17 to 21 + 6 tokens do not fit at once.
+    assert!(score_beside_plain_requests(8, 5) > 0);
+    assert!(score_beside_plain_requests(11, 5) > 0);
 }

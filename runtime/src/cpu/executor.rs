@@ -439,6 +439,7 @@ impl CpuExecutor {
             ("input_row_offsets", s.input_row_offsets.as_slice()),
             ("cache_lengths", &s.cache_lengths),
             ("batch_context_lengths", &context),
+            ("logit_indices", &s.logit_indices),
         ] {
             if let Some(buf) = self.ints.get_mut(name) {
                 fill(buf, v);
@@ -724,20 +725,10 @@ impl CpuExecutor {
                             let id = unsafe { *args[1].cast::<i64>().add(r) };
                             u64::try_from(id).ok().filter(|&i| i < table_rows)
                         }
-                        GatherIndex::LastRows => {
-                            // Row j of sequence b's last n rows (rows ≥ 1 so batch_size ≥ 1).
-                            let n = dims[StepDim::LogitRows as usize] as usize
-                                / (dims[StepDim::BatchSize as usize] as usize).max(1);
-                            let (b, j) = (r / n, r % n);
-                            // SAFETY: row offsets hold batch_size + 1 values and b < batch_size.
-                            let (start, end) = unsafe {
-                                let offs = args[1].cast::<i32>();
-                                (*offs.add(b), *offs.add(b + 1))
-                            };
-                            let row = i64::from(end) - n as i64 + j as i64;
-                            u64::try_from(row)
-                                .ok()
-                                .filter(|&i| row >= i64::from(start) && i < table_rows)
+                        GatherIndex::LogitRows => {
+                            // SAFETY: `index` holds the step's logit indices, one per row.
+                            let row = unsafe { *args[1].cast::<i32>().add(r) };
+                            u64::try_from(row).ok().filter(|&i| i < table_rows)
                         }
                     };
                     match src {

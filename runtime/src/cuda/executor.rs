@@ -287,6 +287,7 @@ impl CudaExecutor {
             self.upload_input(&name, s.lookup_table(g), &mut ints)?;
         }
         self.upload_input("batch_context_lengths", &batch_context, &mut ints)?;
+        self.upload_input("logit_indices", &s.logit_indices, &mut ints)?;
         let rows = |r: &Rows| match r {
             Rows::Step(d) => dims[*d as usize],
             Rows::Fixed(n) => *n,

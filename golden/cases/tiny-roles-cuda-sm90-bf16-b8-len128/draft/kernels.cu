@@ -791,15 +791,9 @@ extern "C" __global__ void __launch_bounds__(64) gather_fe6f7466(
     const unsigned long long logit_rows)
 {
     const maxc_u64 i = blockIdx.x;
-    if (i >= logit_rows || batch_size == 0) return;
-    // Row j of sequence b's last n rows; sequence b owns rows index[b]..index[b + 1].
-    const maxc_u64 n = logit_rows / batch_size;
-    const maxc_u64 b = i / n, j = i % n;
-    long long row = -1;
-    if (b + 1 < input_row_offsets_len) {
-        row = (long long)index[b + 1] - (long long)n + (long long)j;
-        if (row < (long long)index[b]) row = -1;
-    }
+    if (i >= logit_rows) return;
+    // The step check holds every index in -1..total_seq_len.
+    const long long row = (long long)index[i];
     const bool has_row = row >= 0 && (maxc_u64)row < total_seq_len;
     for (maxc_u64 c = threadIdx.x; c < 64ULL; c += blockDim.x)
         out[i * 64ULL + c] = has_row ? maxc_ld(src, (maxc_u64)row * 64ULL + c) : 0.0f;

@@ -28,6 +28,9 @@ pub(super) struct Active {
     pub(super) cached_tokens: usize,
     pub(super) admitted_once: bool,
     pub(super) prompt_logprobs: Vec<TokenLogprob>,
+    /// Prompt tokens whose log-probability has been computed (a recomputation after
+    /// preemption does not score them again).
+    pub(super) scored: usize,
     /// Tokens whose KV the draft has cached (speculative decoding).
     pub(super) draft_computed: usize,
     /// The draft's sampler (its own stream, so that proposals do not shift the decoder's).
@@ -92,6 +95,7 @@ impl Active {
             cached_tokens: 0,
             admitted_once: false,
             prompt_logprobs: Vec::new(),
+            scored: 0,
             pooled: Vec::new(),
             draft_computed: 0,
             draft_sampler,
@@ -143,6 +147,12 @@ impl Active {
     pub(super) fn prefilling(&self) -> bool {
         self.generated == 0
     }
+
+    /// Whether its next rows' logits score its prompt (`echo` with `logprobs`).
+    pub(super) fn scores(&self) -> bool {
+        self.req.prompt_logprobs.is_some() && self.scored < self.req.prompt.len()
+    }
+
     pub(super) fn is_decode(&self) -> bool {
         self.generated > 0 && self.pending() == 1
     }
@@ -221,9 +231,14 @@ pub(super) fn logprob(row: &[f32], token: i64, k: usize) -> TokenLogprob {
         idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
         top = idx.into_iter().map(|i| (i as i64, row[i] - lse)).collect();
     }
+    let rank = usize::try_from(token)
+        .ok()
+        .and_then(|i| row.get(i))
+        .map_or(row.len(), |&l| row.iter().filter(|&&x| x > l).count() + 1);
     TokenLogprob {
         token,
         logprob: at(token),
         top,
+        rank,
     }
 }

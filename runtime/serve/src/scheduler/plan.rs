@@ -14,6 +14,9 @@ pub(super) struct Planned {
     pub propose: usize,
     /// The proposals, each with the distribution the draft drew it from.
     pub drafts: Vec<(i64, Distribution)>,
+    /// Every row's logits come back (its prompt is being scored), not only the last and the
+    /// proposals'.
+    pub score: bool,
 }
 
 impl Planned {
@@ -24,12 +27,28 @@ impl Planned {
             n,
             propose,
             drafts: Vec::new(),
+            score: false,
         }
     }
 
     /// Token rows it has in the step.
     pub fn rows(&self) -> usize {
         self.n + self.drafts.len()
+    }
+
+    /// Logit rows it takes: every row where it scores, else its last row and its proposals'.
+    pub fn logit_rows(&self) -> usize {
+        if self.score {
+            self.rows()
+        } else {
+            1 + self.drafts.len()
+        }
+    }
+
+    /// The step's logit indices for its rows, which start at step row `start`.
+    pub fn logit_indices(&self, start: usize) -> impl Iterator<Item = i32> {
+        let end = start + self.rows();
+        (end - self.logit_rows()..end).map(|r| r as i32)
     }
 }
 

@@ -21,9 +21,10 @@ pub struct Request {
     /// Alternatives to report with each generated token's log-probability (`None`: no
     /// log-probabilities).
     pub logprobs: Option<usize>,
-    /// Report the prompt tokens' log-probabilities too (needs an artifact with logits for every
-    /// token row).
-    pub prompt_logprobs: bool,
+    /// Score the prompt: report each prompt token's log-probability with this many
+    /// alternatives (the step returns logits for every prompt row, in chunks of the rows it has
+    /// room for; the prompt is computed whole, no cached prefix).
+    pub prompt_logprobs: Option<usize>,
     /// Its place in a trace, where it is traced (the server's level, or its
     /// `x-max-trace-level` header).
     pub trace: Option<crate::trace::RequestTrace>,
@@ -67,7 +68,7 @@ impl Request {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
-            prompt_logprobs: false,
+            prompt_logprobs: None,
             trace: None,
             constraint: None,
             fork: None,
@@ -85,6 +86,9 @@ pub struct TokenLogprob {
     pub logprob: f32,
     /// The most likely tokens at this position with theirs, most likely first.
     pub top: Vec<(i64, f32)>,
+    /// Its rank in the vocabulary: 1 plus the tokens more likely than it (0 where it has no
+    /// log-probability, as the first prompt token).
+    pub rank: usize,
 }
 
 /// Why a request ended.

@@ -17,9 +17,29 @@ struct Room {
     contexts: Vec<usize>,
     has_prefill: Vec<bool>,
     chunked: bool,
+    /// Logit rows left in the step (over every replica).
+    logits: usize,
 }
 
 impl Room {
+    /// Of `n` rows a sequence could take, those that fit the logit rows left: all where one
+    /// is left and it does not score (it takes one), else as many as are left.
+    fn logit_cap(&self, n: usize, score: bool) -> usize {
+        if score {
+            n.min(self.logits)
+        } else if self.logits == 0 {
+            0
+        } else {
+            n
+        }
+    }
+
+    /// Takes the logit rows of `n` rows (and `propose` proposals).
+    fn take_logits(&mut self, n: usize, propose: usize, score: bool) {
+        let rows = if score { n } else { 1 + propose };
+        self.logits = self.logits.saturating_sub(rows);
+    }
+
     /// Tokens a prompt with `pending` tokens left takes on replica `r`: as many as the budget
     /// allows with chunked prefill; else all or (when another prefill is there and they do not
     /// fit) none.
@@ -64,8 +84,12 @@ impl Scheduler {
             .collect();
         match self.kv.prepare(&chunks) {
             Ok(mut step) => {
-                step.inputs.return_n_logits =
-                    1 + rows.iter().map(|p| p.drafts.len()).max().unwrap_or(0);
+                let mut start = 0;
+                step.inputs.logit_indices.clear();
+                for p in &rows {
+                    step.inputs.logit_indices.extend(p.logit_indices(start));
+                    start += p.rows();
+                }
                 Some(StepPlan {
                     rows,
                     step,
@@ -208,6 +232,7 @@ impl Scheduler {
             contexts: vec![0; dp],
             has_prefill: vec![false; dp],
             chunked: self.cfg.enable_chunked_prefill,
+            logits: self.info.max_logit_rows,
         };
         let mut plan: Vec<Vec<Planned>> = (0..dp).map(|_| Vec::new()).collect();
         for a in &self.running {
@@ -220,20 +245,27 @@ impl Scheduler {
                     continue;
                 }
                 let r = a.replica;
+                let score = !decode && a.scores();
                 let n = if decode {
                     usize::from(room.budget[r] > 0)
                 } else {
                     room.take(r, a.pending())
                 };
+                let n = room.logit_cap(n, score);
                 if n > 0 {
                     let propose = if decode {
-                        self.proposals(a).min(room.budget[r] - n)
+                        self.proposals(a)
+                            .min(room.budget[r] - n)
+                            .min(room.logits - 1)
                     } else {
                         0
                     };
                     room.budget[r] = room.budget[r].saturating_sub(n + propose);
+                    room.take_logits(n, propose, score);
                     room.has_prefill[r] |= !decode;
-                    plan[r].push(Planned::new(i, n, propose));
+                    let mut p = Planned::new(i, n, propose);
+                    p.score = score;
+                    plan[r].push(p);
                 }
             }
         }
@@ -267,7 +299,7 @@ impl Scheduler {
                 break;
             };
             let first = room.take(r, head.tokens.len());
-            if first == 0 || first.div_ceil(ps) > free {
+            if first == 0 || first.div_ceil(ps) > free || room.logits == 0 {
                 break;
             }
             let Some(mut a) = self.waiting.pop_front() else {
@@ -285,7 +317,7 @@ impl Scheduler {
                 .and_then(|f| self.leader(f.group))
                 .map(|l| l.seq);
             // Mean pooling needs every prompt row's hidden state: no cache for it either.
-            let whole = a.req.prompt_logprobs || a.req.embed == Some(super::request::Pooling::Mean);
+            let whole = a.scores() || a.req.embed == Some(super::request::Pooling::Mean);
             a.computed = if whole {
                 0
             } else {
@@ -304,13 +336,17 @@ impl Scheduler {
                     stats.blocks_served += a.computed / ps;
                 }
             }
-            let n = room.take(r, a.pending());
+            let score = a.scores();
+            let n = room.logit_cap(room.take(r, a.pending()), score);
             free = free.saturating_sub(n.div_ceil(ps));
             room.budget[r] -= n.min(room.budget[r]);
+            room.take_logits(n, 0, score);
             room.has_prefill[r] = true;
             room.contexts[r] += 1;
             self.running.push(a);
-            plan[r].push(Planned::new(self.running.len() - 1, n, 0));
+            let mut p = Planned::new(self.running.len() - 1, n, 0);
+            p.score = score;
+            plan[r].push(p);
         }
     }
 }

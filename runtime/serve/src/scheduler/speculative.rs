@@ -106,12 +106,6 @@ impl Speculation {
                 sha(&decoder.tokenizer_sha256)
             )));
         }
-        if info.all_logits {
-            return Err(RuntimeError::Input(
-                "the draft returns logits for every token row; compile it without --all-logits"
-                    .into(),
-            ));
-        }
         if info.max_seq_len < decoder.max_seq_len {
             return Err(RuntimeError::Input(format!(
                 "the draft's max_seq_len is {}, below the decoder's {}",

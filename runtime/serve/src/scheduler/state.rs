@@ -225,14 +225,11 @@ impl Scheduler {
                 "the prompt has {} tokens; the model's context is {max}",
                 req.prompt.len()
             ))
-        } else if let Some(t) = req.prompt.iter().find(|&&t| t < 0 || t >= vocab) {
-            Some(format!(
-                "token id {t} is outside the vocabulary (0..{vocab})"
-            ))
-        } else if req.prompt_logprobs && !self.info.all_logits {
-            Some("prompt log-probabilities need an artifact compiled with --all-logits".to_string())
         } else {
-            None
+            req.prompt
+                .iter()
+                .find(|&&t| t < 0 || t >= vocab)
+                .map(|t| format!("token id {t} is outside the vocabulary (0..{vocab})"))
         }
     }
 

@@ -12,14 +12,6 @@ use crate::metrics::BatchType;
 use maxc_runtime::{Logits, Result};
 use std::time::Duration;
 
-/// Where a sequence's logit rows lie in a step's output.
-struct Rows {
-    /// Every token row's logits come back (else the last `n_logits` of each sequence).
-    all: bool,
-    /// Logit rows per sequence, where not all.
-    n_logits: usize,
-}
-
 /// What became of one sequence in a step.
 #[derive(Default)]
 struct Outcome {
@@ -44,7 +36,6 @@ impl Scheduler {
             step,
             creation_ms,
         } = plan;
-        let n_logits = step.inputs.return_n_logits;
         let idx: Vec<usize> = planned.iter().map(|p| p.idx).collect();
         let logits = match result {
             Ok(l) => match self.kv.commit(step) {
@@ -63,10 +54,6 @@ impl Scheduler {
                 return;
             }
         };
-        let rows = Rows {
-            all: self.info.all_logits,
-            n_logits,
-        };
         let mut batch = BatchStats {
             batch_type: BatchType::Tg,
             sequences: planned.len(),
@@ -78,8 +65,8 @@ impl Scheduler {
         };
         let mut acceptance = AcceptanceStats::default();
         let mut done = Vec::new();
-        let mut row_end = 0;
-        for (b, p) in planned.iter().enumerate() {
+        let (mut row_end, mut logit_end) = (0, 0);
+        for p in &planned {
             let a = &self.running[p.idx];
             if !a.is_decode() {
                 batch.batch_type = BatchType::Ce;
@@ -87,12 +74,13 @@ impl Scheduler {
             batch.tokens += p.rows();
             batch.context_tokens += a.computed + p.rows();
             row_end += p.rows();
+            logit_end += p.logit_rows();
             if self.running[p.idx].req.embed.is_some() {
                 let start = row_end - p.rows();
                 let hidden = self.exec.hidden_states(start..start + p.n);
                 self.running[p.idx].pool(hidden, p.n);
             }
-            let out = self.update_sequence(b, p, &logits, &rows, row_end);
+            let out = self.update_sequence(p, &logits, logit_end);
             acceptance.add(out.examined, out.accepted);
             if out.done {
                 done.push(p.idx);
@@ -123,22 +111,15 @@ impl Scheduler {
         stats.batch = Some(batch);
     }
 
-    /// One sequence `p` (the `b`-th of the step, its rows ending at `row_end`) after the
-    /// step: its prompt log-probabilities, its next tokens, its caches.
-    fn update_sequence(
-        &mut self,
-        b: usize,
-        p: &Planned,
-        logits: &Logits,
-        rows: &Rows,
-        row_end: usize,
-    ) -> Outcome {
+    /// One sequence `p` (its logit rows ending at `logit_end`) after the step: its prompt
+    /// log-probabilities, its next tokens, its caches.
+    fn update_sequence(&mut self, p: &Planned, logits: &Logits, logit_end: usize) -> Outcome {
         let eos = self.info.eos_token_ids.clone();
         let max_seq_len = self.info.max_seq_len;
         let a = &mut self.running[p.idx];
         let start = a.computed;
-        if a.req.prompt_logprobs && rows.all {
-            prompt_logprobs(a, p.n, logits, row_end);
+        if p.score {
+            prompt_logprobs(a, p.n, logits, logit_end);
         }
         a.computed += p.n;
         let mut out = Outcome::default();
@@ -149,14 +130,9 @@ impl Scheduler {
                 let _ = a.events.send(Event::PromptLogprobs(lp));
             }
             let k = p.drafts.len();
-            // The logits of the sequence's last row, and of each proposal before it.
-            let row_of = |j: usize| {
-                if rows.all {
-                    row_end - 1
-                } else {
-                    b * rows.n_logits + rows.n_logits - 1 - k + j
-                }
-            };
+            // The logits of the sequence's last row, and of each proposal before it: its
+            // last logit rows.
+            let row_of = |j: usize| logit_end - 1 - k + j;
             finish = next_tokens(a, p, |j| logits.row(row_of(j)), &eos, max_seq_len, &mut out);
         }
         if !p.drafts.is_empty() {
@@ -193,23 +169,27 @@ impl Scheduler {
     }
 }
 
-/// The log-probabilities of the prompt tokens that `a`'s `n` rows ending at `row_end`
-/// predict (row `p` predicts the token at `p + 1`).
-fn prompt_logprobs(a: &mut Active, n: usize, logits: &Logits, row_end: usize) {
-    let start = a.computed;
-    if start == 0 {
+/// The log-probabilities of the prompt tokens that `a`'s `n` rows (their logits ending at
+/// `logit_end`) predict, row `p` predicting the token at `p + 1`; tokens scored before a
+/// preemption are not scored again.
+fn prompt_logprobs(a: &mut Active, n: usize, logits: &Logits, logit_end: usize) {
+    if a.scored == 0 {
         // The first prompt token has no log-probability.
         a.prompt_logprobs.push(TokenLogprob {
             token: a.tokens[0],
             logprob: f32::NAN,
             top: Vec::new(),
+            rank: 0,
         });
+        a.scored = 1;
     }
+    let start = a.computed;
     for (j, p) in (start..start + n).enumerate() {
-        if p + 1 < a.req.prompt.len() {
-            let row = logits.row(row_end - n + j);
-            let k = a.req.logprobs.unwrap_or(0);
+        if p + 1 == a.scored && p + 1 < a.req.prompt.len() {
+            let row = logits.row(logit_end - n + j);
+            let k = a.req.prompt_logprobs.unwrap_or(0);
             a.prompt_logprobs.push(logprob(row, a.tokens[p + 1], k));
+            a.scored += 1;
         }
     }
 }

@@ -135,6 +135,8 @@ pub(super) struct Plan {
     pub(super) include_usage: bool,
     pub(super) chat: bool,
     pub(super) logprobs: bool,
+    /// Choices carry the prompt's log-probabilities (vLLM's `prompt_logprobs`).
+    pub(super) prompt_logprobs: bool,
     /// Where the answer may call tools: how the model writes calls, and the tools' names.
     pub(super) tools: Option<ToolParsing>,
     /// Where the answer's thinking section is split out: whether the prompt opened it.
@@ -167,6 +169,7 @@ impl Plan {
                 .unwrap_or(false),
             chat,
             logprobs,
+            prompt_logprobs: c.prompt_logprobs.is_some(),
             tools: None,
             reasoning: None,
             json_response: c.response_format.as_ref().is_some_and(|f| {
@@ -176,6 +179,17 @@ impl Plan {
                 )
             }),
         }
+    }
+}
+
+/// A count field (`logprobs`, `top_logprobs`, `prompt_logprobs`) checked to lie in `0..=max`.
+pub(super) fn count_in(param: &str, v: Option<i64>, max: i64) -> Result<Option<usize>, ApiError> {
+    match v {
+        Some(k) if !(0..=max).contains(&k) => Err(ApiError::invalid(
+            param,
+            format!("`{param}` is {k}; expected 0 to {max}"),
+        )),
+        k => Ok(k.map(|k| k as usize)),
     }
 }
 
@@ -277,6 +291,7 @@ pub(super) fn request_for(
         }
     }
     let logit_bias = logit_bias(l, c)?;
+    let prompt_logprobs = count_in("prompt_logprobs", c.prompt_logprobs, 20)?;
     let constraint = match super::structured::grammar_spec(c)? {
         Some((spec, param)) => {
             let compiled = l
@@ -319,7 +334,7 @@ pub(super) fn request_for(
         stop_token_ids: c.stop_token_ids.clone().unwrap_or_default(),
         ignore_eos: c.ignore_eos.unwrap_or(false),
         logprobs: None,
-        prompt_logprobs: false,
+        prompt_logprobs,
         trace: None,
         constraint,
         fork: None,

@@ -77,20 +77,14 @@ impl Endpoint for ChatRequest {
             .map(i64::from)
             .collect();
         let logprobs = req.logprobs.unwrap_or(false);
-        let top = match req.top_logprobs {
-            Some(k) if !(0..=20).contains(&k) => {
-                return Err(ApiError::invalid(
-                    "top_logprobs",
-                    format!("`top_logprobs` is {k}; expected 0 to 20"),
-                ))
-            }
+        let top = match super::admission::count_in("top_logprobs", req.top_logprobs, 20)? {
             Some(_) if !logprobs => {
                 return Err(ApiError::invalid(
                     "top_logprobs",
                     "`top_logprobs` needs `logprobs: true`",
                 ))
             }
-            k => k.unwrap_or(0) as usize,
+            k => k.unwrap_or(0),
         };
         let mut request = request_for(l, &req.common, ids, "messages", &app.metrics)?;
         request.logprobs = logprobs.then_some(top);

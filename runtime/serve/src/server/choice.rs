@@ -16,6 +16,9 @@ pub struct Delta {
     pub text: String,
     /// Log-probabilities of the tokens behind the text (prompt tokens first, with `echo`).
     pub logprobs: Vec<TokenLogprob>,
+    /// The prompt tokens' log-probabilities (vLLM's `prompt_logprobs`), in the delta that
+    /// brings them.
+    pub prompt_logprobs: Vec<TokenLogprob>,
     /// `stop` or `length` when the choice ended.
     pub finish: Option<&'static str>,
     /// The token counts, when the choice ended.
@@ -105,6 +108,8 @@ pub struct Choice {
     reasoning: Option<crate::reasoning::ReasoningSplit>,
     /// Whether the answer must be JSON (`response_format`): checked when it ends.
     json_response: bool,
+    /// Whether the prompt's log-probabilities lead the answer's (`echo` with `logprobs`).
+    echo_logprobs: bool,
 }
 
 impl Choice {
@@ -144,7 +149,14 @@ impl Choice {
             }),
             reasoning: reasoning.map(crate::reasoning::ReasoningSplit::new),
             json_response: false,
+            echo_logprobs: false,
         }
+    }
+
+    /// The choice with the prompt's log-probabilities leading the answer's where `on`.
+    pub(super) fn with_echo_logprobs(mut self, on: bool) -> Self {
+        self.echo_logprobs = on;
+        self
     }
 
     /// The next delta, `None` once the choice has ended.
@@ -167,7 +179,12 @@ impl Choice {
         };
         match event {
             Event::Admitted { cached_tokens } => self.cached_tokens = cached_tokens,
-            Event::PromptLogprobs(lp) => delta.logprobs = lp,
+            Event::PromptLogprobs(lp) => {
+                if self.echo_logprobs {
+                    delta.logprobs = lp.clone();
+                }
+                delta.prompt_logprobs = lp;
+            }
             // Embeddings are answered by their own endpoint.
             Event::Embedding(_) => {}
             Event::Token { id, logprob } => {

@@ -1,6 +1,6 @@
 //! `POST /v1/completions`: prompts (text or token ids, one or many) become one job each.
 
-use super::admission::{choices, request_for, tokenizer, Job, Plan};
+use super::admission::{choices, count_in, request_for, tokenizer, Job, Plan};
 use super::choice::ms;
 use super::generation::Endpoint;
 use super::openai::{ApiError, CompletionRequest, Prompt};
@@ -25,22 +25,8 @@ impl Endpoint for CompletionRequest {
         if prompts.is_empty() {
             return Err(ApiError::invalid("prompt", "the prompt list is empty"));
         }
-        let logprobs = match req.logprobs {
-            Some(k) if !(0..=5).contains(&k) => {
-                return Err(ApiError::invalid(
-                    "logprobs",
-                    format!("`logprobs` is {k}; expected 0 to 5"),
-                ))
-            }
-            k => k.map(|k| k as usize),
-        };
+        let logprobs = count_in("logprobs", req.logprobs, 5)?;
         let echo = req.echo.unwrap_or(false);
-        if echo && logprobs.is_some() && !l.all_logits {
-            return Err(ApiError::invalid(
-                    "echo",
-                    "`echo` with `logprobs` scores the prompt, which needs an artifact compiled with --all-logits",
-                ));
-        }
         let mut jobs = Vec::new();
         for (ids, text) in prompts {
             let ids = match &text {
@@ -59,7 +45,10 @@ impl Endpoint for CompletionRequest {
             };
             let mut request = request_for(l, &req.common, ids, "prompt", &app.metrics)?;
             request.logprobs = logprobs;
-            request.prompt_logprobs = echo && logprobs.is_some();
+            if let (true, Some(k)) = (echo, logprobs) {
+                // The prompt's log-probabilities lead the completion's (OpenAI's `echo`).
+                request.prompt_logprobs = Some(request.prompt_logprobs.unwrap_or(0).max(k));
+            }
             let echo_text = if echo {
                 Some(match text {
                     Some(s) => s,

@@ -150,7 +150,6 @@ struct Loaded {
     chat: Option<ChatTemplate>,
     max_model_len: usize,
     vocab: usize,
-    all_logits: bool,
     capacity: usize,
 }
 
@@ -263,7 +262,6 @@ fn load(opts: &ServeOptions, metrics: &Arc<Metrics>, tracer: Tracer) -> Result<L
         }
         None => None,
     };
-    let all_logits = engine.all_logits();
     let (max_model_len, vocab) = (engine.max_seq_len(), engine.vocab_size());
     let t = &opts.tracing;
     let mut scheduler =
@@ -280,7 +278,6 @@ fn load(opts: &ServeOptions, metrics: &Arc<Metrics>, tracer: Tracer) -> Result<L
     let loaded = Loaded {
         max_model_len,
         vocab,
-        all_logits,
         capacity: cfg.max_batch_size * cfg.data_parallel_degree,
         tokenizer,
         grammar_source: tokenizer.map(|_| {

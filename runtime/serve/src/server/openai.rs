@@ -148,6 +148,9 @@ pub struct Common {
     pub ignore_eos: Option<bool>,
     /// MAX: token ids that end the request.
     pub stop_token_ids: Option<Vec<i64>>,
+    /// vLLM's extension: score the prompt, returning each prompt token's log-probability and
+    /// this many alternatives (0 to 20) in the choice's `prompt_logprobs`.
+    pub prompt_logprobs: Option<i64>,
     /// vLLM's extension: log-probability entries name tokens as `token_id:ID`.
     pub return_tokens_as_token_ids: Option<bool>,
     /// Added to the logits of tokens (by id, as a string key) before sampling: -100 to 100.
@@ -277,7 +280,7 @@ pub fn parse<T: serde::de::DeserializeOwned + Fields>(body: &[u8]) -> Result<T, 
     })
 }
 
-const COMMON: [&str; 24] = [
+const COMMON: [&str; 25] = [
     "model",
     "max_tokens",
     "max_completion_tokens",
@@ -298,6 +301,7 @@ const COMMON: [&str; 24] = [
     "ignore_eos",
     "stop_token_ids",
     "logprobs",
+    "prompt_logprobs",
     "return_tokens_as_token_ids",
     "logit_bias",
     "response_format",

@@ -67,6 +67,7 @@ pub(super) async fn respond(
             0
         };
         job.request.trace = trace;
+        let echo_logprobs = job.echo.is_some() && job.request.logprobs.is_some();
         let events = l.sched.submit(job.request);
         let Some(tok) = tokenizer.or_else(empty_tokenizer) else {
             continue;
@@ -82,7 +83,8 @@ pub(super) async fn respond(
             plan.tools.clone(),
             plan.reasoning,
         )
-        .with_json_response(plan.json_response);
+        .with_json_response(plan.json_response)
+        .with_echo_logprobs(echo_logprobs);
         let tx = tx.clone();
         let metrics = app.metrics.clone();
         tokio::spawn(async move {
@@ -109,6 +111,7 @@ pub(super) async fn respond(
             .map_or(0, |d| d.as_secs()),
         chat: plan.chat,
         logprobs: plan.logprobs,
+        prompt_logprobs: plan.prompt_logprobs,
         token_ids: plan.token_ids,
         tokenizer,
     };
@@ -140,6 +143,8 @@ pub(super) struct Ctx {
     pub(super) created: u64,
     pub(super) chat: bool,
     pub(super) logprobs: bool,
+    /// Choices carry vLLM's `prompt_logprobs`.
+    pub(super) prompt_logprobs: bool,
     pub(super) token_ids: bool,
     pub(super) tokenizer: Option<&'static Tokenizer>,
 }
@@ -179,6 +184,28 @@ impl Ctx {
             top.push(Value::Object(m));
         }
         json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
+    }
+
+    /// vLLM's `prompt_logprobs`: per prompt token, `null` for the first, else a map from token
+    /// id to `{logprob, rank, decoded_token}` of the token and its most likely alternatives.
+    fn prompt_logprobs_json(&self, lps: &[TokenLogprob]) -> Value {
+        let entry = |t: i64, l: f32, rank: usize| json!({"logprob": l, "rank": rank, "decoded_token": self.token_text(t)});
+        Value::Array(
+            lps.iter()
+                .map(|lp| {
+                    if lp.logprob.is_nan() {
+                        return Value::Null;
+                    }
+                    let mut m = serde_json::Map::new();
+                    m.insert(lp.token.to_string(), entry(lp.token, lp.logprob, lp.rank));
+                    for (k, (t, l)) in lp.top.iter().enumerate() {
+                        m.entry(t.to_string())
+                            .or_insert_with(|| entry(*t, *l, k + 1));
+                    }
+                    Value::Object(m)
+                })
+                .collect(),
+        )
     }
 
     /// Chat's logprobs entries for `lps`.
@@ -273,6 +300,7 @@ pub(super) async fn collect_response(ctx: Ctx, mut rx: Responses, n: usize) -> R
     struct Acc {
         text: String,
         logprobs: Vec<TokenLogprob>,
+        prompt_logprobs: Vec<TokenLogprob>,
         finish: Option<&'static str>,
         tool_calls: Vec<crate::tools::ToolCall>,
         reasoning: String,
@@ -286,6 +314,7 @@ pub(super) async fn collect_response(ctx: Ctx, mut rx: Responses, n: usize) -> R
         let a = &mut acc[i];
         a.text.push_str(&d.text);
         a.logprobs.extend(d.logprobs);
+        a.prompt_logprobs.extend(d.prompt_logprobs);
         a.tool_calls.extend(d.tool_calls);
         a.reasoning.push_str(&d.reasoning);
         if let Some(u) = &d.usage {
@@ -299,7 +328,7 @@ pub(super) async fn collect_response(ctx: Ctx, mut rx: Responses, n: usize) -> R
         .iter()
         .enumerate()
         .map(|(i, a)| {
-            if ctx.chat {
+            let mut choice = if ctx.chat {
                 let lp = ctx
                     .logprobs
                     .then(|| json!({"content": ctx.chat_logprobs(&a.logprobs)}));
@@ -325,7 +354,11 @@ pub(super) async fn collect_response(ctx: Ctx, mut rx: Responses, n: usize) -> R
                     ctx.completion_logprobs(&a.logprobs, &mut off)
                 });
                 json!({"index": i, "text": a.text, "logprobs": lp, "finish_reason": a.finish})
+            };
+            if ctx.prompt_logprobs {
+                choice["prompt_logprobs"] = ctx.prompt_logprobs_json(&a.prompt_logprobs);
             }
+            choice
         })
         .collect();
     Json(json!({
@@ -409,6 +442,7 @@ pub(super) fn stream_response(
                             && d.reasoning.is_empty()
                             && d.finish.is_none()
                             && d.logprobs.is_empty()
+                            && d.prompt_logprobs.is_empty()
                         {
                             continue;
                         }
@@ -457,6 +491,11 @@ pub(super) fn stream_response(
                                 .then(|| ctx.completion_logprobs(&d.logprobs, &mut st.offsets[i]));
                             json!({"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish})
                         };
+                        let mut choice = choice;
+                        if ctx.prompt_logprobs && !d.prompt_logprobs.is_empty() {
+                            choice["prompt_logprobs"] =
+                                ctx.prompt_logprobs_json(&d.prompt_logprobs);
+                        }
                         let ev = chunk(&st.ctx, vec![choice], None);
                         return Some((Ok(ev), st));
                     }
