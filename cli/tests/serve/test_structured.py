@@ -249,3 +249,18 @@ def test_an_answer_cut_before_its_json_completes_counts_as_truncated(smol):
     assert r["choices"][0]["finish_reason"] == "stop"
     assert sum(v for k, v in smol.metrics().items()
                if k.startswith("maxserve_response_format_conformance_errors_total")) == total
+
+
+def test_mask_time_and_its_exposed_part_are_measured(smol):
+    m = "maxc_structured_output_mask_time_milliseconds"
+    e = "maxc_structured_output_mask_exposed_time_milliseconds"
+    steps = smol.metric(m + "_count")
+    r = httpx.post(smol.v1 + "/completions", json={
+        "prompt": "A JSON object:", "max_tokens": 12, "temperature": 0,
+        "response_format": {"type": "json_object"}}, timeout=60).json()
+    n = r["usage"]["completion_tokens"]
+    # One mask per step that samples a constrained token; the exposed part is within it.
+    assert smol.metric(m + "_count") - steps >= n
+    assert smol.metric(e + "_count") == smol.metric(m + "_count")
+    assert 0 < smol.metric(m + "_sum")
+    assert 0 <= smol.metric(e + "_sum")

@@ -43,8 +43,15 @@ def test_required_and_named_tool_choice_give_valid_calls(smol):
                                       max_tokens=120)
         ch = r.choices[0]
         assert ch.finish_reason == "tool_calls", ch
-        assert ch.message.content is None and len(ch.message.tool_calls) == 1
-        check_call(ch.message.tool_calls[0])
+        # Parallel calls (OpenAI's default): one or more, each valid.
+        assert ch.message.content is None and len(ch.message.tool_calls) >= 1
+        for call in ch.message.tool_calls:
+            check_call(call)
+        one = c.chat.completions.create(model="smollm2.maxc", messages=ASK, tools=TOOLS,
+                                        tool_choice="required", temperature=1.0, seed=seed,
+                                        max_tokens=120, parallel_tool_calls=False)
+        assert len(one.choices[0].message.tool_calls) == 1
+        check_call(one.choices[0].message.tool_calls[0])
         named = c.chat.completions.create(
             model="smollm2.maxc", messages=ASK, tools=TOOLS, temperature=1.0, seed=seed,
             max_tokens=120, tool_choice={"type": "function", "function": {"name": "add"}})

@@ -305,6 +305,11 @@ impl Constraint {
     pub fn is_complete(&self) -> bool {
         self.matcher.is_stopped()
     }
+
+    /// Whether the output so far is a whole match (more may still follow it).
+    pub fn is_accepting(&mut self) -> bool {
+        self.matcher.is_stopped() || self.matcher.is_accepting().unwrap_or(false)
+    }
 }
 
 #[cfg(test)]

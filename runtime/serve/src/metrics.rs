@@ -17,6 +17,10 @@ fn ms_histogram() -> Histogram {
     // 0.5 ms to about 4.6 minutes.
     Histogram::new(exponential_buckets(0.5, 2.0, 20))
 }
+fn fine_ms_histogram() -> Histogram {
+    // 10 µs to about 5 s.
+    Histogram::new(exponential_buckets(0.01, 2.0, 20))
+}
 fn count_histogram() -> Histogram {
     // 1 to about 65k.
     Histogram::new(exponential_buckets(1.0, 2.0, 17))
@@ -153,6 +157,12 @@ pub struct Metrics {
     /// Requests refused with a 400 because their grammar could not be compiled, by `kind`
     /// (`json_schema`, `tool_grammar`, `regex`, `choice`, `grammar`).
     pub structured_output_grammar_rejections: Family<Labels, Counter>,
+    /// Per step with constrained sequences: the time their next-token masks took, computed on
+    /// a thread beside the forward pass.
+    pub structured_output_mask_time: Histogram,
+    /// Per step with constrained sequences: the time the step waited for their masks after its
+    /// forward pass ended (the mask time the overlap did not hide).
+    pub structured_output_mask_exposed_time: Histogram,
 }
 
 impl Default for Metrics {
@@ -425,6 +435,20 @@ impl Metrics {
                 );
                 f
             },
+            structured_output_mask_time: hist(
+                &mut r,
+                "maxc_structured_output_mask_time",
+                "Per step, the time the constrained sequences' next-token masks took (beside the forward pass)",
+                Some(ms()),
+                fine_ms_histogram(),
+            ),
+            structured_output_mask_exposed_time: hist(
+                &mut r,
+                "maxc_structured_output_mask_exposed_time",
+                "Per step, the time the step waited for its masks after the forward pass ended",
+                Some(ms()),
+                fine_ms_histogram(),
+            ),
             cache_hits: {
                 let f = Family::<Labels, Counter>::default();
                 r.register_with_unit(

@@ -287,10 +287,25 @@ impl Scheduler {
             let result = if constraints.is_empty() {
                 exec_step.execute(&plan.step.inputs)
             } else {
-                std::thread::scope(|scope| {
-                    scope.spawn(|| constraints.iter_mut().for_each(|c| c.prepare()));
-                    exec_step.execute(&plan.step.inputs)
-                })
+                let (result, forward, masks) = std::thread::scope(|scope| {
+                    let masks = scope.spawn(|| {
+                        let t = Instant::now();
+                        constraints.iter_mut().for_each(|c| c.prepare());
+                        t.elapsed()
+                    });
+                    let result = exec_step.execute(&plan.step.inputs);
+                    let forward = t.elapsed();
+                    let masks = masks
+                        .join()
+                        .unwrap_or_else(|e| std::panic::resume_unwind(e));
+                    (result, forward, masks)
+                });
+                let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+                let m = &self.metrics;
+                m.structured_output_mask_time.observe(ms(masks));
+                m.structured_output_mask_exposed_time
+                    .observe(ms(t.elapsed().saturating_sub(forward)));
+                result
             };
             let exec = t.elapsed();
             if result.is_ok() {

@@ -95,7 +95,11 @@ impl Endpoint for ChatRequest {
                     "a required tool call and `response_format` cannot both constrain the output",
                 ));
             }
-            let spec = call_grammar(format, &tools, names);
+            // `required` may call several tools at once (OpenAI's `parallel_tool_calls`, on
+            // by default); a named function is called once.
+            let parallel = req.parallel_tool_calls.unwrap_or(true)
+                && req.tool_choice.as_ref().and_then(|c| c.as_str()) == Some("required");
+            let spec = call_grammar(format, &tools, names, parallel);
             let compiled = l.grammars().and_then(|g| g.compile(&spec)).map_err(|e| {
                 app.metrics
                     .structured_output_grammar_rejections

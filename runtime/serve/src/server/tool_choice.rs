@@ -78,9 +78,15 @@ pub(super) fn tools_of(req: &ChatRequest) -> Result<(Vec<Value>, ToolMode), ApiE
     Ok((tools, mode))
 }
 
-/// The grammar of one call of one of `names` among `tools`, in `format`: the call's name
-/// fixed and its arguments valid against the tool's parameters.
-pub(super) fn call_grammar(format: ToolFormat, tools: &[Value], names: &[String]) -> GrammarSpec {
+/// The grammar of one call of one of `names` among `tools`, in `format`, or with `parallel`
+/// (`parallel_tool_calls`, OpenAI's default) one or more calls as the format writes several:
+/// each call's name fixed and its arguments valid against the tool's parameters.
+pub(super) fn call_grammar(
+    format: ToolFormat,
+    tools: &[Value],
+    names: &[String],
+    parallel: bool,
+) -> GrammarSpec {
     let args_key = if format == ToolFormat::Llama3 {
         "parameters"
     } else {
@@ -109,17 +115,35 @@ pub(super) fn call_grammar(format: ToolFormat, tools: &[Value], names: &[String]
         })
         .collect();
     // Compact JSON, as structured outputs generate it.
-    let call = json!({"anyOf": calls, "x-guidance": {"whitespace_flexible": false}});
-    let lark = match format {
-        ToolFormat::Hermes => {
-            format!("start: \"<tool_call>\\n\" call \"\\n</tool_call>\"\ncall: %json {call}")
+    let compact = json!({"whitespace_flexible": false});
+    let call = json!({"anyOf": calls, "x-guidance": compact});
+    let mut array = json!({"type": "array", "items": call, "minItems": 1, "x-guidance": compact});
+    if !parallel {
+        array["maxItems"] = json!(1);
+    }
+    // Several calls as each format writes them: Hermes blocks on lines of their own, Llama 3's
+    // calls joined by `;`, Mistral's array, or the generic format's array.
+    let more = |sep: &str| {
+        if parallel {
+            format!(" ({sep} one)*")
+        } else {
+            String::new()
         }
-        ToolFormat::Mistral => format!(
-            "start: \"[TOOL_CALLS]\" calls\ncalls: %json {}",
-            json!({"type": "array", "items": call, "minItems": 1, "maxItems": 1,
-                   "x-guidance": {"whitespace_flexible": false}})
+    };
+    let lark = match format {
+        ToolFormat::Hermes => format!(
+            "start: one{}\none: \"<tool_call>\\n\" call \"\\n</tool_call>\"\ncall: %json {call}",
+            more("\"\\n\"")
         ),
-        ToolFormat::Llama3 | ToolFormat::Json => format!("start: %json {call}"),
+        ToolFormat::Mistral => format!("start: \"[TOOL_CALLS]\" calls\ncalls: %json {array}"),
+        ToolFormat::Llama3 => format!("start: one{}\none: %json {call}", more("\";\"")),
+        ToolFormat::Json if parallel => {
+            format!(
+                "start: %json {}",
+                json!({"anyOf": [call, array], "x-guidance": compact})
+            )
+        }
+        ToolFormat::Json => format!("start: %json {call}"),
     };
     GrammarSpec::Lark(lark)
 }
@@ -142,5 +166,100 @@ pub(super) fn chat_message(m: &Message, content: String) -> ChatMessage {
         tool_call_id: m.tool_call_id.clone(),
         name: m.name.clone(),
         ..ChatMessage::new(m.role.clone(), content)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::constraint::Grammars;
+    use crate::tokenizer::Tokenizer;
+    use maxc_graph::tokenizer::tokenizer_json_from_gguf;
+    use maxc_graph::weights::gguf::GgufFile;
+    use std::path::PathBuf;
+
+    /// Grammars over SmolLM2's tokenizer (scripts/fetch-smollm2.sh fetches the GGUF), and
+    /// the tokenizer.
+    fn grammars() -> (Grammars, &'static Tokenizer) {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let path = root.join(".tools/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        if !path.is_file() {
+            let ok = std::process::Command::new("bash")
+                .arg("scripts/fetch-smollm2.sh")
+                .current_dir(&root)
+                .status()
+                .is_ok_and(|s| s.success());
+            assert!(ok, "scripts/fetch-smollm2.sh failed");
+        }
+        let json = tokenizer_json_from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+        let tok: &'static Tokenizer = Box::leak(Box::new(Tokenizer::from_json_str(&json).unwrap()));
+        let eos = [i64::from(tok.token_id("<|im_end|>").unwrap())];
+        (
+            Grammars::new(&json, tok, tok.vocab_size(), &eos).unwrap(),
+            tok,
+        )
+    }
+
+    /// Whether `text` (tokenized) is a whole output the grammar accepts.
+    fn accepts((g, tok): &(Grammars, &Tokenizer), spec: &GrammarSpec, text: &str) -> bool {
+        let mut c = g.compile(spec).unwrap();
+        let ids = tok.encode(text, false).unwrap();
+        // Every token taken (none after the grammar ended), the end a whole match.
+        ids.iter()
+            .all(|&t| !c.is_complete() && c.consume(i64::from(t)).is_ok())
+            && c.is_accepting()
+    }
+
+    #[test]
+    fn required_calls_are_one_or_several_as_each_format_writes_them() {
+        let g = grammars();
+        let tools = vec![
+            json!({"type": "function", "function": {"name": "add", "parameters": {
+                "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"]}}}),
+            json!({"type": "function", "function": {"name": "now"}}),
+        ];
+        let names = vec!["add".to_string(), "now".to_string()];
+        let add = r#"{"name":"add","arguments":{"a":1,"b":2}}"#;
+        let now = r#"{"name":"now","arguments":{}}"#;
+        let bad = r#"{"name":"add","arguments":{"a":1}}"#;
+        let cases = [
+            (
+                ToolFormat::Hermes,
+                format!("<tool_call>\n{add}\n</tool_call>"),
+                format!("<tool_call>\n{add}\n</tool_call>\n<tool_call>\n{now}\n</tool_call>"),
+                format!("<tool_call>\n{bad}\n</tool_call>"),
+            ),
+            (
+                ToolFormat::Mistral,
+                format!("[TOOL_CALLS][{add}]"),
+                format!("[TOOL_CALLS][{add},{now}]"),
+                format!("[TOOL_CALLS][{bad}]"),
+            ),
+            (
+                ToolFormat::Json,
+                add.to_string(),
+                format!("[{add},{now}]"),
+                bad.to_string(),
+            ),
+        ];
+        for (format, one, two, wrong) in cases {
+            let parallel = call_grammar(format, &tools, &names, true);
+            let single = call_grammar(format, &tools, &names, false);
+            assert!(accepts(&g, &parallel, &one), "{format:?} one call");
+            assert!(accepts(&g, &parallel, &two), "{format:?} two calls");
+            assert!(
+                accepts(&g, &single, &one),
+                "{format:?} one call, not parallel"
+            );
+            assert!(
+                !accepts(&g, &single, &two),
+                "{format:?} two calls, not parallel"
+            );
+            assert!(
+                !accepts(&g, &parallel, &wrong),
+                "{format:?} arguments off the schema"
+            );
+        }
     }
 }
