@@ -139,3 +139,25 @@ def test_reasoning_content_apart_from_content(artifacts):
         assert (reasoning, content) == (m["reasoning_content"], m["content"])
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("answer,outcome", [
+    ('{"name": "add", "arguments": {"a": 1, "b": 2}}', None),
+    ('{"name": "add", "arguments": {"a": 1}}', "schema_mismatch"),
+    ('{"name": "add", "arguments": {"a": 1, "b": 1e9}}', "schema_mismatch"),
+    ('{"name": "nope", "arguments": {}}', "unknown_tool"),
+    ('{"name": "add", "argu', "invalid_json"),
+])
+def test_tool_call_conformance_errors_count_each_outcome(smol, answer, outcome):
+    """The answer is forced (a structured-outputs choice) and read for calls in `auto` mode."""
+    key = "maxserve_tool_call_conformance_errors_total"
+    before = {k: v for k, v in smol.metrics().items() if k.startswith(key)}
+    r = httpx.post(smol.v1 + "/chat/completions", json={
+        "messages": ASK, "tools": TOOLS, "max_tokens": 60, "temperature": 0,
+        "structured_outputs": {"choice": [answer]}}, timeout=60)
+    assert r.status_code == 200, r.text
+    after = {k: v for k, v in smol.metrics().items() if k.startswith(key)}
+    grew = {k for k in after if after[k] != before.get(k, 0.0)}
+    assert grew == ({f'{key}{{outcome="{outcome}"}}'} if outcome else set())
+    calls = r.json()["choices"][0]["message"].get("tool_calls") or []
+    assert len(calls) == (0 if outcome == "invalid_json" else 1)

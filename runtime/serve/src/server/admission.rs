@@ -150,6 +150,9 @@ pub(super) struct Plan {
 pub(super) struct ToolParsing {
     pub(super) format: crate::tools::ToolFormat,
     pub(super) names: Vec<String>,
+    /// Each tool's parameters as a validator, where they compile: calls whose arguments do not
+    /// validate count as `schema_mismatch`.
+    pub(super) params: BTreeMap<String, Arc<jsonschema::Validator>>,
     /// End-of-sequence ids, kept out of the text (special tokens are decoded, since some
     /// formats open calls with one).
     pub(super) eos: Vec<i64>,

@@ -125,6 +125,7 @@ impl Endpoint for ChatRequest {
                     .iter()
                     .filter_map(|t| t["function"]["name"].as_str().map(str::to_string))
                     .collect(),
+                params: super::tool_choice::validators(&tools),
                 eos: l.eos.clone(),
             });
         }

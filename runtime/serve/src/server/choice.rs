@@ -327,6 +327,15 @@ impl Choice {
             .any(|c| !t.parsing.names.contains(&c.name))
         {
             count("unknown_tool");
+        } else if parsed.calls.iter().any(|c| {
+            let args = serde_json::from_str::<serde_json::Value>(&c.arguments);
+            match (t.parsing.params.get(&c.name), args) {
+                (Some(v), Ok(args)) => !v.is_valid(&args),
+                (Some(_), Err(_)) => true,
+                (None, _) => false,
+            }
+        }) {
+            count("schema_mismatch");
         }
         delta.text = parsed.content;
         delta.tool_calls = parsed.calls;

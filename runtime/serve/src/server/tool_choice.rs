@@ -7,6 +7,8 @@ use crate::chat::ChatMessage;
 use crate::constraint::GrammarSpec;
 use crate::tools::ToolFormat;
 use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 /// What the answer may do with the tools.
 #[derive(Clone, Debug, PartialEq)]
@@ -146,6 +148,24 @@ pub(super) fn call_grammar(
         ToolFormat::Json => format!("start: %json {call}"),
     };
     GrammarSpec::Lark(lark)
+}
+
+/// Each tool's parameters compiled to a JSON Schema validator (a tool without parameters takes
+/// any object; one whose parameters do not compile is not checked).
+pub(super) fn validators(tools: &[Value]) -> BTreeMap<String, Arc<jsonschema::Validator>> {
+    tools
+        .iter()
+        .filter_map(|t| {
+            let f = &t["function"];
+            let name = f["name"].as_str()?.to_string();
+            let params = match &f["parameters"] {
+                Value::Null => json!({"type": "object"}),
+                p => p.clone(),
+            };
+            let v = jsonschema::validator_for(&params).ok()?;
+            Some((name, Arc::new(v)))
+        })
+        .collect()
 }
 
 /// A request message as the template takes it: an assistant's `tool_calls` with their
