@@ -802,3 +802,28 @@ fn every_stopping_point_of_the_fusion_passes_gives_the_fixtures_logits() {
         }
     }
 }
+
+/// The CUDA executor reads back the decoder's final hidden states (what embeddings pool) as the
+/// CPU executor does, for every row of a prompt.
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]
+fn cuda_hidden_states_equal_the_cpu_executors() {
+    use maxc_runtime::engine::{Device, StepExecutor};
+    let case = Case::new("tiny-llama", GraphRole::Decoder, "");
+    let dir = artifact_dir("tiny-llama", DType::F32, true);
+    let tokens = case.i64s("p1.tokens");
+    let mut hidden = Vec::new();
+    for device in [Device::Cpu, Device::Cuda] {
+        let mut s = RuntimeSession::open_on(&dir, "decoder", device).expect("opens");
+        s.step_all(&[(0, &tokens)]).expect("step");
+        let h = s.engine_mut().hidden_states(0..tokens.len());
+        hidden.push(h.unwrap_or_else(|| panic!("{device:?} returns no hidden states")));
+    }
+    assert_eq!(hidden[0].len(), hidden[1].len());
+    let d = hidden[0]
+        .iter()
+        .zip(&hidden[1])
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(d < 1e-3, "max |hidden state diff| CPU vs CUDA {d}");
+}

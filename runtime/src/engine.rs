@@ -410,8 +410,7 @@ impl StepExecutor for Engine {
     fn hidden_states(&mut self, rows: std::ops::Range<usize>) -> Option<Vec<f32>> {
         match &mut self.exec {
             Executor::Cpu(e) => e.output_rows("hidden_states", rows),
-            // Not read back from the device yet: embeddings run on the CPU.
-            Executor::Cuda(_) => None,
+            Executor::Cuda(e) => e.output_rows("hidden_states", rows),
         }
     }
     fn set_profiling(&mut self, on: bool) -> Result<()> {

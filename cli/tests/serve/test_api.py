@@ -162,6 +162,37 @@ def test_bad_n_names_the_field(smol, n, why):
     assert err["param"] == "n" and why in err["message"], err
 
 
+def test_best_of_keeps_the_most_likely_candidates(smol):
+    """best_of 4, n 2: the two of the four candidates (the same seeds as n 4's choices) whose
+    tokens have the highest mean log-probability; usage counts every candidate's tokens."""
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "seed": 5}
+    four = httpx.post(smol.v1 + "/completions", json={**body, "n": 4, "logprobs": 0},
+                      timeout=120).json()
+    mean = [sum(c["logprobs"]["token_logprobs"]) / len(c["logprobs"]["token_logprobs"])
+            for c in four["choices"]]
+    texts = [c["text"] for c in four["choices"]]
+    assert len(set(texts)) > 1, texts
+    want = [texts[i] for i in sorted(range(4), key=lambda i: -mean[i])[:2]]
+    best = httpx.post(smol.v1 + "/completions", json={**body, "n": 2, "best_of": 4},
+                      timeout=120).json()
+    assert [c["index"] for c in best["choices"]] == [0, 1]
+    assert [c["text"] for c in best["choices"]] == want
+    assert all(c["logprobs"] is None for c in best["choices"])
+    assert best["usage"]["completion_tokens"] == four["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize("body,why", [
+    ({"n": 3, "best_of": 2}, "below `n`"),
+    ({"best_of": 2, "stream": True}, "cannot be streamed"),
+    ({"best_of": 0}, "at least 1"),
+])
+def test_bad_best_of_names_the_field(smol, body, why):
+    r = httpx.post(smol.v1 + "/completions", json={"prompt": "hi", "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "best_of" and why in err["message"], err
+
+
 def bf16_tensor(path, name):
     """A bf16 tensor of a safetensors file as float32 (numpy has no bf16)."""
     import numpy as np

@@ -371,4 +371,31 @@ impl CudaExecutor {
         self.stream.synchronize().map_err(driver("step"))?;
         Ok(Logits { rows, vocab, data })
     }
+
+    /// Rows `rows` of the f32 `[rows, width]` output `name` of the last step (an output that
+    /// lives to the step's end, as `hidden_states`), copied from the device; `None` where the
+    /// program has no such output or the rows lie past its bound.
+    pub fn output_rows(&mut self, name: &str, rows: std::ops::Range<usize>) -> Option<Vec<f32>> {
+        let id = *self.program.outputs.get(name)? as usize;
+        let buf = &self.program.buffers[id];
+        let extent = |e: &Extent| match e {
+            Extent::Fixed(n) => *n as usize,
+            Extent::Step(d) => self.bounds[*d as usize] as usize,
+        };
+        let (Some(first), Some(last)) = (buf.shape.first(), buf.shape.last()) else {
+            return None;
+        };
+        let (bound, width) = (extent(first), extent(last));
+        if buf.dtype != crate::schema::DType::F32 || buf.shape.len() != 2 || rows.end > bound {
+            return None;
+        }
+        self.ctx.bind_to_thread().ok()?;
+        let mut data = vec![0f32; rows.len() * width];
+        let src = self.bufs[id] + (rows.start * width * 4) as u64;
+        // SAFETY: the buffer holds `bound × width` f32 on the device and `rows` lie below
+        // `bound`; the synchronize below completes the copy before `data` is read.
+        unsafe { result::memcpy_dtoh_async(&mut data, src, self.stream.cu_stream()) }.ok()?;
+        self.stream.synchronize().ok()?;
+        Some(data)
+    }
 }

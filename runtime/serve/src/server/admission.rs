@@ -84,27 +84,38 @@ pub(super) fn choices(
     c: &Common,
     jobs: Vec<Job>,
 ) -> Result<Vec<Job>, ApiError> {
-    let n = match c.n {
+    let n = choice_count(l, "n", c.n)?;
+    Ok(fork(app, jobs, n))
+}
+
+/// A count of choices (`n`, `best_of`): 1 by default, at least 1, at most the sequences a step
+/// holds.
+pub(super) fn choice_count(l: &Loaded, param: &str, v: Option<i64>) -> Result<usize, ApiError> {
+    Ok(match v {
         None => 1,
         Some(n) if n < 1 => {
             return Err(ApiError::invalid(
-                "n",
-                format!("`n` is {n}; it must be at least 1"),
+                param,
+                format!("`{param}` is {n}; it must be at least 1"),
             ))
         }
         Some(n) if n as usize > l.capacity => {
             return Err(ApiError::invalid(
-                "n",
+                param,
                 format!(
-                    "`n` is {n}, above the {} sequences a step of this artifact holds",
+                    "`{param}` is {n}, above the {} sequences a step of this artifact holds",
                     l.capacity
                 ),
             ))
         }
         Some(n) => n as usize,
-    };
+    })
+}
+
+/// Each of `jobs` as `n` forked choices, next to each other.
+pub(super) fn fork(app: &App, jobs: Vec<Job>, n: usize) -> Vec<Job> {
     if n == 1 {
-        return Ok(jobs);
+        return jobs;
     }
     let mut out = Vec::with_capacity(jobs.len() * n);
     for job in jobs {
@@ -123,7 +134,7 @@ pub(super) fn choices(
             });
         }
     }
-    Ok(out)
+    out
 }
 
 /// What both endpoints share once their prompts are tokenized.
@@ -143,6 +154,9 @@ pub(super) struct Plan {
     pub(super) reasoning: Option<bool>,
     /// Whether `response_format` asked for JSON (its answers are checked for conformance).
     pub(super) json_response: bool,
+    /// `best_of`: each prompt's jobs are this many candidates, of which the response keeps
+    /// `n`, the most likely.
+    pub(super) best_of: Option<(usize, usize)>,
 }
 
 /// How a response's text is read for tool calls.
@@ -173,6 +187,7 @@ impl Plan {
             chat,
             logprobs,
             prompt_logprobs: c.prompt_logprobs.is_some(),
+            best_of: None,
             tools: None,
             reasoning: None,
             json_response: c.response_format.as_ref().is_some_and(|f| {

@@ -29,6 +29,9 @@ pub struct Delta {
     pub tool_calls: Vec<crate::tools::ToolCall>,
     /// New text of the answer's thinking section (`reasoning_content`).
     pub reasoning: String,
+    /// The log-probability of the token behind this delta, where it brings a generated token
+    /// and log-probabilities are computed (`best_of` ranks choices by them).
+    pub token_logprob: Option<f32>,
 }
 
 /// A choice's text read for tool calls: held back while it may still be a call.
@@ -200,6 +203,7 @@ impl Choice {
                 }
                 self.last_token = Some(now);
                 self.completion_tokens += 1;
+                delta.token_logprob = logprob.as_ref().map(|l| l.logprob);
                 delta.logprobs.extend(logprob);
                 let t = Instant::now();
                 let eos = self

@@ -1,6 +1,6 @@
 //! `POST /v1/completions`: prompts (text or token ids, one or many) become one job each.
 
-use super::admission::{choices, count_in, request_for, tokenizer, Job, Plan};
+use super::admission::{choice_count, count_in, fork, request_for, tokenizer, Job, Plan};
 use super::choice::ms;
 use super::generation::Endpoint;
 use super::openai::{ApiError, CompletionRequest, Prompt};
@@ -27,6 +27,26 @@ impl Endpoint for CompletionRequest {
         }
         let logprobs = count_in("logprobs", req.logprobs, 5)?;
         let echo = req.echo.unwrap_or(false);
+        let n = choice_count(l, "n", req.common.n)?;
+        let best_of = match req.best_of {
+            None => n,
+            Some(b) => {
+                let b = choice_count(l, "best_of", Some(b))?;
+                if b < n {
+                    return Err(ApiError::invalid(
+                        "best_of",
+                        format!("`best_of` is {b}, below `n` ({n})"),
+                    ));
+                }
+                if b > n && req.common.stream.unwrap_or(false) {
+                    return Err(ApiError::invalid(
+                        "best_of",
+                        "`best_of` above `n` chooses among finished choices: it cannot be streamed",
+                    ));
+                }
+                b
+            }
+        };
         let mut jobs = Vec::new();
         for (ids, text) in prompts {
             let ids = match &text {
@@ -63,10 +83,16 @@ impl Endpoint for CompletionRequest {
             } else {
                 None
             };
+            if best_of > n {
+                // Candidates are ranked by their tokens' log-probabilities.
+                request.logprobs = Some(request.logprobs.unwrap_or(0));
+            }
             jobs.push(Job::new(request, echo_text));
         }
-        let jobs = choices(app, l, &req.common, jobs)?;
+        let jobs = fork(app, jobs, best_of);
         app.metrics.input_processing_time.observe(ms(t.elapsed()));
-        Ok(Plan::new(&req.common, jobs, false, logprobs.is_some()))
+        let mut plan = Plan::new(&req.common, jobs, false, logprobs.is_some());
+        plan.best_of = (best_of > n).then_some((best_of, n));
+        Ok(plan)
     }
 }

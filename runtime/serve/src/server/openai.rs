@@ -172,6 +172,9 @@ pub struct CompletionRequest {
     /// Put the prompt before the completion in `text` (and its log-probabilities with
     /// `logprobs`).
     pub echo: Option<bool>,
+    /// Generate this many choices of each prompt and return the `n` whose tokens are most
+    /// likely (highest mean log-probability); at least `n`, never streamed.
+    pub best_of: Option<i64>,
     /// The other fields.
     #[serde(flatten)]
     pub common: Common,
@@ -319,7 +322,7 @@ pub trait Fields {
 impl Fields for CompletionRequest {
     fn fields() -> Vec<&'static str> {
         let mut v = COMMON.to_vec();
-        v.extend(["prompt", "echo"]);
+        v.extend(["prompt", "echo", "best_of"]);
         v
     }
     fn common(&self) -> &Common {

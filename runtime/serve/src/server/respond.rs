@@ -112,6 +112,7 @@ pub(super) async fn respond(
         chat: plan.chat,
         logprobs: plan.logprobs,
         prompt_logprobs: plan.prompt_logprobs,
+        best_of: plan.best_of,
         token_ids: plan.token_ids,
         tokenizer,
     };
@@ -145,6 +146,8 @@ pub(super) struct Ctx {
     pub(super) logprobs: bool,
     /// Choices carry vLLM's `prompt_logprobs`.
     pub(super) prompt_logprobs: bool,
+    /// `best_of` candidates per prompt and the `n` kept of them.
+    pub(super) best_of: Option<(usize, usize)>,
     pub(super) token_ids: bool,
     pub(super) tokenizer: Option<&'static Tokenizer>,
 }
@@ -304,6 +307,9 @@ pub(super) async fn collect_response(ctx: Ctx, mut rx: Responses, n: usize) -> R
         finish: Option<&'static str>,
         tool_calls: Vec<crate::tools::ToolCall>,
         reasoning: String,
+        /// The generated tokens' log-probabilities: sum and count.
+        logprob_sum: f64,
+        tokens: usize,
     }
     let mut acc: Vec<Acc> = (0..n).map(|_| Acc::default()).collect();
     let mut total = Usage::default();
@@ -317,6 +323,10 @@ pub(super) async fn collect_response(ctx: Ctx, mut rx: Responses, n: usize) -> R
         a.prompt_logprobs.extend(d.prompt_logprobs);
         a.tool_calls.extend(d.tool_calls);
         a.reasoning.push_str(&d.reasoning);
+        if let Some(l) = d.token_logprob {
+            a.logprob_sum += f64::from(l);
+            a.tokens += 1;
+        }
         if let Some(u) = &d.usage {
             add(&mut total, u);
         }
@@ -324,8 +334,23 @@ pub(super) async fn collect_response(ctx: Ctx, mut rx: Responses, n: usize) -> R
             a.finish = d.finish;
         }
     }
-    let choices: Vec<Value> = acc
-        .iter()
+    // `best_of`: each prompt's candidates ranked by their tokens' mean log-probability, the
+    // first `n` kept and numbered as the prompt's choices.
+    let kept: Vec<&Acc> = match ctx.best_of {
+        None => acc.iter().collect(),
+        Some((b, n)) => acc
+            .chunks(b)
+            .flat_map(|group| {
+                let mean = |a: &Acc| a.logprob_sum / a.tokens.max(1) as f64;
+                let mut order: Vec<&Acc> = group.iter().collect();
+                order.sort_by(|x, y| mean(y).total_cmp(&mean(x)));
+                order.truncate(n);
+                order
+            })
+            .collect(),
+    };
+    let choices: Vec<Value> = kept
+        .into_iter()
         .enumerate()
         .map(|(i, a)| {
             let mut choice = if ctx.chat {
