@@ -48,10 +48,15 @@ impl SpeculativeArgs {
     }
 }
 
-/// How the CPU's block-format matmuls take their activations, shared by the commands that
-/// run an artifact.
+/// How the CPU runs kernels (block-format matmuls' activations, threads), shared by the
+/// commands that run an artifact.
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct ActivationArgs {
+    /// CPU threads the kernels run on (the calling thread and N - 1 workers) [default:
+    /// MAXC_THREADS, else the CPUs this process may use: its affinity mask and its cgroup's CPU
+    /// quota].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub threads: Option<u32>,
     /// Activations of the CPU's matmuls on block-format weights (Q4_1, Q8_0, K-quants, ...) in
     /// decode steps: f32 (the interpreter's arithmetic) or q8 (8 bits per 32 values and
     /// integer dot products, as llama.cpp: faster on AVX2, logits further from the
@@ -78,8 +83,12 @@ impl ActivationArgs {
         ))
     }
 
-    /// The kernel choices these arguments make (the defaults otherwise).
+    /// The kernel choices these arguments make (the defaults otherwise); sets the CPU thread
+    /// count where `--threads` gives one (before the first kernel runs).
     pub fn kernels(&self) -> maxc_runtime::kernels::options::KernelOptions {
+        if let Some(n) = self.threads {
+            maxc_runtime::kernels::pool::set_threads(n as usize);
+        }
         maxc_runtime::kernels::options::KernelOptions {
             activations: self.activations,
             ..Default::default()

@@ -221,6 +221,7 @@ pub fn run(args: Args) -> Result<()> {
         "artifact": args.artifact.display().to_string(),
         "role": args.role,
         "threads": maxc_runtime::kernels::pool::threads(),
+        "threads_choice": maxc_runtime::kernels::pool::choice(),
         "weight_kernels": maxc_runtime::kernels::isa::isa_name(),
         "activations": args.activations.activations.name(),
         "load_s": median(loads.clone()),
@@ -234,9 +235,9 @@ pub fn run(args: Args) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{}: {} threads, weight kernels {}, activations {}",
+        "{}: {}, weight kernels {}, activations {}",
         args.artifact.display(),
-        report["threads"],
+        maxc_runtime::kernels::pool::choice(),
         report["weight_kernels"].as_str().unwrap_or(""),
         args.activations.activations.name()
     );

@@ -153,6 +153,9 @@ fn apply_config_file(
     if let (Some(d), false) = (&s.device, explicit("device")) {
         args.device = d.parse().map_err(|e| bad("device", e))?;
     }
+    if let (Some(n), false) = (s.threads, explicit("threads")) {
+        args.activations.threads = Some(n);
+    }
     if let (Some(a), false) = (&s.activations, explicit("activations")) {
         args.activations.activations = a.parse().map_err(|e| bad("activations", e))?;
     }

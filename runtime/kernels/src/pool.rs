@@ -4,9 +4,20 @@
 //! gone idle) costs about as much as the launch, so workers stay hot between launches and the
 //! caller computes a share itself instead of waiting.
 //!
-//! [`run`] splits work into `chunks` calls of one function, the caller taking chunk 0. Calls
-//! from several threads are serialized; a call from inside a job (an MoE expert's matmul, run
-//! on one thread of the experts' split) runs its chunks on its own thread, in turn.
+//! [`run`] splits work into `chunks` calls of one function. The chunks are taken dynamically:
+//! the caller and every worker that sees the job claim the next chunk until none is left, and
+//! the caller waits only for the chunks claimed, never for a worker to turn up. On a machine
+//! whose cores are shared, a worker descheduled before the job costs nothing (the caller takes
+//! its chunk); one descheduled while it holds a chunk costs that chunk, and a caller that waits
+//! for it longer than [`WAIT_SPIN`] sleeps, leaving the core to it. (Splitting work into more
+//! chunks than threads, so that a held chunk is smaller, measured 3-5% slower decode on a quiet
+//! machine and no steadier on a busy one: callers split into [`threads`] chunks.) Calls from
+//! several threads are serialized; a call from inside a job (an MoE expert's matmul, run on one
+//! thread of the experts' split) runs its chunks on its own thread, in turn.
+//!
+//! The thread count is, in order: [`set_threads`] (the `--threads` flag), `MAXC_THREADS`, and
+//! the CPUs this process may use (`available_parallelism`: the affinity mask and the cgroup
+//! CPU quota); [`choice`] says which.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, OnceLock};
@@ -36,21 +47,40 @@ impl Drop for InJob {
 /// How long an idle worker spins before it sleeps.
 const SPIN: Duration = Duration::from_millis(2);
 
+/// How long a caller spins for the last chunks of its job before it sleeps until they are done.
+const WAIT_SPIN: Duration = Duration::from_micros(50);
+
 type Job = dyn Fn(usize) + Sync;
 
+/// The current job: its function (lifetime erased; called only by a thread that claimed one of
+/// its chunks, which its caller waits for), its epoch and its chunk count.
+#[derive(Clone, Copy)]
+struct Current {
+    job: Option<&'static Job>,
+    epoch: u32,
+    chunks: usize,
+}
+
 struct Shared {
-    /// Bumped for every job; workers run a job when they see a new epoch.
+    /// Bumped for every job; sleeping and spinning workers look for a new one.
     epoch: AtomicU64,
-    /// The current job, valid from its epoch's bump until `pending` reaches zero (its
-    /// lifetime is erased: [`run`] outlives every use).
-    job: Mutex<Option<&'static Job>>,
-    /// Chunks of the current job.
-    chunks: AtomicUsize,
-    /// Workers that have not finished the current job.
-    pending: AtomicUsize,
+    current: Mutex<Current>,
+    /// The current job's epoch (high 32 bits) and next unclaimed chunk (low 32 bits): a chunk is
+    /// claimed by a compare-and-swap that also checks the epoch, so a worker that wakes late
+    /// never runs a finished job.
+    claim: AtomicU64,
+    /// Chunks of the current job finished.
+    done: AtomicUsize,
+    /// The first panic of the current job's chunks, for its caller to resume.
+    panic: Mutex<Option<Panic>>,
     /// Sleeping workers wait here.
     sleep: Mutex<()>,
     wake: Condvar,
+    /// A caller that waited too long for the last chunks sleeps here, the thread that finishes
+    /// the last chunk waking it.
+    finish: Mutex<()>,
+    finished: Condvar,
+    caller_asleep: std::sync::atomic::AtomicBool,
 }
 
 struct Pool {
@@ -60,30 +90,100 @@ struct Pool {
     caller: Mutex<()>,
 }
 
+/// Threads set before the pool starts ([`set_threads`]); 0: not set.
+static REQUESTED: AtomicUsize = AtomicUsize::new(0);
+
+/// How the thread count was chosen.
+static CHOICE: OnceLock<String> = OnceLock::new();
+
+/// Uses `n` threads (the caller and `n - 1` workers). Takes effect only before the first job
+/// (the pool starts then); returns whether it did.
+pub fn set_threads(n: usize) -> bool {
+    if n == 0 || POOL.get().is_some() {
+        return false;
+    }
+    REQUESTED.store(n, Ordering::Relaxed);
+    POOL.get().is_none()
+}
+
+/// The thread count and why (`--threads`, `MAXC_THREADS`, or the CPUs the process may use,
+/// with the cgroup quota where one applies); starts the pool.
+pub fn choice() -> String {
+    pool();
+    CHOICE.get().cloned().unwrap_or_default()
+}
+
+/// The CPU quota of this process's cgroup (v2 `cpu.max`), in CPUs, where one is set.
+pub fn cgroup_quota() -> Option<f64> {
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = cgroup
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .unwrap_or("/");
+    let max = std::fs::read_to_string(format!("/sys/fs/cgroup{}/cpu.max", path.trim_end()))
+        .or_else(|_| std::fs::read_to_string("/sys/fs/cgroup/cpu.max"))
+        .ok()?;
+    let mut it = max.split_whitespace();
+    let (quota, period) = (it.next()?, it.next()?);
+    let quota: f64 = quota.parse().ok()?;
+    let period: f64 = period.parse().ok()?;
+    (period > 0.0).then(|| quota / period)
+}
+
+fn thread_count() -> (usize, String) {
+    let requested = REQUESTED.load(Ordering::Relaxed);
+    if requested > 0 {
+        return (requested, format!("{requested} threads (--threads)"));
+    }
+    if let Some(n) = std::env::var("MAXC_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+    {
+        return (n, format!("{n} threads (MAXC_THREADS)"));
+    }
+    let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let why = match cgroup_quota() {
+        Some(q) => format!(
+            "{n} threads (the CPUs this process may use: its affinity mask and its cgroup's \
+             CPU quota of {q:.2} CPUs)"
+        ),
+        None => format!(
+            "{n} threads (the CPUs this process may use: its affinity mask, no cgroup CPU quota)"
+        ),
+    };
+    (n, why)
+}
+
+static POOL: OnceLock<Pool> = OnceLock::new();
+
 fn pool() -> &'static Pool {
-    static POOL: OnceLock<Pool> = OnceLock::new();
     POOL.get_or_init(|| {
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let threads = std::env::var("MAXC_THREADS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&n| n > 0)
-            .unwrap_or(threads);
+        let (threads, why) = thread_count();
+        let _ = CHOICE.set(why);
         let shared: &'static Shared = Box::leak(Box::new(Shared {
             epoch: AtomicU64::new(0),
-            job: Mutex::new(None),
-            chunks: AtomicUsize::new(0),
-            pending: AtomicUsize::new(0),
+            current: Mutex::new(Current {
+                job: None,
+                epoch: 0,
+                chunks: 0,
+            }),
+            claim: AtomicU64::new(0),
+            done: AtomicUsize::new(0),
+            panic: Mutex::new(None),
             sleep: Mutex::new(()),
             wake: Condvar::new(),
+            finish: Mutex::new(()),
+            finished: Condvar::new(),
+            caller_asleep: std::sync::atomic::AtomicBool::new(false),
         }));
         let workers = threads - 1;
         for w in 0..workers {
             let spawned = std::thread::Builder::new()
                 .name(format!("maxc-cpu-{}", w + 1))
-                .spawn(move || worker(shared, w + 1));
+                .spawn(move || worker(shared));
             if spawned.is_err() {
-                // Fewer workers than cores: jobs get fewer chunks.
+                // Fewer workers than asked for: the others' chunks are claimed by the rest.
                 return Pool {
                     shared,
                     workers: w,
@@ -104,7 +204,44 @@ pub fn threads() -> usize {
     pool().workers + 1
 }
 
-fn worker(s: &'static Shared, index: usize) {
+/// A chunk's panic, carried to the caller of [`run`].
+type Panic = Box<dyn std::any::Any + Send>;
+
+/// Claims and runs chunks of the job `cur` until none is left. A panicking chunk still counts
+/// as done (or its caller would wait forever); the job's first panic is kept for its caller.
+fn claim_and_run(s: &Shared, cur: Current) {
+    let Some(job) = cur.job else { return };
+    loop {
+        let c = s.claim.load(Ordering::Acquire);
+        if (c >> 32) as u32 != cur.epoch || (c & 0xffff_ffff) as usize >= cur.chunks {
+            return;
+        }
+        if s.claim
+            .compare_exchange_weak(c, c + 1, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            continue;
+        }
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _in = InJob::enter();
+            job((c & 0xffff_ffff) as usize)
+        }));
+        if let Err(p) = r {
+            s.panic
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert(p);
+        }
+        if s.done.fetch_add(1, Ordering::SeqCst) + 1 == cur.chunks
+            && s.caller_asleep.load(Ordering::SeqCst)
+        {
+            let _g = s.finish.lock().unwrap_or_else(|e| e.into_inner());
+            s.finished.notify_one();
+        }
+    }
+}
+
+fn worker(s: &'static Shared) {
     let mut seen = 0u64;
     loop {
         let start = Instant::now();
@@ -133,23 +270,13 @@ fn worker(s: &'static Shared, index: usize) {
             std::hint::spin_loop();
         };
         seen = epoch;
-        if index < s.chunks.load(Ordering::Acquire) {
-            let job = *s.job.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(job) = job {
-                // A panicking job must still count as done, or its caller would wait forever;
-                // the panic is reported on this thread.
-                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    let _in = InJob::enter();
-                    job(index)
-                }));
-            }
-        }
-        s.pending.fetch_sub(1, Ordering::AcqRel);
+        let cur = *s.current.lock().unwrap_or_else(|e| e.into_inner());
+        claim_and_run(s, cur);
     }
 }
 
-/// Calls `f(0..chunks)`, chunk 0 on the calling thread and the others on the workers, and
-/// returns when all are done. `chunks` is at most [`threads`]; more are run by the caller.
+/// Calls `f(0..chunks)` on the calling thread and the workers, each chunk once, and returns
+/// when all are done; a chunk's panic is resumed on the calling thread.
 pub fn run<'a>(chunks: usize, f: &'a (dyn Fn(usize) + Sync + 'a)) {
     let p = pool();
     if chunks <= 1 || p.workers == 0 || IN_JOB.with(|j| j.get()) {
@@ -158,41 +285,64 @@ pub fn run<'a>(chunks: usize, f: &'a (dyn Fn(usize) + Sync + 'a)) {
     }
     let _one = p.caller.lock().unwrap_or_else(|e| e.into_inner());
     let s = p.shared;
-    let on_workers = chunks.min(p.workers + 1);
-    // SAFETY: only the lifetime is erased; workers use the reference only between the epoch
-    // bump below and their decrement of `pending`, and this call returns after both.
+    // SAFETY: only the lifetime is erased; a worker calls the job only after claiming one of
+    // its chunks (a compare-and-swap that checks this job's epoch), and this call returns only
+    // after every chunk is done, so no call outlives `f`.
     let job: &'static Job =
         unsafe { std::mem::transmute::<&'a (dyn Fn(usize) + Sync + 'a), &'static Job>(f) };
-    *s.job.lock().unwrap_or_else(|e| e.into_inner()) = Some(job);
-    s.chunks.store(on_workers, Ordering::Release);
-    s.pending.store(p.workers, Ordering::Release);
+    let epoch = (s.epoch.load(Ordering::Acquire) + 1) as u32;
+    let cur = Current {
+        job: Some(job),
+        epoch,
+        chunks,
+    };
+    *s.current.lock().unwrap_or_else(|e| e.into_inner()) = cur;
+    s.done.store(0, Ordering::Release);
+    s.claim.store(u64::from(epoch) << 32, Ordering::Release);
     {
         let _g = s.sleep.lock().unwrap_or_else(|e| e.into_inner());
         s.epoch.fetch_add(1, Ordering::AcqRel);
     }
     s.wake.notify_all();
-    /// Waits for the workers, also when the caller's share unwinds: the job must outlive them.
-    struct Wait(&'static Shared);
+    /// Waits for every chunk: the job must outlive them. Then no new claim can succeed (all
+    /// are taken) and the job is dropped.
+    struct Wait(&'static Shared, usize);
     impl Drop for Wait {
         fn drop(&mut self) {
+            let s = self.0;
+            let start = Instant::now();
             let mut spins = 0u32;
-            while self.0.pending.load(Ordering::Acquire) != 0 {
-                // A worker descheduled by an oversubscribed machine needs this core back.
+            while s.done.load(Ordering::Acquire) < self.1 {
                 spins = spins.wrapping_add(1);
+                if spins.is_multiple_of(64) && start.elapsed() > WAIT_SPIN {
+                    // A chunk's thread is late (descheduled on a busy machine, perhaps on
+                    // this very core): sleep until the last chunk's thread wakes this one.
+                    let guard = s.finish.lock().unwrap_or_else(|e| e.into_inner());
+                    s.caller_asleep.store(true, Ordering::SeqCst);
+                    if s.done.load(Ordering::SeqCst) < self.1 {
+                        let _ = s
+                            .finished
+                            .wait_timeout(guard, Duration::from_millis(1))
+                            .unwrap_or_else(|e| e.into_inner());
+                    }
+                    s.caller_asleep.store(false, Ordering::SeqCst);
+                    continue;
+                }
                 if spins.is_multiple_of(16) {
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();
                 }
             }
-            *self.0.job.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            self.0.current.lock().unwrap_or_else(|e| e.into_inner()).job = None;
         }
     }
-    let _wait = Wait(s);
-    let _in = InJob::enter();
-    f(0);
-    for c in on_workers..chunks {
-        f(c);
+    let wait = Wait(s, chunks);
+    claim_and_run(s, cur);
+    drop(wait);
+    let panic = s.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if let Some(p) = panic {
+        std::panic::resume_unwind(p);
     }
 }
 
@@ -232,6 +382,57 @@ mod tests {
             hits.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(hits.load(Ordering::Relaxed), threads());
+    }
+
+    #[test]
+    fn more_chunks_than_threads_are_shared_out_and_each_runs_once() {
+        for chunks in [threads(), 3 * threads() + 1, 64] {
+            let counts: Vec<AtomicUsize> = (0..chunks).map(|_| AtomicUsize::new(0)).collect();
+            for _ in 0..200 {
+                run(chunks, &|c| {
+                    counts[c].fetch_add(1, Ordering::Relaxed);
+                });
+            }
+            assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 200));
+        }
+    }
+
+    #[test]
+    fn a_chunk_that_stalls_holds_back_only_itself() {
+        // One chunk sleeps (a thread descheduled mid-chunk); the others are taken by whoever
+        // is free, so the caller does not wait for a fixed share of the stalled thread's.
+        let ran_by_caller = AtomicUsize::new(0);
+        let caller = std::thread::current().id();
+        run(16, &|c| {
+            if c == 0 {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            if std::thread::current().id() == caller {
+                ran_by_caller.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        // Chunk 0 went to the caller or a worker; the other thread(s) took the rest.
+        assert!(ran_by_caller.load(Ordering::Relaxed) >= 1);
+    }
+
+    #[test]
+    fn a_panicking_chunk_reaches_the_caller_and_the_pool_goes_on() {
+        // Whichever thread runs the panicking chunk, the caller sees the panic.
+        for bad in 0..8 {
+            let r = std::panic::catch_unwind(|| {
+                run(8, &|c| {
+                    if c == bad {
+                        panic!("chunk {bad}");
+                    }
+                })
+            });
+            assert!(r.is_err(), "chunk {bad}'s panic");
+        }
+        let hits = AtomicUsize::new(0);
+        run(8, &|_| {
+            hits.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(hits.load(Ordering::Relaxed), 8);
     }
 
     #[test]

@@ -50,6 +50,7 @@ pub struct ServeSettings {
     pub no_prefix_caching: Option<bool>,
     pub device: Option<String>,
     pub activations: Option<String>,
+    pub threads: Option<u32>,
     pub max_request_bytes: Option<usize>,
     pub max_queue_size: Option<usize>,
     pub graceful_shutdown_timeout_s: Option<f64>,

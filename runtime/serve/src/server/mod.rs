@@ -346,7 +346,11 @@ pub async fn serve(
         let tracer = tracer.clone();
         tokio::task::spawn_blocking(move || match load(&opts, &app.metrics, tracer) {
             Ok(l) => {
-                tracing::info!(model = %app.model, "model loaded");
+                tracing::info!(
+                    model = %app.model,
+                    cpu_threads = %maxc_runtime::kernels::pool::choice(),
+                    "model loaded"
+                );
                 let _ = app.loaded.set(l);
             }
             Err(e) => {
