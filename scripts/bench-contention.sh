@@ -4,7 +4,8 @@
 # 5) with 0, 1 and 2 competing busy processes, each competitor's speed as a share of the quiet
 # median. With BASE=path/to/another/maxc the same runs for that binary interleave (an A/B of two
 # builds); with LLAMA=1 llama.cpp's llama-bench (scripts/llama-cpp.sh builds it) on the same
-# file and thread count. A benchmark, not a test: it prints, it asserts nothing.
+# file and thread count. DECODE=0, QUOTA=0 or SERVE=0 skip a part. A benchmark, not a test: it
+# prints, it asserts nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${RUNS:-5}
@@ -47,7 +48,7 @@ llama_decode() {
 }
 
 declare -A quiet
-for competitors in 0 1 2; do
+for competitors in $([ "${DECODE:-1}" = 1 ] && echo 0 1 2); do
   start_busy "$competitors"
   sleep 0.5
   for bin in "${bins[@]}" ${llama:+llama}; do
@@ -69,6 +70,38 @@ PY
   done
   stop_busy
 done
+
+# A cgroup CPU quota of one core: the thread count maxc chooses inside it, and decode there
+# against `--threads 1` unconfined (cgroup v2 `cpu.max`, else v1 `cpu.cfs_quota_us`; where
+# neither can be made, it says so).
+if [ "${QUOTA:-1}" = 1 ]; then
+  cg=""
+  if [ -f /sys/fs/cgroup/cgroup.controllers ] && mkdir -p /sys/fs/cgroup/maxc-bench 2>/dev/null &&
+     echo "100000 100000" > /sys/fs/cgroup/maxc-bench/cpu.max 2>/dev/null; then
+    cg=/sys/fs/cgroup/maxc-bench
+  elif [ -f /sys/fs/cgroup/cpu/cpu.cfs_quota_us ] &&
+       mkdir -p /sys/fs/cgroup/cpu/maxc-bench 2>/dev/null &&
+       echo 100000 > /sys/fs/cgroup/cpu/maxc-bench/cpu.cfs_period_us 2>/dev/null &&
+       echo 100000 > /sys/fs/cgroup/cpu/maxc-bench/cpu.cfs_quota_us 2>/dev/null; then
+    cg=/sys/fs/cgroup/cpu/maxc-bench
+  fi
+  if [ -z "$cg" ]; then
+    echo "cgroup quota: this machine lets the script make no cgroup with a CPU quota; skipped"
+  else
+    quota=() free=()
+    for _ in $(seq "$runs"); do
+      line=$(sh -c "echo \$\$ > $cg/cgroup.procs && exec target/release/maxc generate $art \
+        --tokens $prompt --max-new-tokens 64 --ignore-eos" 2>&1 >/dev/null | grep 'tokens/s')
+      quota+=("$(echo "$line" | sed -n 's/.*then \([0-9.]*\) tokens\/s.*/\1/p')")
+      chosen=${line#*CPU: }
+      free+=("$(target/release/maxc generate "$art" --tokens "$prompt" --max-new-tokens 64 \
+        --ignore-eos --threads 1 2>&1 >/dev/null | sed -n 's/.*then \([0-9.]*\) tokens\/s.*/\1/p')")
+    done
+    rmdir "$cg" 2>/dev/null || true
+    echo "cgroup quota of 1 CPU ($cg): maxc chose $chosen"
+    echo "  decode tokens/s in the quota ${quota[*]}; --threads 1 unconfined ${free[*]}"
+  fi
+fi
 
 # Serving: 8 clients (serve_load.py, 16 requests of 64 tokens after a 128-token prompt) with 0
 # and 2 competing busy processes; /health polled every 50 ms throughout, its slowest answer.

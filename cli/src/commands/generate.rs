@@ -195,10 +195,11 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(first) = first_token {
         let decode_s = done.duration_since(first).as_secs_f64();
         eprintln!(
-            "maxc generate: {} tokens; first after {:.1} ms, then {:.1} tokens/s",
+            "maxc generate: {} tokens; first after {:.1} ms, then {:.1} tokens/s; CPU: {}",
             out.len(),
             first.duration_since(started).as_secs_f64() * 1e3,
-            (out.len() - 1) as f64 / decode_s.max(1e-9)
+            (out.len() - 1) as f64 / decode_s.max(1e-9),
+            maxc_runtime::kernels::pool::choice()
         );
     }
     if let Some((depth, st)) = stats {

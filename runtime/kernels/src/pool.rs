@@ -113,21 +113,35 @@ pub fn choice() -> String {
     CHOICE.get().cloned().unwrap_or_default()
 }
 
-/// The CPU quota of this process's cgroup (v2 `cpu.max`), in CPUs, where one is set.
+/// The CPU quota of this process's cgroup, in CPUs, where one is set: cgroup v2's `cpu.max`,
+/// or v1's `cpu.cfs_quota_us` over `cpu.cfs_period_us`.
 pub fn cgroup_quota() -> Option<f64> {
     let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let path = cgroup
-        .lines()
-        .find_map(|l| l.strip_prefix("0::"))
-        .unwrap_or("/");
-    let max = std::fs::read_to_string(format!("/sys/fs/cgroup{}/cpu.max", path.trim_end()))
-        .or_else(|_| std::fs::read_to_string("/sys/fs/cgroup/cpu.max"))
-        .ok()?;
-    let mut it = max.split_whitespace();
-    let (quota, period) = (it.next()?, it.next()?);
-    let quota: f64 = quota.parse().ok()?;
-    let period: f64 = period.parse().ok()?;
-    (period > 0.0).then(|| quota / period)
+    let read = |p: String| std::fs::read_to_string(p).ok();
+    let ratio = |q: &str, p: &str| -> Option<f64> {
+        let (q, p): (f64, f64) = (q.trim().parse().ok()?, p.trim().parse().ok()?);
+        (q > 0.0 && p > 0.0).then(|| q / p)
+    };
+    for line in cgroup.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?.trim_end());
+        if controllers.is_empty() {
+            if let Some(max) = read(format!("/sys/fs/cgroup{path}/cpu.max")) {
+                let mut it = max.split_whitespace();
+                if let (Some(q), Some(p)) = (it.next(), it.next()) {
+                    return ratio(q, p);
+                }
+            }
+        } else if controllers.split(',').any(|c| c == "cpu") {
+            let dir = ["/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct"]
+                .into_iter()
+                .find(|d| std::path::Path::new(&format!("{d}{path}")).is_dir())?;
+            let q = read(format!("{dir}{path}/cpu.cfs_quota_us"))?;
+            let p = read(format!("{dir}{path}/cpu.cfs_period_us"))?;
+            return ratio(&q, &p);
+        }
+    }
+    None
 }
 
 fn thread_count() -> (usize, String) {
