@@ -412,21 +412,39 @@ mod tests {
     }
 
     #[test]
-    fn a_chunk_that_stalls_holds_back_only_itself() {
-        // One chunk sleeps (a thread descheduled mid-chunk); the others are taken by whoever
-        // is free, so the caller does not wait for a fixed share of the stalled thread's.
-        let ran_by_caller = AtomicUsize::new(0);
-        let caller = std::thread::current().id();
+    fn while_one_chunk_stalls_the_other_threads_take_the_rest() {
+        // The first chunk claimed stalls (a thread descheduled mid-chunk) until every other
+        // chunk is done: with chunks handed out in a fixed share per thread, the stalled
+        // thread's later chunks would wait behind it and this would time out.
+        if threads() < 2 {
+            return;
+        }
+        let done = AtomicUsize::new(0);
+        let first = AtomicUsize::new(usize::MAX);
+        let timed_out = AtomicUsize::new(0);
         run(16, &|c| {
-            if c == 0 {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            if std::thread::current().id() == caller {
-                ran_by_caller.fetch_add(1, Ordering::Relaxed);
+            if first
+                .compare_exchange(usize::MAX, c, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                let start = Instant::now();
+                while done.load(Ordering::Acquire) < 15 {
+                    if start.elapsed() > Duration::from_secs(20) {
+                        timed_out.store(1, Ordering::Relaxed);
+                        break;
+                    }
+                    std::thread::yield_now();
+                }
+            } else {
+                done.fetch_add(1, Ordering::AcqRel);
             }
         });
-        // Chunk 0 went to the caller or a worker; the other thread(s) took the rest.
-        assert!(ran_by_caller.load(Ordering::Relaxed) >= 1);
+        assert_eq!(
+            timed_out.load(Ordering::Relaxed),
+            0,
+            "the other chunks waited"
+        );
+        assert_eq!(done.load(Ordering::Relaxed), 15);
     }
 
     #[test]

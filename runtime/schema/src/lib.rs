@@ -377,6 +377,27 @@ pub struct Program {
 }
 
 impl Program {
+    /// The f32 `[rows, width]` output `name` (as the decoder's `hidden_states`) at `bounds`:
+    /// its buffer and its width, where the program has such an output and `rows` lie within
+    /// its bound.
+    pub fn row_output(
+        &self,
+        name: &str,
+        bounds: &[u64; kernel::StepDim::COUNT],
+        rows: &std::ops::Range<usize>,
+    ) -> Option<(&Buffer, usize)> {
+        let buf = &self.buffers[*self.outputs.get(name)? as usize];
+        let extent = |e: &Extent| match e {
+            Extent::Fixed(n) => *n as usize,
+            Extent::Step(d) => bounds[*d as usize] as usize,
+        };
+        let [first, last] = buf.shape.as_slice() else {
+            return None;
+        };
+        let (bound, width) = (extent(first), extent(last));
+        (buf.dtype == DType::F32 && rows.end <= bound).then_some((buf, width))
+    }
+
     /// Tokens per KV page (0 without a cache).
     pub fn page_size(&self) -> u64 {
         self.kv.as_ref().map_or(0, |kv| kv.page_size)

@@ -399,22 +399,10 @@ impl CpuExecutor {
     /// arena, as the decoder's `hidden_states`); `None` where the program has no such output or
     /// the rows pass its bound.
     pub fn output_rows(&mut self, name: &str, rows: std::ops::Range<usize>) -> Option<Vec<f32>> {
-        let id = *self.program.outputs.get(name)?;
-        let buf = &self.program.buffers[id as usize];
+        let (buf, width) = self.program.row_output(name, &self.bounds, &rows)?;
         let Storage::Arena { offset } = buf.storage else {
             return None;
         };
-        let extent = |e: &Extent| match e {
-            Extent::Fixed(n) => *n as usize,
-            Extent::Step(d) => self.bounds[*d as usize] as usize,
-        };
-        let (Some(first), Some(last)) = (buf.shape.first(), buf.shape.last()) else {
-            return None;
-        };
-        let (bound, width) = (extent(first), extent(last));
-        if buf.dtype != DType::F32 || buf.shape.len() != 2 || rows.end > bound {
-            return None;
-        }
         let base = self.arena.ptr();
         // SAFETY: the buffer holds `bound × width` f32 at its arena offset (Program::validate
         // checked it lies in the arena) and `rows` lie below `bound`.

@@ -377,18 +377,7 @@ impl CudaExecutor {
     /// program has no such output or the rows lie past its bound.
     pub fn output_rows(&mut self, name: &str, rows: std::ops::Range<usize>) -> Option<Vec<f32>> {
         let id = *self.program.outputs.get(name)? as usize;
-        let buf = &self.program.buffers[id];
-        let extent = |e: &Extent| match e {
-            Extent::Fixed(n) => *n as usize,
-            Extent::Step(d) => self.bounds[*d as usize] as usize,
-        };
-        let (Some(first), Some(last)) = (buf.shape.first(), buf.shape.last()) else {
-            return None;
-        };
-        let (bound, width) = (extent(first), extent(last));
-        if buf.dtype != crate::schema::DType::F32 || buf.shape.len() != 2 || rows.end > bound {
-            return None;
-        }
+        let (_, width) = self.program.row_output(name, &self.bounds, &rows)?;
         self.ctx.bind_to_thread().ok()?;
         let mut data = vec![0f32; rows.len() * width];
         let src = self.bufs[id] + (rows.start * width * 4) as u64;
