@@ -551,7 +551,8 @@ def test_slow_clients_cannot_hold_the_server(artifacts):
         for h in held:
             assert h.recv(10) == b""
         # And the server goes on as before.
-        r = httpx.post(s.v1 + "/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+        r = httpx.post(s.v1 + "/completions", json={"prompt": [1, 2, 3], "max_tokens": 4,
+                                                    "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     finally:
         s.stop()
