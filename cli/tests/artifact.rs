@@ -736,12 +736,53 @@ fn inspect_gives_the_kv_bytes_of_a_token_and_of_a_sequence() {
     );
     let text = String::from_utf8_lossy(&maxc(&["inspect", a.to_str().unwrap()]).stdout).to_string();
     assert!(
-        text.contains("kv cache 1 page groups of 4 layers (full)")
+        text.contains("kv cache 1 page groups of 4 layers (full; keys and values)")
             && text.contains("2048 bytes per token"),
         "{text}"
     );
     assert_eq!(
         kv["pages_per_sequence"], kv["pages_per_sequence_without_windows"],
         "{kv}"
+    );
+}
+
+/// tiny-deepseek-v3's cache holds one latent per token and layer, (kv_lora_rank 64 + rope 16)
+/// f32 values, not (4 heads × (nope 32 + rope 16) keys + 4 × 32 values) as the same model
+/// with plain multi-head attention would: 4× fewer bytes per token, per page and per 512-token
+/// sequence, in as many pages (pages hold tokens).
+#[test]
+fn inspect_gives_the_latent_kv_bytes_of_a_deepseek_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("ds.maxc");
+    let m = fixtures().join("tiny-deepseek-v3");
+    let o = maxc(&[
+        "compile",
+        m.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--quiet",
+        "--max-seq-len",
+        "512",
+        "--page-size",
+        "16",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = maxc(&["inspect", out.to_str().unwrap(), "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let kv = &r["roles"]["decoder"]["kv"];
+    let latent = 4 * (64 + 16) * 4;
+    let mha = 4 * 4 * (48 + 32) * 4;
+    assert_eq!(kv["bytes_per_token"], latent, "{kv}");
+    assert_eq!(mha, 4 * latent);
+    assert_eq!(kv["planes"], 1, "{kv}");
+    assert_eq!(kv["page_bytes"], 16 * latent, "{kv}");
+    assert_eq!(kv["pages_per_sequence"], 512 / 16, "{kv}");
+    assert_eq!(kv["bytes_per_sequence"], 512 * latent, "{kv}");
+    let text =
+        String::from_utf8_lossy(&maxc(&["inspect", out.to_str().unwrap()]).stdout).to_string();
+    assert!(
+        text.contains("1280 bytes per token") && text.contains("(full; one latent per token)"),
+        "{text}"
     );
 }

@@ -827,3 +827,15 @@ fn cuda_hidden_states_equal_the_cpu_executors() {
         .fold(0.0, f32::max);
     assert!(d < 1e-3, "max |hidden state diff| CPU vs CUDA {d}");
 }
+
+// DeepSeek-V3's multi-head latent attention over a one-plane latent cache, a dense first
+// layer, then a sigmoid group-limited router with a shared expert.
+every_backend!(tiny_deepseek_v3, "tiny-deepseek-v3", GraphRole::Decoder, "");
+
+/// tiny-deepseek-v3's routed experts over 2 and 4 in-process ranks (its shared expert on every
+/// rank) gives the fixture's logits.
+mod tiny_deepseek_v3_expert_parallel {
+    use super::*;
+    suite!(ep2, "tiny-deepseek-v3", GraphRole::Decoder, "", Kind::Ep(2));
+    suite!(ep4, "tiny-deepseek-v3", GraphRole::Decoder, "", Kind::Ep(4));
+}

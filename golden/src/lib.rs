@@ -60,7 +60,8 @@ fn for_model(model: &str, rt: &ModuleRuntime) -> ModuleRuntime {
 
 /// Every golden case: each tiny model at two runtime settings on the CPU, and once for CUDA
 /// (sm_90, bf16 weights, so the tensor-core matmuls are covered); tiny-mixtral also at
-/// expert-parallel degree 2, on both.
+/// expert-parallel degree 2, on both. tiny-deepseek-v3 (latent attention) on the CPU only, and
+/// at degree 2, until its CUDA kernels land.
 pub fn cases() -> Vec<Case> {
     let settings = [
         ("b8-len128", runtime(8, 128, 256, true)),
@@ -74,6 +75,7 @@ pub fn cases() -> Vec<Case> {
         "tiny-gemma3",
         "tiny-mixtral",
         "tiny-roles",
+        "tiny-deepseek-v3",
     ] {
         for (label, rt) in &settings {
             out.push(Case {
@@ -137,6 +139,21 @@ pub fn cases() -> Vec<Case> {
             },
         });
     }
+    // tiny-deepseek-v3's routed experts over 2 ranks (the shared expert on each).
+    out.push(Case {
+        name: "tiny-deepseek-v3-cpu-b8-len128-ep2".into(),
+        model: "tiny-deepseek-v3",
+        options: CompileOptions {
+            runtime: ep2,
+            weights: DType::F32.into(),
+            all_logits: false,
+            cpu_matmul: CpuMatmul::Auto,
+            force: true,
+            cpu: true,
+            cuda_arch: None,
+            stop_after_rewrites: None,
+        },
+    });
     out
 }
 

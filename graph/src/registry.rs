@@ -1,8 +1,8 @@
 //! The registry of architectures, by their Hugging Face `architectures` name.
 
 use crate::arch::{
-    config::ConfigReader, gemma3, llama, llama_with_draft, mistral, mixtral, phi3, qwen2, qwen3,
-    Architecture, ModelSpec,
+    config::ConfigReader, deepseek, gemma3, llama, llama_with_draft, mistral, mixtral, phi3, qwen2,
+    qwen3, Architecture, ModelSpec,
 };
 use crate::{Error, Result};
 use std::collections::BTreeMap;
@@ -24,7 +24,9 @@ impl Registry {
     /// Every architecture maxc ships.
     pub fn builtin() -> Self {
         let mut r = Registry::new();
-        let archs: [Arc<dyn Architecture>; 10] = [
+        let archs: [Arc<dyn Architecture>; 12] = [
+            Arc::new(deepseek::DeepseekV2),
+            Arc::new(deepseek::DeepseekV3),
             Arc::new(gemma3::Gemma3),
             Arc::new(gemma3::Gemma3ConditionalGeneration),
             Arc::new(llama::Llama),

@@ -172,12 +172,15 @@ pub fn arity(body: &KernelBody) -> (usize, usize) {
         KernelBody::RmsNorm { residual: true, .. } => (3, 2),
         KernelBody::Elementwise { inputs, .. } => (inputs.len(), 1),
         KernelBody::Rope { .. } => (3, 1),
-        KernelBody::KvStore { .. } => (6, 0),
+        KernelBody::KvStore { planes, .. } => (4 + (*planes).min(2) as usize, 0),
         KernelBody::Attention { .. } => (5, 1),
         KernelBody::Softmax { .. } | KernelBody::TopK { .. } => (1, 1),
         KernelBody::Matmul { bias, .. } => (2 + usize::from(*bias), 1),
         KernelBody::MoeExperts { experts, .. } => (2 + 3 * *experts as usize, 1),
         KernelBody::Zeros { .. } => (0, 1),
         KernelBody::RankExperts { .. } => (1, 1),
+        KernelBody::Concat { .. }
+        | KernelBody::HeadMatmul { .. }
+        | KernelBody::MoeRouter { .. } => (2, 1),
     }
 }

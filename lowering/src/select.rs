@@ -80,6 +80,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                     kv_heads: l.num_kv_heads as u64,
                     head_dim: l.head_dim as u64,
                     page_size: l.page_size as u64,
+                    planes: l.planes as u64,
                     dtype: l.dtype,
                     groups: l
                         .groups
@@ -257,23 +258,41 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                 val.insert(id, out);
                 continue;
             }
-            Op::PagedAttention {
-                layer,
-                scale,
-                window,
-            } => {
+            Op::PagedAttention { .. } | Op::LatentAttention { .. } => {
                 let l =
                     k.kv.clone()
                         .ok_or_else(|| unsupported("attention before the KV cache input"))?;
+                let layer = match &node.op {
+                    Op::PagedAttention { layer, .. } | Op::LatentAttention { layer, .. } => *layer,
+                    _ => unreachable!("matched above"),
+                };
                 // The layer's slot in its page group's pages (its lookup table is the operand).
                 let slot = kv_graph
                     .as_ref()
-                    .and_then(|g| g.slot(*layer))
+                    .and_then(|g| g.slot(layer))
                     .ok_or_else(|| unsupported("attention of a layer in no KV page group"))?;
-                let (q, kk, v, lut, lens, offs) = (ops[0], ops[1], ops[2], ops[4], ops[5], ops[6]);
+                // What is stored (keys and values, or the latent), the rest of the operands,
+                // the values' width, the score scale and the window.
+                let (stored, rest, value_dim, scale, window) = match &node.op {
+                    Op::PagedAttention { scale, window, .. } => {
+                        (&ops[1..3], &ops[3..], l.head_dim, *scale, *window)
+                    }
+                    Op::LatentAttention {
+                        scale, value_dim, ..
+                    } => {
+                        let window = kv_graph
+                            .as_ref()
+                            .and_then(|g| g.groups.get(slot.group))
+                            .and_then(|g| g.window);
+                        (&ops[1..2], &ops[2..], *value_dim as u64, *scale, window)
+                    }
+                    _ => unreachable!("matched above"),
+                };
+                let (q, lut, lens, offs) = (ops[0], rest[1], rest[2], rest[3]);
+                let planes = stored.len() as u64;
                 // Every layer's kernels see a view of the cache at their layer's slot, so the
                 // kernels of all layers are one kernel.
-                let whole = k.values[ops[3]].clone();
+                let whole = k.values[rest[0]].clone();
                 let cache = k.value(KValue {
                     name: format!("kv_cache.layer{layer}"),
                     kind: ValueKind::KvCacheLayer(slot.slot as u64),
@@ -283,6 +302,8 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                     Extent::Fixed(h) => h,
                     Extent::Step(_) => return Err(unsupported("symbolic head count")),
                 };
+                let mut store_inputs = stored.to_vec();
+                store_inputs.extend([cache, lut, lens, offs]);
                 k.nodes.push(KNode {
                     body: KernelBody::KvStore {
                         layer: 0,
@@ -290,8 +311,9 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                         kv_heads: l.kv_heads,
                         head_dim: l.head_dim,
                         page_size: l.page_size,
+                        planes,
                     },
-                    inputs: vec![kk, v, cache, lut, lens, offs],
+                    inputs: store_inputs,
                     outputs: vec![],
                     nodes: vec![node.name.clone()],
                 });
@@ -304,7 +326,9 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                         kv_heads: l.kv_heads,
                         head_dim: l.head_dim,
                         page_size: l.page_size,
-                        scale: *scale,
+                        planes,
+                        value_dim,
+                        scale,
                         window: window.map(|w| w as u64),
                     },
                     inputs: vec![q, cache, lut, lens, offs],
@@ -313,6 +337,57 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                 });
                 val.insert(id, out);
                 continue;
+            }
+            Op::Concat => {
+                let (a, b) = (shape_of(&k, ops[0]), shape_of(&k, ops[1]));
+                let fixed = |e: Option<&Extent>| match e {
+                    Some(Extent::Fixed(n)) => Ok(*n),
+                    _ => Err(unsupported("a symbolic concatenated dim")),
+                };
+                let (wa, wb) = (fixed(a.last())?, fixed(b.last())?);
+                KernelBody::Concat {
+                    rows: rows_of(&a),
+                    groups: cols_of(&a) / wa.max(1),
+                    a: wa,
+                    b: wb,
+                }
+            }
+            Op::HeadLinear => {
+                let (x, w) = (&k.values[ops[0]], &k.values[ops[1]]);
+                let (heads, n, kk) = match (w.shape[0], w.shape[1], w.shape[2]) {
+                    (Extent::Fixed(h), Extent::Fixed(n), Extent::Fixed(kk)) => (h, n, kk),
+                    _ => return Err(unsupported("the weight has symbolic dims")),
+                };
+                KernelBody::HeadMatmul {
+                    rows: rows_of(&x.shape),
+                    heads,
+                    n,
+                    k: kk,
+                    weight_dtype: w.dtype,
+                }
+            }
+            Op::MoeRouter {
+                top_k,
+                n_group,
+                topk_group,
+                scoring,
+                group_score,
+                renormalize,
+                scale,
+            } => {
+                let shape = shape_of(&k, ops[0]);
+                KernelBody::MoeRouter {
+                    rows: rows_of(&shape),
+                    experts: cols_of(&shape),
+                    top_k: *top_k as u64,
+                    n_group: *n_group as u64,
+                    topk_group: *topk_group as u64,
+                    scoring: *scoring,
+                    group_score: *group_score,
+                    renormalize: *renormalize,
+                    scale: *scale,
+                    bias_dtype: k.values[ops[1]].dtype,
+                }
             }
             Op::Softmax => {
                 let shape = shape_of(&k, ops[0]);

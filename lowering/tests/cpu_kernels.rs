@@ -765,6 +765,7 @@ fn kv_store_then_attention_over_paged_cache() {
         }
         let what = format!("page_size {page_size} kv_heads {kv_heads} heads {heads} hd {hd}");
         let Some(store) = Kernel::new(KernelBody::KvStore {
+            planes: 2,
             layer: c.layer as u64,
             num_layers: c.num_layers as u64,
             kv_heads: kv_heads as u64,
@@ -797,6 +798,8 @@ fn kv_store_then_attention_over_paged_cache() {
             Some(1000),
         ] {
             let Some(attn) = Kernel::new(KernelBody::Attention {
+                planes: 2,
+                value_dim: hd as u64,
                 layer: c.layer as u64,
                 num_layers: c.num_layers as u64,
                 heads: heads as u64,
@@ -885,6 +888,7 @@ fn all_kinds() -> Vec<KernelBody> {
             rotary_dim: 16,
         },
         KernelBody::KvStore {
+            planes: 2,
             layer: 0,
             num_layers: 2,
             kv_heads: 2,
@@ -892,6 +896,8 @@ fn all_kinds() -> Vec<KernelBody> {
             page_size: 16,
         },
         KernelBody::Attention {
+            planes: 2,
+            value_dim: 32,
             layer: 1,
             num_layers: 2,
             heads: 4,
@@ -972,6 +978,8 @@ fn errors_name_the_kernel_and_the_problem() {
     );
 
     let bad_gqa = KernelBody::Attention {
+        planes: 2,
+        value_dim: 8,
         layer: 0,
         num_layers: 1,
         heads: 3,

@@ -275,6 +275,7 @@ fn rope_reads_the_positions_table_row() {
 #[test]
 fn kv_store_addresses_pages_through_the_lookup_table() {
     let k = emit(&KernelBody::KvStore {
+        planes: 2,
         layer: 2,
         num_layers: 3,
         kv_heads: 2,
@@ -319,6 +320,8 @@ fn kv_store_addresses_pages_through_the_lookup_table() {
 #[test]
 fn attention_maps_query_heads_to_kv_heads_and_pages() {
     let k = emit(&KernelBody::Attention {
+        planes: 2,
+        value_dim: 128,
         layer: 1,
         num_layers: 2,
         heads: 8,
@@ -567,6 +570,7 @@ fn all_kinds() -> Vec<KernelBody> {
             rotary_dim: 16,
         },
         KernelBody::KvStore {
+            planes: 2,
             layer: 0,
             num_layers: 2,
             kv_heads: 2,
@@ -574,6 +578,8 @@ fn all_kinds() -> Vec<KernelBody> {
             page_size: 16,
         },
         KernelBody::Attention {
+            planes: 2,
+            value_dim: 32,
             layer: 1,
             num_layers: 2,
             heads: 4,
@@ -654,6 +660,8 @@ fn errors_name_the_kernel_and_the_problem() {
     assert!(invalid("s", &zero).contains("`cols` is 0"));
 
     let bad_gqa = KernelBody::Attention {
+        planes: 2,
+        value_dim: 8,
         layer: 0,
         num_layers: 1,
         heads: 3,
@@ -668,6 +676,7 @@ fn errors_name_the_kernel_and_the_problem() {
     assert!(msg.contains("kv_heads"), "{msg}");
 
     let bad_layer = KernelBody::KvStore {
+        planes: 2,
         layer: 2,
         num_layers: 2,
         kv_heads: 1,

@@ -46,6 +46,7 @@ fn all_kinds() -> Vec<KernelBody> {
             rotary_dim: 24,
         },
         KernelBody::KvStore {
+            planes: 2,
             layer: 0,
             num_layers: 2,
             kv_heads: 2,
@@ -53,6 +54,8 @@ fn all_kinds() -> Vec<KernelBody> {
             page_size: 16,
         },
         KernelBody::Attention {
+            planes: 2,
+            value_dim: 128,
             layer: 1,
             num_layers: 2,
             heads: 8,
@@ -63,6 +66,8 @@ fn all_kinds() -> Vec<KernelBody> {
             window: None,
         },
         KernelBody::Attention {
+            planes: 2,
+            value_dim: 40,
             layer: 0,
             num_layers: 1,
             heads: 3,
@@ -74,6 +79,8 @@ fn all_kinds() -> Vec<KernelBody> {
         },
         // A sliding window (Mistral, Gemma 3's local layers).
         KernelBody::Attention {
+            planes: 2,
+            value_dim: 64,
             layer: 1,
             num_layers: 2,
             heads: 8,

@@ -195,8 +195,12 @@ pub fn run(args: Args) -> Result<()> {
                     None => "full".to_string(),
                 })
                 .collect();
+            let planes = match kv["planes"].as_u64() {
+                Some(1) => "one latent per token",
+                _ => "keys and values",
+            };
             println!(
-                "  kv cache {} page groups of {} layers ({}), {} bytes per page",
+                "  kv cache {} page groups of {} layers ({}; {planes}), {} bytes per page",
                 windows.len(),
                 kv["num_layers"],
                 windows.join(", "),

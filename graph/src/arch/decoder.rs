@@ -31,6 +31,52 @@ pub struct MoeConfig {
     /// The checkpoint's names of the block and its experts' projections.
     #[serde(default, skip_serializing_if = "MoeNaming::is_mixtral")]
     pub naming: MoeNaming,
+    /// DeepSeek's group-limited router, instead of softmax and top-k.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grouped_router: Option<GroupedRouter>,
+    /// The width of the shared experts that run for every token beside the routed ones
+    /// (`mlp.shared_experts`: `moe_intermediate_size × n_shared_experts`), where there are any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_intermediate_size: Option<usize>,
+}
+
+/// DeepSeek's group-limited router ([`Op::MoeRouter`]): its weights at `mlp.gate.weight` and
+/// its choice-score bias at `mlp.gate.e_score_correction_bias`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GroupedRouter {
+    /// How logits become scores.
+    pub scoring: crate::ir::RouterScoring,
+    /// How a group is scored.
+    pub group_score: crate::ir::GroupScore,
+    /// Groups of experts (`n_group`).
+    pub n_group: usize,
+    /// Groups kept per token (`topk_group`).
+    pub topk_group: usize,
+    /// What the chosen weights are multiplied by (`routed_scaling_factor`).
+    pub scale: f32,
+}
+
+/// Multi-head latent attention's sizes (DeepSeek-V2 and V3): queries through an optional
+/// low-rank projection, keys and values through one compressed latent per token that the KV
+/// cache holds with the shared rope key.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MlaConfig {
+    /// Rank of the query's low-rank projection (`q_a_proj`, `q_a_layernorm`, `q_b_proj`);
+    /// `None`: one `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    /// Rank of the compressed latent C (`kv_lora_rank`).
+    pub kv_lora_rank: usize,
+    /// Per-head elements that rotate R (`qk_rope_head_dim`), shared by every head's key.
+    pub qk_rope_head_dim: usize,
+    /// Per-head query/key elements that do not rotate N (`qk_nope_head_dim`).
+    pub qk_nope_head_dim: usize,
+    /// Per-head value elements V (`v_head_dim`).
+    pub v_head_dim: usize,
+    /// Whether the checkpoint's rope rows are interleaved (pairs `2i, 2i+1`): weight
+    /// preparation reorders them to rotate-half.
+    pub rope_interleave: bool,
+    /// The score scale: `(N + R)^-1/2`, times yarn's `mscale²`.
+    pub softmax_scale: f32,
 }
 
 fn yes() -> bool {
@@ -76,6 +122,8 @@ impl MoeConfig {
             dense_layers: Vec::new(),
             renormalize: true,
             naming: MoeNaming::Mixtral,
+            grouped_router: None,
+            shared_intermediate_size: None,
         }
     }
 }
@@ -154,6 +202,9 @@ pub struct DecoderConfig {
     /// Each layer's sliding window (`None`: full attention); empty where no layer has one.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub layer_windows: Vec<Option<usize>>,
+    /// Multi-head latent attention, where the model has it (then `head_dim` is the rope dim).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mla: Option<MlaConfig>,
 }
 
 impl DecoderConfig {
@@ -266,6 +317,7 @@ impl DecoderConfig {
             layer_windows: Vec::new(),
             rotary_dim,
             gemma: None,
+            mla: None,
         })
     }
 
@@ -278,6 +330,10 @@ impl DecoderConfig {
 
     /// The layout of this decoder's paged KV cache: its layers in page groups by window.
     pub fn kv_layout(&self, page_size: usize, dtype: DType) -> KvLayout {
+        if let Some(m) = &self.mla {
+            let width = m.kv_lora_rank + m.qk_rope_head_dim;
+            return KvLayout::latent(&self.windows(), width, page_size, dtype);
+        }
         KvLayout::grouped(
             &self.windows(),
             self.num_kv_heads,
@@ -366,34 +422,34 @@ pub fn read_layer_windows(
 
 /// Key paths, as candle's `VarBuilder::pp`: `Path::new("model").pp("layers").pp(0)`.
 #[derive(Clone, Debug)]
-struct KeyPath(String);
+pub(super) struct KeyPath(pub(super) String);
 
 impl KeyPath {
     fn new(root: &str) -> Self {
         KeyPath(root.to_string())
     }
-    fn pp(&self, part: impl std::fmt::Display) -> Self {
+    pub(super) fn pp(&self, part: impl std::fmt::Display) -> Self {
         if self.0.is_empty() {
             KeyPath(part.to_string())
         } else {
             KeyPath(format!("{}.{part}", self.0))
         }
     }
-    fn key(&self, leaf: &str) -> String {
+    pub(super) fn key(&self, leaf: &str) -> String {
         self.pp(leaf).0
     }
 }
 
 /// The per-step inputs every decoder layer reads.
-struct StepInputs {
-    kv_cache: NodeIndex,
+pub(super) struct StepInputs {
+    pub(super) kv_cache: NodeIndex,
     /// The KV cache's layout.
-    kv: KvLayout,
+    pub(super) kv: KvLayout,
     /// Each page group's lookup table.
-    lookups: Vec<NodeIndex>,
-    cache_lengths: NodeIndex,
-    row_offsets: NodeIndex,
-    positions: NodeIndex,
+    pub(super) lookups: Vec<NodeIndex>,
+    pub(super) cache_lengths: NodeIndex,
+    pub(super) row_offsets: NodeIndex,
+    pub(super) positions: NodeIndex,
 }
 
 /// Builds a decoder's graph: embedding, `num_layers` pre-norm blocks (attention over the paged
@@ -418,20 +474,20 @@ pub fn build_decoder(cfg: &DecoderConfig, role: GraphRole, opts: &BuildOptions) 
     b.build()
 }
 
-struct DecoderBuilder<'a> {
-    b: GraphBuilder,
-    cfg: &'a DecoderConfig,
-    opts: &'a BuildOptions,
+pub(super) struct DecoderBuilder<'a> {
+    pub(super) b: GraphBuilder,
+    pub(super) cfg: &'a DecoderConfig,
+    pub(super) opts: &'a BuildOptions,
 }
 
 impl DecoderBuilder<'_> {
-    fn weight(&mut self, key: String, shape: &[usize]) -> Result<NodeIndex> {
+    pub(super) fn weight(&mut self, key: String, shape: &[usize]) -> Result<NodeIndex> {
         let ty = TensorType::new(self.opts.param_dtype, shape.iter().map(|&d| Dim::Fixed(d)));
         self.b.param(&key, ty)
     }
 
     /// `x · Wᵀ (+ bias)` with the weight at `path.weight` of shape `[out, in]`.
-    fn linear(
+    pub(super) fn linear(
         &mut self,
         path: &KeyPath,
         x: NodeIndex,
@@ -448,12 +504,17 @@ impl DecoderBuilder<'_> {
         self.b.op(&path.key("add_bias"), Op::Add, &[y, bw])
     }
 
-    fn rms_norm(&mut self, path: &KeyPath, x: NodeIndex) -> Result<NodeIndex> {
+    pub(super) fn rms_norm(&mut self, path: &KeyPath, x: NodeIndex) -> Result<NodeIndex> {
         self.rms_norm_of(path, x, self.cfg.hidden_size)
     }
 
     /// RMSNorm over the last `width` values (the hidden size, or a head's).
-    fn rms_norm_of(&mut self, path: &KeyPath, x: NodeIndex, width: usize) -> Result<NodeIndex> {
+    pub(super) fn rms_norm_of(
+        &mut self,
+        path: &KeyPath,
+        x: NodeIndex,
+        width: usize,
+    ) -> Result<NodeIndex> {
         let w = self.weight(path.key("weight"), &[width])?;
         let offset = match &self.cfg.gemma {
             Some(g) if g.unit_offset_norms => 1.0,
@@ -477,7 +538,12 @@ impl DecoderBuilder<'_> {
         }
     }
 
-    fn reshape(&mut self, name: String, x: NodeIndex, shape: Vec<Dim>) -> Result<NodeIndex> {
+    pub(super) fn reshape(
+        &mut self,
+        name: String,
+        x: NodeIndex,
+        shape: Vec<Dim>,
+    ) -> Result<NodeIndex> {
         self.b.op(&name, Op::Reshape { shape }, &[x])
     }
 
@@ -544,7 +610,10 @@ impl DecoderBuilder<'_> {
             let lp = model.pp("layers").pp(layer);
             let sandwich = c.gemma.as_ref().is_some_and(|g| g.sandwich_norms);
             let x = self.rms_norm(&lp.pp("input_layernorm"), h)?;
-            let mut attn = self.attention(&lp.pp("self_attn"), layer, x, &step)?;
+            let mut attn = match &c.mla {
+                Some(m) => self.latent_attention(&lp.pp("self_attn"), layer, x, &step, m)?,
+                None => self.attention(&lp.pp("self_attn"), layer, x, &step)?,
+            };
             if sandwich {
                 attn = self.rms_norm(&lp.pp("post_attention_layernorm"), attn)?;
             }
@@ -559,7 +628,7 @@ impl DecoderBuilder<'_> {
                 Some(moe) if !moe.dense_layers.contains(&layer) => {
                     self.moe(&lp.pp(moe.naming.names().0), x, moe)?
                 }
-                _ => self.mlp(&lp.pp("mlp"), x)?,
+                _ => self.mlp(&lp.pp("mlp"), x, c.intermediate_size)?,
             };
             if sandwich {
                 mlp = self.rms_norm(&lp.pp("post_feedforward_layernorm"), mlp)?;
@@ -645,12 +714,9 @@ impl DecoderBuilder<'_> {
         self.linear(&p.pp("o_proj"), a, hid, hq * d, c.biases.o)
     }
 
-    fn mlp(&mut self, p: &KeyPath, x: NodeIndex) -> Result<NodeIndex> {
-        let (h, f, bias) = (
-            self.cfg.hidden_size,
-            self.cfg.intermediate_size,
-            self.cfg.biases.mlp,
-        );
+    /// The SwiGLU MLP of width `f` at `p` (`gate_proj`, `up_proj`, `down_proj`).
+    pub(super) fn mlp(&mut self, p: &KeyPath, x: NodeIndex, f: usize) -> Result<NodeIndex> {
+        let (h, bias) = (self.cfg.hidden_size, self.cfg.biases.mlp);
         let gate = self.linear(&p.pp("gate_proj"), x, f, h, bias)?;
         let up = self.linear(&p.pp("up_proj"), x, f, h, bias)?;
         let act = match &self.cfg.gemma {
@@ -671,17 +737,40 @@ impl DecoderBuilder<'_> {
             .unwrap_or(self.cfg.intermediate_size);
         let [gate, up, down] = moe.naming.names().1;
         let router = self.linear(&p.pp("gate"), x, moe.num_experts, h, false)?;
-        let probs = self
-            .b
-            .op(&p.key("router_softmax"), Op::Softmax, &[router])?;
-        let routing = self.b.op(
-            &p.key("router_top_k"),
-            Op::TopK {
-                k: moe.top_k,
-                renormalize: moe.renormalize,
-            },
-            &[probs],
-        )?;
+        let routing = match &moe.grouped_router {
+            Some(g) => {
+                let bias = self.weight(
+                    p.pp("gate").key("e_score_correction_bias"),
+                    &[moe.num_experts],
+                )?;
+                self.b.op(
+                    &p.key("router"),
+                    Op::MoeRouter {
+                        top_k: moe.top_k,
+                        n_group: g.n_group,
+                        topk_group: g.topk_group,
+                        scoring: g.scoring,
+                        group_score: g.group_score,
+                        renormalize: moe.renormalize,
+                        scale: g.scale,
+                    },
+                    &[router, bias],
+                )?
+            }
+            None => {
+                let probs = self
+                    .b
+                    .op(&p.key("router_softmax"), Op::Softmax, &[router])?;
+                self.b.op(
+                    &p.key("router_top_k"),
+                    Op::TopK {
+                        k: moe.top_k,
+                        renormalize: moe.renormalize,
+                    },
+                    &[probs],
+                )?
+            }
+        };
         let mut operands = vec![x, routing];
         for e in 0..moe.num_experts {
             let ep = p.pp("experts").pp(e);
@@ -689,12 +778,20 @@ impl DecoderBuilder<'_> {
             operands.push(self.weight(ep.pp(up).key("weight"), &[f, h])?);
             operands.push(self.weight(ep.pp(down).key("weight"), &[h, f])?);
         }
-        self.b.op(
+        let routed = self.b.op(
             &p.key("experts"),
             Op::MoeExperts {
                 num_experts: moe.num_experts,
             },
             &operands,
-        )
+        )?;
+        match moe.shared_intermediate_size {
+            Some(width) => {
+                let shared = self.mlp(&p.pp("shared_experts"), x, width)?;
+                self.b
+                    .op(&p.key("shared_experts_add"), Op::Add, &[routed, shared])
+            }
+            None => Ok(routed),
+        }
     }
 }

@@ -99,16 +99,26 @@ impl ModelSpec for MixtralModel {
         (role == GraphRole::Decoder).then_some(&self.config)
     }
     fn build(&self, role: GraphRole, opts: &BuildOptions) -> Result<crate::Graph> {
-        match (role, &self.config.moe) {
-            (GraphRole::EpInit, Some(moe)) => EpExchange::new(
-                moe.num_experts,
-                moe.top_k,
-                self.config.hidden_size,
-                &opts.runtime,
-            )
-            .graph(),
-            _ => super::decoder::build_decoder(&self.config, role, opts),
-        }
+        build_moe_role(&self.config, role, opts)
+    }
+}
+
+/// The graph of `role` of a sparse-MoE decoder: its EP init graph (the exchange its experts
+/// need at the deployment's degree), or the decoder.
+pub fn build_moe_role(
+    config: &DecoderConfig,
+    role: GraphRole,
+    opts: &BuildOptions,
+) -> Result<crate::Graph> {
+    match (role, &config.moe) {
+        (GraphRole::EpInit, Some(moe)) => EpExchange::new(
+            moe.num_experts,
+            moe.top_k,
+            config.hidden_size,
+            &opts.runtime,
+        )
+        .graph(),
+        _ => super::decoder::build_decoder(config, role, opts),
     }
 }
 
@@ -122,6 +132,22 @@ pub struct MixtralHooks {
 }
 
 impl MixtralHooks {
+    /// The hooks of `num_experts` experts, `top_k` per token, of width `hidden_size`, with
+    /// `llama`'s weight preparation.
+    pub fn new(
+        llama: LlamaFamilyHooks,
+        num_experts: usize,
+        top_k: usize,
+        hidden_size: usize,
+    ) -> Self {
+        MixtralHooks {
+            llama,
+            num_experts,
+            top_k,
+            hidden_size,
+        }
+    }
+
     /// The exchange at `runtime`'s deployment.
     fn exchange(&self, runtime: &ModuleRuntime) -> EpExchange {
         EpExchange::new(self.num_experts, self.top_k, self.hidden_size, runtime)

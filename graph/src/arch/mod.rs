@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod decoder;
+pub mod deepseek;
 pub mod ep_init;
 pub mod gemma3;
 pub mod gguf;
@@ -10,6 +11,7 @@ pub mod llama;
 pub mod llama_with_draft;
 pub mod mistral;
 pub mod mixtral;
+mod mla;
 pub mod phi3;
 pub mod qwen2;
 pub mod qwen3;

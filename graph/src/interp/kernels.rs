@@ -128,11 +128,11 @@ struct LayerView<'a> {
 }
 
 impl LayerView<'_> {
-    /// The flat cache offset of (k or v, token `pos` of sequence `b`, kv head `h`).
+    /// The flat cache offset of (plane `kv`: k or v, token `pos` of sequence `b`, kv head `h`).
     fn at(&self, kv: usize, b: usize, pos: usize, h: usize) -> usize {
         let l = self.l;
         let page = self.lookup[b * self.pages_per_seq + pos / l.page_size] as usize;
-        ((((page * l.num_layers + self.slot) * 2 + kv) * l.page_size + pos % l.page_size)
+        ((((page * l.num_layers + self.slot) * l.planes + kv) * l.page_size + pos % l.page_size)
             * l.num_kv_heads
             + h)
             * l.head_dim
@@ -195,6 +195,131 @@ pub fn paged_attention(
                     *acc += p * val;
                 }
             }
+        }
+    }
+    out
+}
+
+/// `a [rows, wa]` and `b [rows, wb]` side by side: `[rows, wa + wb]`.
+pub fn concat(a: &[f32], b: &[f32], wa: usize, wb: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(a.len() + b.len());
+    for (ra, rb) in a.chunks_exact(wa).zip(b.chunks_exact(wb)) {
+        out.extend_from_slice(ra);
+        out.extend_from_slice(rb);
+    }
+    out
+}
+
+/// `out[t, h] = w[h] · x[t, h]` for `x [T, H, K]`, `w [H, N, K]`.
+pub fn head_linear(x: &[f32], w: &[f32], heads: usize, k: usize) -> Vec<f32> {
+    let n = w.len() / heads / k;
+    let mut out = Vec::with_capacity(x.len() / k * n);
+    for row in x.chunks_exact(heads * k) {
+        for (h, xh) in row.chunks_exact(k).enumerate() {
+            out.extend(linear(xh, &w[h * n * k..(h + 1) * n * k], k));
+        }
+    }
+    out
+}
+
+/// Writes each row's latent `kv [T, 1, D]` into decoder layer `layer`'s slot of a one-plane
+/// cache, then attends every head of `q [T, H, D]` over its sequence's latents `0..=pos`:
+/// keys the whole latent, values its first `value_dim` elements. Out `[T, H, value_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn latent_attention(
+    q: &[f32],
+    kv: &[f32],
+    (cache, lookup): (&mut [f32], &[i64]),
+    heads: usize,
+    l: &KvLayout,
+    (layer, value_dim): (usize, usize),
+    scale: f32,
+    batch: &PagedBatch<'_>,
+) -> Vec<f32> {
+    let d = l.head_dim;
+    let view = LayerView {
+        l,
+        lookup,
+        pages_per_seq: batch.pages_per_seq,
+        slot: l.slot(layer).map_or(layer, |s| s.slot),
+    };
+    for (r, b, pos) in batch.rows() {
+        let at = view.at(0, b, pos, 0);
+        cache[at..at + d].copy_from_slice(&kv[r * d..(r + 1) * d]);
+    }
+    let mut out = vec![0.0; q.len() / d * value_dim];
+    for (r, b, pos) in batch.rows() {
+        for h in 0..heads {
+            let qv = &q[(r * heads + h) * d..][..d];
+            let scores: Vec<f32> = (0..=pos)
+                .map(|j| {
+                    let at = view.at(0, b, j, 0);
+                    qv.iter()
+                        .zip(&cache[at..at + d])
+                        .map(|(a, c)| a * c)
+                        .sum::<f32>()
+                        * scale
+                })
+                .collect();
+            let probs = softmax(&scores, scores.len());
+            let o = &mut out[(r * heads + h) * value_dim..][..value_dim];
+            for (j, p) in probs.iter().enumerate() {
+                let at = view.at(0, b, j, 0);
+                for (acc, v) in o.iter_mut().zip(&cache[at..at + value_dim]) {
+                    *acc += p * v;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Group-limited top-k routing of `logits [T, E]` (see `Op::MoeRouter`).
+pub fn moe_router(logits: &[f32], bias: &[f32], op: &crate::ir::Op) -> Vec<f32> {
+    use crate::ir::{GroupScore, Op, RouterScoring};
+    let Op::MoeRouter {
+        top_k,
+        n_group,
+        topk_group,
+        scoring,
+        group_score,
+        renormalize,
+        scale,
+    } = *op
+    else {
+        unreachable!("moe_router runs Op::MoeRouter")
+    };
+    let e = bias.len();
+    let per = e / n_group;
+    let mut out = vec![0.0; logits.len()];
+    for (row, orow) in logits.chunks_exact(e).zip(out.chunks_exact_mut(e)) {
+        let s: Vec<f32> = match scoring {
+            RouterScoring::Sigmoid => row.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect(),
+            RouterScoring::Softmax => softmax(row, e),
+        };
+        let c: Vec<f32> = s.iter().zip(bias).map(|(s, b)| s + b).collect();
+        let group: Vec<f32> = (0..n_group)
+            .map(|g| {
+                let members = g * per..(g + 1) * per;
+                match group_score {
+                    GroupScore::Max => s[members].iter().copied().fold(f32::NEG_INFINITY, f32::max),
+                    GroupScore::TopTwoSum => {
+                        let mut m: Vec<f32> = c[members].to_vec();
+                        m.sort_by(|a, b| b.total_cmp(a));
+                        m.iter().take(2).sum()
+                    }
+                }
+            })
+            .collect();
+        let mut groups: Vec<usize> = (0..n_group).collect();
+        groups.sort_by(|&a, &b| group[b].total_cmp(&group[a]).then(a.cmp(&b)));
+        let kept = &groups[..topk_group];
+        let mut experts: Vec<usize> = (0..e).filter(|x| kept.contains(&(x / per))).collect();
+        experts.sort_by(|&a, &b| c[b].total_cmp(&c[a]).then(a.cmp(&b)));
+        let chosen = &experts[..top_k];
+        let sum: f32 = chosen.iter().map(|&x| s[x]).sum::<f32>() + 1e-20;
+        for &x in chosen {
+            orow[x] = if renormalize { s[x] / sum } else { s[x] } * scale;
         }
     }
     out

@@ -41,7 +41,7 @@ pub struct KvCache {
     pub layout: KvLayout,
     /// Pages.
     pub num_pages: usize,
-    /// `[num_pages, layers, 2, page_size, kv_heads, head_dim]`.
+    /// `[num_pages, layers, planes, page_size, kv_heads, head_dim]`.
     pub data: Vec<f32>,
 }
 
@@ -393,6 +393,32 @@ impl Interpreter {
                         node.op.name()
                     )))
                 }
+                Op::Concat => Val::F(kernels::concat(v(0).f(), v(1).f(), last(0), last(1))),
+                Op::HeadLinear => Val::F(kernels::head_linear(
+                    v(0).f(),
+                    self.f(&vals, ops[1]),
+                    shape[1],
+                    last(0),
+                )),
+                Op::LatentAttention {
+                    layer,
+                    scale,
+                    value_dim,
+                } => Val::F(kernels::latent_attention(
+                    v(0).f(),
+                    v(1).f(),
+                    (&mut cache.data, v(3).i()),
+                    shape[1],
+                    &self.kv_layout,
+                    (*layer, *value_dim),
+                    *scale,
+                    &batch,
+                )),
+                Op::MoeRouter { .. } => Val::F(kernels::moe_router(
+                    v(0).f(),
+                    self.f(&vals, ops[1]),
+                    &node.op,
+                )),
                 Op::LogitRows => {
                     let h = last(0);
                     let x = v(0).f();

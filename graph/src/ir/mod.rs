@@ -5,7 +5,7 @@ mod dim;
 mod op;
 
 pub use dim::{names, same_volume, shape_string, Dim, Shape};
-pub use op::{KvGroup, KvLayout, KvSlot, Op, TensorType};
+pub use op::{GroupScore, KvGroup, KvLayout, KvSlot, Op, RouterScoring, TensorType};
 pub use petgraph::graph::NodeIndex;
 
 use crate::{Error, GraphRole, Result};

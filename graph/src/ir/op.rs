@@ -34,10 +34,11 @@ impl std::fmt::Display for TensorType {
 }
 
 /// Layout of a role's paged KV cache. The cache tensor is
-/// `[total_num_pages, num_layers, 2 (k, v), page_size, num_kv_heads, head_dim]`: a page holds
-/// the keys and values of the `num_layers` layers of one [`KvGroup`]. Every group draws pages
-/// from the one pool and has its own lookup-table input; a sliding group hands back the pages
-/// its window has left.
+/// `[total_num_pages, num_layers, planes, page_size, num_kv_heads, head_dim]`: a page holds
+/// the keys and values (`planes` 2) or the one latent (`planes` 1, multi-head latent
+/// attention) of the `num_layers` layers of one [`KvGroup`]. Every group draws pages from the
+/// one pool and has its own lookup-table input; a sliding group hands back the pages its window
+/// has left.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct KvLayout {
     /// Layer slots in a page: the layers of one group.
@@ -52,6 +53,14 @@ pub struct KvLayout {
     pub dtype: DType,
     /// The page groups, in lookup-table order.
     pub groups: Vec<KvGroup>,
+    /// Planes per layer slot: 2 (keys, then values) or 1 (a latent whose first elements are
+    /// also the values: [`Op::LatentAttention`]).
+    #[serde(default = "two_planes")]
+    pub planes: usize,
+}
+
+fn two_planes() -> usize {
+    2
 }
 
 /// Decoder layers of the KV cache that attend alike and so share pages and a lookup table.
@@ -120,6 +129,21 @@ impl KvLayout {
             page_size,
             dtype,
             groups,
+            planes: 2,
+        }
+    }
+
+    /// The layout of a multi-head latent attention cache: per token and layer one "head" of
+    /// `head_dim` values (the compressed latent, then the shared rope key), one plane.
+    pub fn latent(
+        windows: &[Option<usize>],
+        head_dim: usize,
+        page_size: usize,
+        dtype: DType,
+    ) -> KvLayout {
+        KvLayout {
+            planes: 1,
+            ..Self::grouped(windows, 1, head_dim, page_size, dtype)
         }
     }
 
@@ -145,7 +169,7 @@ impl KvLayout {
             [
                 Dim::sym(names::TOTAL_NUM_PAGES),
                 self.num_layers.into(),
-                2.into(),
+                self.planes.into(),
                 self.page_size.into(),
                 self.num_kv_heads.into(),
                 self.head_dim.into(),
@@ -153,9 +177,9 @@ impl KvLayout {
         )
     }
 
-    /// Elements in one page (one group's layers, K and V).
+    /// Elements in one page (one group's layers, every plane).
     pub fn page_elems(&self) -> usize {
-        self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim
+        self.num_layers * self.planes * self.page_size * self.num_kv_heads * self.head_dim
     }
 }
 
@@ -254,7 +278,52 @@ pub enum Op {
     /// `(x [T, H], logit_indices i32 [logit_rows]) -> [logit_rows, H]`: the rows whose logits
     /// the step returns, row `logit_indices[i]` of `x` (zeros where it is -1).
     LogitRows,
+    /// `(a [.., A], b [.., B]) -> [.., A + B]`: `a` then `b` along the last axis; the leading
+    /// dims are the same.
+    Concat,
+    /// `(x [T, H, K], w [H, N, K]) -> [T, H, N]`: each head its own linear map,
+    /// `out[t, h] = w[h] · x[t, h]` (multi-head latent attention's absorbed up-projections).
+    HeadLinear,
+    /// `(q [T, H, D], kv [T, 1, D], kv_cache, kv_lookup_table [B, P], cache_lengths [B],
+    /// input_row_offsets [B+1]) -> [T, H, value_dim]`: multi-head latent attention in the latent
+    /// space. Writes each row's `kv` (the compressed latent, then the rope key) into layer
+    /// `layer` of a one-plane cache, then causal attention of every query head over its
+    /// sequence's cached and new rows, all heads reading the one latent as their key, and its
+    /// first `value_dim` values as their value.
+    LatentAttention {
+        /// The decoder layer, the cache slot written and read.
+        layer: usize,
+        /// Scale of `q · k`.
+        scale: f32,
+        /// Elements of the value: the latent's first `value_dim` (the KV LoRA rank).
+        value_dim: usize,
+    },
+    /// `(logits [T, E], bias [E]) -> routing [T, E]`: group-limited top-k routing (DeepSeek's
+    /// router). Scores `s` are the sigmoid (or softmax) of the logits; choice scores are
+    /// `c = s + bias`. The experts are split into `n_group` groups of consecutive experts, each
+    /// group scored by the sum of its two largest `c` (or its largest `s`); the `topk_group`
+    /// best groups are kept and the `top_k` largest `c` among their experts chosen (ties: lower
+    /// index first). A chosen expert's weight is its `s`, divided by the chosen ones' sum
+    /// (plus 1e-20) where `renormalize`, times `scale`; the others get 0.
+    MoeRouter {
+        /// Experts chosen per token.
+        top_k: usize,
+        /// Groups of experts.
+        n_group: usize,
+        /// Groups kept per token.
+        topk_group: usize,
+        /// How logits become scores.
+        scoring: RouterScoring,
+        /// How a group is scored.
+        group_score: GroupScore,
+        /// Whether the chosen weights are divided by their sum.
+        renormalize: bool,
+        /// What the weights are multiplied by (`routed_scaling_factor`).
+        scale: f32,
+    },
 }
+
+pub use maxc_schema::{GroupScore, RouterScoring};
 
 impl Op {
     /// The op's short name, for errors and listings.
@@ -280,6 +349,10 @@ impl Op {
             Op::LogitRows => "logit_rows",
             Op::Zeros { .. } => "zeros",
             Op::RankExperts { .. } => "rank_experts",
+            Op::Concat => "concat",
+            Op::HeadLinear => "head_linear",
+            Op::LatentAttention { .. } => "latent_attention",
+            Op::MoeRouter { .. } => "moe_router",
         }
     }
 
@@ -429,6 +502,12 @@ impl Op {
                 }
                 rank(cache, 6, "kv_cache")?;
                 same_dim(
+                    &cache.shape[2],
+                    &Dim::Fixed(2),
+                    "kv_cache's planes",
+                    "keys and values",
+                )?;
+                same_dim(
                     &cache.shape[4],
                     &k.shape[1],
                     "kv_cache's kv heads",
@@ -533,6 +612,138 @@ impl Op {
                     DType::F32,
                     [idx.shape[0].clone(), x.shape[1].clone()],
                 ))
+            }
+            Op::Concat => {
+                arity(xs, 2)?;
+                let (a, b) = (xs[0], xs[1]);
+                float(a, "a")?;
+                float(b, "b")?;
+                let n = a.shape.len();
+                if n == 0 || b.shape.len() != n || a.shape[..n - 1] != b.shape[..n - 1] {
+                    return Err(format!(
+                        "a {} and b {} differ outside their last dim",
+                        shape_string(&a.shape),
+                        shape_string(&b.shape)
+                    ));
+                }
+                let (Some(wa), Some(wb)) = (a.shape[n - 1].fixed(), b.shape[n - 1].fixed()) else {
+                    return Err("concatenated dims must be fixed".into());
+                };
+                let mut shape = a.shape.clone();
+                shape[n - 1] = Dim::Fixed(wa + wb);
+                Ok(TensorType::new(DType::F32, shape))
+            }
+            Op::HeadLinear => {
+                arity(xs, 2)?;
+                let (x, w) = (xs[0], xs[1]);
+                float(x, "x")?;
+                rank(x, 3, "x")?;
+                float(w, "w")?;
+                rank(w, 3, "w")?;
+                same_dim(&x.shape[1], &w.shape[0], "x's heads", "w's heads (dim 0)")?;
+                same_dim(
+                    &x.shape[2],
+                    &w.shape[2],
+                    "x's last dim",
+                    "w's in-features (dim 2)",
+                )?;
+                Ok(TensorType::new(
+                    DType::F32,
+                    [x.shape[0].clone(), x.shape[1].clone(), w.shape[1].clone()],
+                ))
+            }
+            Op::LatentAttention { value_dim, .. } => {
+                arity(xs, 6)?;
+                let (q, kv, cache, lut, lens, offs) = (xs[0], xs[1], xs[2], xs[3], xs[4], xs[5]);
+                for (x, what) in [(q, "q"), (kv, "kv")] {
+                    float(x, what)?;
+                    rank(x, 3, what)?;
+                }
+                same_dim(&kv.shape[0], &q.shape[0], "kv's rows", "q's rows")?;
+                same_dim(
+                    &kv.shape[1],
+                    &Dim::Fixed(1),
+                    "kv's heads",
+                    "one latent head",
+                )?;
+                same_dim(&q.shape[2], &kv.shape[2], "q's head dim", "kv's head dim")?;
+                match q.shape[2].fixed() {
+                    Some(d) if *value_dim > 0 && *value_dim <= d => {}
+                    _ => {
+                        return Err(format!(
+                            "value_dim {value_dim} is not in 1..={} (the latent's width)",
+                            q.shape[2]
+                        ))
+                    }
+                }
+                rank(cache, 6, "kv_cache")?;
+                same_dim(
+                    &cache.shape[2],
+                    &Dim::Fixed(1),
+                    "kv_cache's planes",
+                    "one latent plane",
+                )?;
+                same_dim(
+                    &cache.shape[4],
+                    &Dim::Fixed(1),
+                    "kv_cache's kv heads",
+                    "one latent head",
+                )?;
+                same_dim(
+                    &cache.shape[5],
+                    &kv.shape[2],
+                    "kv_cache's head dim",
+                    "kv's head dim",
+                )?;
+                rank(lut, 2, "kv_lookup_table")?;
+                integer(lut, "kv_lookup_table")?;
+                rank(lens, 1, "cache_lengths")?;
+                integer(lens, "cache_lengths")?;
+                rank(offs, 1, "input_row_offsets")?;
+                integer(offs, "input_row_offsets")?;
+                Ok(TensorType::new(
+                    DType::F32,
+                    [
+                        q.shape[0].clone(),
+                        q.shape[1].clone(),
+                        Dim::Fixed(*value_dim),
+                    ],
+                ))
+            }
+            Op::MoeRouter {
+                top_k,
+                n_group,
+                topk_group,
+                ..
+            } => {
+                arity(xs, 2)?;
+                let (logits, bias) = (xs[0], xs[1]);
+                float(logits, "logits")?;
+                rank(logits, 2, "logits")?;
+                float(bias, "bias")?;
+                rank(bias, 1, "bias")?;
+                same_dim(
+                    &bias.shape[0],
+                    &logits.shape[1],
+                    "bias's size",
+                    "the expert count",
+                )?;
+                let e = logits.shape[1]
+                    .fixed()
+                    .ok_or("the expert count is symbolic")?;
+                if *n_group == 0 || e % n_group != 0 {
+                    return Err(format!("{n_group} groups do not divide {e} experts"));
+                }
+                if *topk_group == 0 || topk_group > n_group {
+                    return Err(format!("keeps {topk_group} of {n_group} groups"));
+                }
+                if *top_k == 0 || *top_k > topk_group * (e / n_group) {
+                    return Err(format!(
+                        "chooses {top_k} experts of the {} its {topk_group} groups hold",
+                        topk_group * (e / n_group)
+                    ));
+                }
+                Ok(TensorType::new(DType::F32, logits.shape.clone()))
             }
         }
     }

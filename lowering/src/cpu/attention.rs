@@ -17,13 +17,15 @@ use maxc_schema::KvView;
 /// slot: per position, `s = (q·k)·scale` (four f32x4 accumulators),
 /// `acc = acc·e^(m-m') + e^(s-m')·v`; finally `out = acc / l`. With a sliding `window` the walk
 /// covers positions `p + 1 - window ..= p` (from 0 where that is negative), starting at the
-/// page that holds the first.
+/// page that holds the first. The values are `value_dim` wide: the value plane's (two planes),
+/// or the key's first `value_dim` elements (one plane: a latent).
 pub(crate) fn emit(
     kb: &mut KernelBuilder,
     cache: &KvView,
     heads: u64,
     scale: f32,
     window: Option<u64>,
+    value_dim: u64,
 ) -> Result<(), CpuError> {
     let kind = kb.kind();
     let heads = check_size(kind, "heads", heads)?;
@@ -38,10 +40,24 @@ pub(crate) fn emit(
     }
     let hd = cache.head_dim;
     check_product(kind, "heads × head_dim × 4", &[heads, hd, 4])?;
+    let vd = value_dim;
+    let value_ok = match cache.planes {
+        2 => vd == hd,
+        _ => vd > 0 && vd <= hd,
+    };
+    if !value_ok {
+        return Err(CpuError::Invalid {
+            kind,
+            what: format!(
+                "`value_dim` is {vd} with {} plane(s) of head_dim {hd}",
+                cache.planes
+            ),
+        });
+    }
     let group = heads / cache.kv_heads;
-    let slot_bytes = u32::try_from(hd * 4).map_err(|_| CpuError::Invalid {
+    let slot_bytes = u32::try_from(vd * 4).map_err(|_| CpuError::Invalid {
         kind,
-        what: format!("`head_dim` is {hd}, too large for the stack accumulator"),
+        what: format!("`value_dim` is {vd}, too large for the stack accumulator"),
     })?;
     let slot = kb.b.create_sized_stack_slot(StackSlotData::new(
         StackSlotKind::ExplicitSlot,
@@ -70,6 +86,7 @@ pub(crate) fn emit(
         cache_ptr,
         scale,
         window,
+        value_dim: vd,
     };
     let (start, end) = (kb.start(), kb.end());
     // Item `i` of the parallel range is KV head `i % kv_heads` of row `i / kv_heads`, so that a
@@ -80,7 +97,7 @@ pub(crate) fn emit(
         let kvh = kb.b.ins().urem(i, kv_heads);
         let (b, p) = seqs.locate(kb, r);
         let q_row = kb.addr(q, r, heads * hd * 4);
-        let out_row = kb.addr(out, r, heads * hd * 4);
+        let out_row = kb.addr(out, r, heads * vd * 4);
         let zero = kb.i64c(0);
         let group_v = kb.i64c(group);
         kb.for_range(zero, group_v, 1, |kb, g| {
@@ -88,7 +105,7 @@ pub(crate) fn emit(
             let h = kb.b.ins().iadd(first, g);
             let head = Head {
                 q: kb.addr(q_row, h, hd * 4),
-                out: kb.addr(out_row, h, hd * 4),
+                out: kb.addr(out_row, h, vd * 4),
                 kv_head: kvh,
                 acc,
             };
@@ -108,6 +125,8 @@ struct Context<'c> {
     scale: f32,
     /// Sliding window, where the layer has one.
     window: Option<u64>,
+    /// Elements of a value.
+    value_dim: u64,
 }
 
 /// Pointers of one query head's work.
@@ -126,8 +145,9 @@ struct Head {
 fn attend(kb: &mut KernelBuilder, ctx: &Context, head: &Head, b: Value, p: Value) {
     let (cache, seqs, cache_ptr) = (ctx.cache, ctx.seqs, ctx.cache_ptr);
     let hd = cache.head_dim;
+    let vd = ctx.value_dim;
     let acc = head.acc;
-    kb.map_cols(hd, |kb, ty, c| {
+    kb.map_cols(vd, |kb, ty, c| {
         let zero = kb.fconst(ty, 0.0);
         kb.store_f32(zero, acc, c);
     });
@@ -190,7 +210,7 @@ fn attend(kb: &mut KernelBuilder, ctx: &Context, head: &Head, b: Value, p: Value
             kb.set(l, l_new);
             let corr_v = kb.b.ins().splat(F32X4, corr);
             let e_v = kb.b.ins().splat(F32X4, e);
-            kb.map_cols(hd, |kb, ty, c| {
+            kb.map_cols(vd, |kb, ty, c| {
                 let (corr, e) = if ty.is_vector() {
                     (corr_v, e_v)
                 } else {
@@ -207,7 +227,7 @@ fn attend(kb: &mut KernelBuilder, ctx: &Context, head: &Head, b: Value, p: Value
     });
     let l = kb.get(l);
     let l_v = kb.b.ins().splat(F32X4, l);
-    kb.map_cols(hd, |kb, ty, c| {
+    kb.map_cols(vd, |kb, ty, c| {
         let a = kb.load_f32(ty, acc, c);
         let l = if ty.is_vector() { l_v } else { l };
         let o = kb.b.ins().fdiv(a, l);

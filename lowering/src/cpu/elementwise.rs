@@ -112,3 +112,30 @@ fn eval(
     }
     *vals.last().expect("validated: the program is not empty")
 }
+
+/// Emits [`maxc_schema::KernelBody::Concat`]: per row of this call's slice and each of its
+/// `groups`, the `a` values of `a` then the `b` values of `b` (f32x4 copies).
+pub(crate) fn emit_concat(kb: &mut KernelBuilder, groups: u64, a: u64, b: u64) {
+    let (src_a, src_b, out) = (kb.buf(0), kb.buf(1), kb.buf(2));
+    let (start, end) = (kb.start(), kb.end());
+    kb.for_range(start, end, 1, |kb, r| {
+        let zero = kb.i64c(0);
+        let n = kb.i64c(groups);
+        kb.for_range(zero, n, 1, |kb, g| {
+            let gi = kb.b.ins().imul_imm_s(r, groups as i64);
+            let gi = kb.b.ins().iadd(gi, g);
+            let row_a = kb.addr(src_a, gi, a * 4);
+            let row_b = kb.addr(src_b, gi, b * 4);
+            let dst = kb.addr(out, gi, (a + b) * 4);
+            kb.map_cols(a, |kb, ty, c| {
+                let x = kb.load_f32(ty, row_a, c);
+                kb.store_f32(x, dst, c);
+            });
+            let dst_b = kb.offset(dst, a * 4);
+            kb.map_cols(b, |kb, ty, c| {
+                let x = kb.load_f32(ty, row_b, c);
+                kb.store_f32(x, dst_b, c);
+            });
+        });
+    });
+}

@@ -139,10 +139,15 @@ fn emit_body(kb: &mut KernelBuilder, body: &KernelBody) -> Result<(), CpuError> 
             heads,
             scale,
             window,
+            value_dim,
             ..
         } => {
             let cache = paged::cache_view(kb.kind(), body)?;
-            attention::emit(kb, &cache, *heads, *scale, *window)
+            attention::emit(kb, &cache, *heads, *scale, *window, *value_dim)
+        }
+        KernelBody::Concat { groups, a, b, .. } => {
+            elementwise::emit_concat(kb, *groups, *a, *b);
+            Ok(())
         }
         KernelBody::Softmax { cols, .. } => softmax::emit(kb, *cols),
         KernelBody::TopK {
@@ -163,9 +168,11 @@ fn emit_body(kb: &mut KernelBuilder, body: &KernelBody) -> Result<(), CpuError> 
             init::emit_rank_experts(kb, *experts_per_rank);
             Ok(())
         }
-        KernelBody::MoeExperts { .. } => Err(CpuError::Unsupported {
+        KernelBody::MoeExperts { .. }
+        | KernelBody::HeadMatmul { .. }
+        | KernelBody::MoeRouter { .. } => Err(CpuError::Unsupported {
             kind: body.kind(),
-            what: "MoE experts run as a runtime library kernel, not generated code".to_string(),
+            what: "runs as a runtime library kernel, not generated code".to_string(),
         }),
     }
 }

@@ -22,7 +22,7 @@ pub(crate) fn cache_view(kind: &'static str, body: &KernelBody) -> Result<KvView
     }
     check_product(
         kind,
-        "bytes per cache page (num_layers × 2 × page_size × kv_heads × head_dim × 4)",
+        "bytes per cache page (num_layers × planes × page_size × kv_heads × head_dim × 4)",
         &[&view.page_shape()[..], &[4]].concat(),
     )?;
     Ok(view)
@@ -144,16 +144,16 @@ pub(crate) fn emit_positions(kb: &mut KernelBuilder) {
     });
 }
 
-/// Emits [`maxc_schema::KernelBody::KvStore`]: copies each row's keys and values
-/// (all KV heads, f32x4 copies) into its page and slot of the cache.
+/// Emits [`maxc_schema::KernelBody::KvStore`]: copies each row's keys and values (or its
+/// latent, with one plane; all KV heads, f32x4 copies) into its page and slot of the cache.
 pub(crate) fn emit_kv_store(kb: &mut KernelBuilder, cache: &KvView) -> Result<(), CpuError> {
-    let k = kb.buf(0);
-    let v = kb.buf(1);
-    let cache_ptr = kb.buf(2);
+    let planes = cache.planes as usize;
+    let srcs: Vec<Value> = (0..planes).map(|i| kb.buf(i)).collect();
+    let cache_ptr = kb.buf(planes);
     let seqs = Sequences {
-        lookup: kb.buf(3),
-        cache_lengths: kb.buf(4),
-        offsets: kb.buf(5),
+        lookup: kb.buf(planes + 1),
+        cache_lengths: kb.buf(planes + 2),
+        offsets: kb.buf(planes + 3),
     };
     let floats = cache.slot_elems();
     let (start, end) = (kb.start(), kb.end());
@@ -161,7 +161,8 @@ pub(crate) fn emit_kv_store(kb: &mut KernelBuilder, cache: &KvView) -> Result<()
         let (b, p) = seqs.locate(kb, r);
         let (page_index, slot) = cache.page_and_slot(kb, p);
         let page = seqs.page(kb, b, page_index);
-        for (which, src) in [(0, k), (1, v)] {
+        for (which, &src) in srcs.iter().enumerate() {
+            let which = which as u64;
             let block = cache.block(kb, cache_ptr, page, which);
             let dst = cache.slot(kb, block, slot);
             let src_row = kb.addr(src, r, floats * 4);

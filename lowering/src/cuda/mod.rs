@@ -106,6 +106,15 @@ pub fn emit_kernel(
             head_dim,
             rotary_dim,
         } => rope::emit(cx, *heads, *head_dim, *rotary_dim)?,
+        KernelBody::KvStore { planes: 1, .. }
+        | KernelBody::Attention { planes: 1, .. }
+        | KernelBody::Concat { .. }
+        | KernelBody::HeadMatmul { .. }
+        | KernelBody::MoeRouter { .. } => {
+            return Err(cx.invalid(
+                "multi-head latent attention's kernels are not emitted for CUDA yet (issue 30, the CUDA slice)".into(),
+            ))
+        }
         KernelBody::KvStore { .. } => paged::emit_kv_store(cx, &paged::cache_view(cx, body)?)?,
         KernelBody::Attention {
             heads,

@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 /// range, buffer order). Bumped whenever that meaning changes without the body changing (as
 /// when attention's parallel range became (row, KV head) pairs), so that code compiled under the
 /// old meaning no longer matches its body's [`KernelBody::digest`].
-pub const KERNEL_CONTRACT: &str = "maxc kernel contract 4";
+pub const KERNEL_CONTRACT: &str = "maxc kernel contract 5";
 
 /// A per-step size, by its slot in the `dims` array passed to every kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -128,6 +128,24 @@ pub enum GatherIndex {
     LogitRows,
 }
 
+/// How a router turns logits into scores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum RouterScoring {
+    /// `sigmoid(logit)` per expert (DeepSeek-V3).
+    Sigmoid,
+    /// Softmax over a token's experts (DeepSeek-V2).
+    Softmax,
+}
+
+/// How a group-limited router scores a group of experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum GroupScore {
+    /// The sum of its two largest choice scores (DeepSeek-V3).
+    TopTwoSum,
+    /// Its largest score (DeepSeek-V2's `group_limited_greedy`).
+    Max,
+}
+
 /// What a kernel computes. Each variant documents its buffers (in `bufs` order) and its
 /// parallel range.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -204,10 +222,13 @@ pub enum KernelBody {
     /// Writes the step's keys and values into layer `layer` of the paged cache: for row `r` of
     /// sequence `b` at position `p = cache_lengths[b] + r - input_row_offsets[b]`, page
     /// `kv_lookup_table[b, p / page_size]`, slot `p % page_size`.
-    /// Cache layout `[pages, num_layers, 2, page_size, kv_heads, head_dim]` f32.
-    /// Buffers: `k [T, kv_heads, head_dim]`, `v` (same), `kv_cache`, `kv_lookup_table [B, P]`,
-    /// `cache_lengths [B]`, `input_row_offsets [B+1]`. Parallel range: rows `0..T`.
+    /// Cache layout `[pages, num_layers, planes, page_size, kv_heads, head_dim]` f32.
+    /// Buffers: `k [T, kv_heads, head_dim]`, `v` (same; only with `planes` 2), `kv_cache`,
+    /// `kv_lookup_table [B, P]`, `cache_lengths [B]`, `input_row_offsets [B+1]`. Parallel range:
+    /// rows `0..T`.
     KvStore {
+        /// Planes of a layer slot: 2 (keys, values) or 1 (a latent).
+        planes: u64,
         /// The layer's slot in the cache.
         layer: u64,
         /// Layers in the cache.
@@ -221,12 +242,18 @@ pub enum KernelBody {
     },
     /// Causal attention of each query row over its sequence's cached positions `0..=p` (the
     /// step's own keys must already be stored by [`KernelBody::KvStore`]). Query head `h` reads
-    /// KV head `h / (heads / kv_heads)`. Scores `q·k · scale`, softmax, weighted sum of values.
+    /// KV head `h / (heads / kv_heads)`. Scores `q·k · scale`, softmax, weighted sum of values:
+    /// the value plane's `head_dim` values (`planes` 2), or the first `value_dim` values of the
+    /// key itself (`planes` 1: multi-head latent attention, every head reading the one latent).
     /// Buffers: `q [T, heads, head_dim]`, `kv_cache`, `kv_lookup_table [B, P]`,
-    /// `cache_lengths [B]`, `input_row_offsets [B+1]`, `out [T, heads, head_dim]`.
+    /// `cache_lengths [B]`, `input_row_offsets [B+1]`, `out [T, heads, value_dim]`.
     /// Parallel range: (row, KV head) pairs `0..T·kv_heads`, item `i` being KV head
     /// `i % kv_heads` (and its query heads) of row `i / kv_heads`.
     Attention {
+        /// Planes of a layer slot: 2 (keys, values) or 1 (a latent).
+        planes: u64,
+        /// Elements of a value: `head_dim` with 2 planes, at most `head_dim` with 1.
+        value_dim: u64,
         /// The layer's slot in the cache.
         layer: u64,
         /// Layers in the cache.
@@ -310,9 +337,65 @@ pub enum KernelBody {
         /// Experts per rank.
         experts_per_rank: u64,
     },
+    /// `out[r, g, :] = [a[r, g, :] | b[r, g, :]]`. Buffers: `a f32 [rows, groups, a]`,
+    /// `b f32 [rows, groups, b]`, `out f32 [rows, groups, a + b]`. Parallel range: rows.
+    Concat {
+        /// Rows.
+        rows: Rows,
+        /// Groups (heads) per row.
+        groups: u64,
+        /// Width of `a`'s groups.
+        a: u64,
+        /// Width of `b`'s groups.
+        b: u64,
+    },
+    /// Each head its own linear map: `out[r, h, :] = w[h] · x[r, h, :]`. Buffers:
+    /// `x f32 [rows, heads, k]`, `w [heads, n, k]` (`weight_dtype`, a float type),
+    /// `out f32 [rows, heads, n]`. Parallel range: heads.
+    HeadMatmul {
+        /// Rows.
+        rows: Rows,
+        /// Heads.
+        heads: u64,
+        /// Output features per head.
+        n: u64,
+        /// Input features per head.
+        k: u64,
+        /// Element type of `w`.
+        weight_dtype: DType,
+    },
+    /// Group-limited top-k routing (DeepSeek's router): per row, scores `s` from the logits,
+    /// choice scores `c = s + bias`; the experts in `n_group` groups of consecutive experts,
+    /// each group scored by `group_score`; the `topk_group` best groups kept (ties: lower
+    /// index), then the `top_k` largest `c` among their experts chosen (ties: lower index).
+    /// A chosen expert gets `s`, over the chosen ones' sum plus 1e-20 where `renormalize`,
+    /// times `scale`; the others 0. Buffers: `logits f32 [rows, experts]`, `bias [experts]`
+    /// (`bias_dtype`), `out f32 [rows, experts]`. Parallel range: rows.
+    MoeRouter {
+        /// Rows.
+        rows: Rows,
+        /// Experts.
+        experts: u64,
+        /// Experts chosen per row.
+        top_k: u64,
+        /// Groups of experts.
+        n_group: u64,
+        /// Groups kept per row.
+        topk_group: u64,
+        /// How logits become scores.
+        scoring: RouterScoring,
+        /// How a group is scored.
+        group_score: GroupScore,
+        /// Whether the chosen weights are divided by their sum.
+        renormalize: bool,
+        /// What the chosen weights are multiplied by.
+        scale: f32,
+        /// Element type of `bias`.
+        bias_dtype: DType,
+    },
 }
 
-/// One layer's view of the paged KV cache `[pages, num_layers, 2, page_size, kv_heads,
+/// One layer's view of the paged KV cache `[pages, num_layers, planes, page_size, kv_heads,
 /// head_dim]` (f32): what a [`KernelBody::KvStore`] or [`KernelBody::Attention`] reads of its
 /// body ([`KernelBody::kv_view`]), the one definition of the cache's addressing that both
 /// backends, the validator and the executors use. Offsets are in elements.
@@ -328,6 +411,8 @@ pub struct KvView {
     pub head_dim: u64,
     /// Tokens per page.
     pub page_size: u64,
+    /// Planes of a layer slot: 2 (keys, then values) or 1 (a latent, its own value).
+    pub planes: u64,
 }
 
 impl KvView {
@@ -341,11 +426,11 @@ impl KvView {
         Ok(view)
     }
 
-    /// The shape of one page, `[num_layers, 2, page_size, kv_heads, head_dim]`.
+    /// The shape of one page, `[num_layers, planes, page_size, kv_heads, head_dim]`.
     pub fn page_shape(&self) -> [u64; 5] {
         [
             self.num_layers,
-            2,
+            self.planes,
             self.page_size,
             self.kv_heads,
             self.head_dim,
@@ -365,6 +450,9 @@ impl KvView {
                 return Err(format!("`{name}` is 0, expected at least 1"));
             }
         }
+        if !(1..=2).contains(&self.planes) {
+            return Err(format!("`planes` is {}, expected 1 or 2", self.planes));
+        }
         if self.layer >= self.num_layers {
             return Err(format!(
                 "`layer` is {}, expected below `num_layers` = {}",
@@ -377,7 +465,7 @@ impl KvView {
             .try_fold(1u64, |acc, &v| acc.checked_mul(v))
             .map(|_| ())
             .ok_or_else(|| {
-                "bytes per cache page (num_layers × 2 × page_size × kv_heads × head_dim × 4) overflow u64"
+                "bytes per cache page (num_layers × planes × page_size × kv_heads × head_dim × 4) overflow u64"
                     .to_string()
             })
     }
@@ -392,14 +480,15 @@ impl KvView {
         self.page_size * self.slot_elems()
     }
 
-    /// Elements of one page (every layer's keys and values).
+    /// Elements of one page (every layer's planes).
     pub fn page_elems(&self) -> u64 {
-        self.num_layers * 2 * self.block_elems()
+        self.num_layers * self.planes * self.block_elems()
     }
 
-    /// Offset in a page of this layer's keys (`which = 0`) or values (`which = 1`).
+    /// Offset in a page of this layer's keys (`which = 0`) or values (`which = 1`); with one
+    /// plane the values are read from the keys' block.
     pub fn block_offset(&self, which: u64) -> u64 {
-        (self.layer * 2 + which) * self.block_elems()
+        (self.layer * self.planes + which.min(self.planes - 1)) * self.block_elems()
     }
 
     /// Offset in the cache of the keys (`which = 0`) or values (`which = 1`) of KV head `kvh`
@@ -422,6 +511,7 @@ impl KernelBody {
                 kv_heads,
                 head_dim,
                 page_size,
+                planes,
             }
             | KernelBody::Attention {
                 layer,
@@ -429,6 +519,7 @@ impl KernelBody {
                 kv_heads,
                 head_dim,
                 page_size,
+                planes,
                 ..
             } => Some(KvView {
                 layer,
@@ -436,6 +527,7 @@ impl KernelBody {
                 kv_heads,
                 head_dim,
                 page_size,
+                planes,
             }),
             _ => None,
         }
@@ -457,6 +549,9 @@ impl KernelBody {
             KernelBody::MoeExperts { .. } => "moe_experts",
             KernelBody::Zeros { .. } => "zeros",
             KernelBody::RankExperts { .. } => "rank_experts",
+            KernelBody::Concat { .. } => "concat",
+            KernelBody::HeadMatmul { .. } => "head_matmul",
+            KernelBody::MoeRouter { .. } => "moe_router",
         }
     }
 
@@ -472,7 +567,10 @@ impl KernelBody {
             | KernelBody::RmsNorm { rows: r, .. }
             | KernelBody::Elementwise { rows: r, .. }
             | KernelBody::Softmax { rows: r, .. }
-            | KernelBody::TopK { rows: r, .. } => rows(r),
+            | KernelBody::TopK { rows: r, .. }
+            | KernelBody::Concat { rows: r, .. }
+            | KernelBody::MoeRouter { rows: r, .. } => rows(r),
+            KernelBody::HeadMatmul { heads, .. } => *heads,
             KernelBody::Positions => dims[StepDim::BatchSize as usize],
             KernelBody::Rope { .. } | KernelBody::KvStore { .. } => t,
             KernelBody::Attention { kv_heads, .. } => t.saturating_mul(*kv_heads),
@@ -493,13 +591,25 @@ impl KernelBody {
             | KernelBody::Elementwise { cols, .. }
             | KernelBody::Softmax { cols, .. }
             | KernelBody::TopK { cols, .. } => *cols,
+            KernelBody::Concat { groups, a, b, .. } => groups * (a + b),
+            KernelBody::MoeRouter { experts, .. } => experts * 4,
+            KernelBody::HeadMatmul { rows, n, k, .. } => {
+                n * k
+                    * match rows {
+                        Rows::Step(d) => dims[*d as usize],
+                        Rows::Fixed(r) => *r,
+                    }
+            }
             KernelBody::Positions => t / dims[StepDim::BatchSize as usize].max(1),
             KernelBody::Rope {
                 heads, head_dim, ..
             } => heads * head_dim,
             KernelBody::KvStore {
-                kv_heads, head_dim, ..
-            } => 2 * kv_heads * head_dim,
+                kv_heads,
+                head_dim,
+                planes,
+                ..
+            } => planes * kv_heads * head_dim,
             // Each row reads its whole context: assume a page's worth at least.
             KernelBody::Attention {
                 heads,
@@ -546,12 +656,16 @@ impl KernelBody {
     }
 
     /// Whether the CPU backend always runs this kernel as generated native code. Matmuls run
-    /// generated or as a library kernel as the CPU module says; the MoE experts and every kernel
-    /// that reads blocks run as library kernels of the runtime.
+    /// generated or as a library kernel as the CPU module says; the MoE experts and router, the
+    /// per-head matmuls and every kernel that reads blocks run as library kernels of the
+    /// runtime.
     pub fn is_generated_on_cpu(&self) -> bool {
         !matches!(
             self,
-            KernelBody::Matmul { .. } | KernelBody::MoeExperts { .. }
+            KernelBody::Matmul { .. }
+                | KernelBody::MoeExperts { .. }
+                | KernelBody::HeadMatmul { .. }
+                | KernelBody::MoeRouter { .. }
         ) && !self.reads_blocks()
     }
 }

@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 pub use kernel::{
-    CudaLaunch, EwInput, EwInstr, GatherIndex, GridExtent, KernelBody, KvView, Rows, StepDim,
-    GELU_TANH_CUBIC, GELU_TANH_SLOPE,
+    CudaLaunch, EwInput, EwInstr, GatherIndex, GridExtent, GroupScore, KernelBody, KvView,
+    RouterScoring, Rows, StepDim, GELU_TANH_CUBIC, GELU_TANH_SLOPE,
 };
 pub use manifest::{
     FileEntry, Manifest, RoleEntry, RuntimeSettings, Targets, MANIFEST_FILE, TOKENIZER_FILE,
@@ -33,7 +33,7 @@ pub use manifest::{
 /// The artifact format this runtime reads and the exporter writes. Bumped on any change to a
 /// bincode type (bincode records no field names, so an older file cannot be read as a newer
 /// type); readers refuse every other version and ask for a recompile.
-pub const FORMAT_VERSION: u32 = 7;
+pub const FORMAT_VERSION: u32 = 8;
 
 /// Lowercase hex sha256 of `bytes`, as the manifest records files.
 pub fn sha256_hex(bytes: &[u8]) -> String {
@@ -192,7 +192,9 @@ impl RopeTable {
     }
 }
 
-/// Layout of a role's paged KV cache, `[pages, num_layers, 2, page_size, kv_heads, head_dim]`.
+/// Layout of a role's paged KV cache, `[pages, num_layers, planes, page_size, kv_heads,
+/// head_dim]`: two planes (keys, then values), or one (multi-head latent attention's latent,
+/// whose first elements are also its values).
 ///
 /// The decoder's layers are split into [`KvGroup`]s of `num_layers` layers each, every group's
 /// layers sharing one attention window. All groups draw pages from the one pool; a page holds
@@ -214,6 +216,8 @@ pub struct KvLayout {
     pub dtype: DType,
     /// The page groups, in lookup-table order (at least one).
     pub groups: Vec<KvGroup>,
+    /// Planes of a layer slot: 2 (keys and values) or 1 (a latent).
+    pub planes: u64,
 }
 
 /// Layers of the KV cache that share pages and a lookup table: they attend over the same
@@ -248,9 +252,10 @@ pub fn kv_lookup_group(name: &str) -> Option<usize> {
 }
 
 impl KvLayout {
-    /// Bytes from one layer's slot to the next within a page (K and V of `page_size` tokens).
+    /// Bytes from one layer's slot to the next within a page (every plane of `page_size`
+    /// tokens).
     pub fn layer_bytes(&self) -> u64 {
-        2 * self.page_size * self.kv_heads * self.head_dim * self.dtype.size() as u64
+        self.planes * self.page_size * self.kv_heads * self.head_dim * self.dtype.size() as u64
     }
 
     /// Page groups (at least 1).
@@ -267,10 +272,10 @@ impl KvLayout {
         }
     }
 
-    /// Bytes one token's keys and values take in every layer of every group.
+    /// Bytes one token's keys and values (or latent) take in every layer of every group.
     pub fn bytes_per_token(&self) -> u64 {
         self.num_groups()
-            * 2
+            * self.planes
             * self.num_layers
             * self.kv_heads
             * self.head_dim

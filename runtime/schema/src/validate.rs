@@ -773,33 +773,73 @@ fn operand_uses(body: &KernelBody, cx: &Ctx, what: &str) -> Result<Vec<Use>, Val
             layer,
             kv_heads,
             head_dim,
+            planes,
             ..
         } => {
             let n = mul(&[t()?, *kv_heads, *head_dim], what)?;
-            vec![
-                f32s(n, false),
-                f32s(n, false),
+            let mut v = vec![f32s(n, false)];
+            if *planes == 2 {
+                v.push(f32s(n, false));
+            }
+            v.extend([
                 Use::KvCache { layer: *layer },
                 Use::Input("kv_lookup_table"),
                 Use::Input("cache_lengths"),
                 Use::Input("input_row_offsets"),
-            ]
+            ]);
+            v
         }
         KernelBody::Attention {
             layer,
             heads,
             head_dim,
+            value_dim,
             ..
         } => {
             let n = mul(&[t()?, *heads, *head_dim], what)?;
+            let out = mul(&[t()?, *heads, *value_dim], what)?;
             vec![
                 f32s(n, false),
                 Use::KvCache { layer: *layer },
                 Use::Input("kv_lookup_table"),
                 Use::Input("cache_lengths"),
                 Use::Input("input_row_offsets"),
-                f32s(n, true),
+                f32s(out, true),
             ]
+        }
+        KernelBody::Concat { rows, groups, a, b } => {
+            let r = cx.rows(rows, what)?;
+            let wide = a
+                .checked_add(*b)
+                .ok_or_else(|| ValidationError(format!("{what}: widths overflow")))?;
+            vec![
+                f32s(mul(&[r, *groups, *a], what)?, false),
+                f32s(mul(&[r, *groups, *b], what)?, false),
+                f32s(mul(&[r, *groups, wide], what)?, true),
+            ]
+        }
+        KernelBody::HeadMatmul {
+            rows,
+            heads,
+            n,
+            k,
+            weight_dtype,
+        } => {
+            let r = cx.rows(rows, what)?;
+            vec![
+                f32s(mul(&[r, *heads, *k], what)?, false),
+                vals(*weight_dtype, mul(&[*heads, *n, *k], what)?),
+                f32s(mul(&[r, *heads, *n], what)?, true),
+            ]
+        }
+        KernelBody::MoeRouter {
+            rows,
+            experts,
+            bias_dtype,
+            ..
+        } => {
+            let n = mul(&[cx.rows(rows, what)?, *experts], what)?;
+            vec![f32s(n, false), vals(*bias_dtype, *experts), f32s(n, true)]
         }
         KernelBody::Softmax { rows, cols } | KernelBody::TopK { rows, cols, .. } => {
             let n = mul(&[cx.rows(rows, what)?, *cols], what)?;
@@ -876,14 +916,21 @@ fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(),
             kv_heads,
             head_dim,
             page_size,
+            planes,
             ..
         } = view;
-        if (num_layers, kv_heads, head_dim, page_size)
-            != (kv.num_layers, kv.kv_heads, kv.head_dim, kv.page_size)
+        if (num_layers, kv_heads, head_dim, page_size, planes)
+            != (
+                kv.num_layers,
+                kv.kv_heads,
+                kv.head_dim,
+                kv.page_size,
+                kv.planes,
+            )
         {
             return err(format!(
-                "layers/kv_heads/head_dim/page_size {num_layers}/{kv_heads}/{head_dim}/{page_size} differ from the KV layout's {}/{}/{}/{}",
-                kv.num_layers, kv.kv_heads, kv.head_dim, kv.page_size
+                "layers/kv_heads/head_dim/page_size/planes {num_layers}/{kv_heads}/{head_dim}/{page_size}/{planes} differ from the KV layout's {}/{}/{}/{}/{}",
+                kv.num_layers, kv.kv_heads, kv.head_dim, kv.page_size, kv.planes
             ));
         }
         view.check().map_err(ValidationError)?;
@@ -958,8 +1005,20 @@ fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(),
             kv_heads,
             scale,
             window,
+            planes,
+            value_dim,
+            head_dim,
             ..
         } => {
+            let value_ok = match planes {
+                2 => value_dim == head_dim,
+                _ => *value_dim > 0 && value_dim <= head_dim,
+            };
+            if !value_ok {
+                return err(format!(
+                    "value_dim {value_dim} with {planes} plane(s) of head_dim {head_dim} (2 planes: equal; 1: 1 to head_dim)"
+                ));
+            }
             if *heads == 0 || heads % kv_heads != 0 {
                 return err(format!(
                     "heads {heads} is not a multiple of kv_heads {kv_heads}"
@@ -1012,6 +1071,60 @@ fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(),
                 return err(format!("{experts_per_rank} experts per rank"));
             }
             Ok(())
+        }
+        KernelBody::Concat { groups, a, b, .. } => {
+            if *groups == 0 || *a == 0 || *b == 0 {
+                return err(format!(
+                    "groups {groups}, widths {a} and {b}: expected non-zero"
+                ));
+            }
+            Ok(())
+        }
+        KernelBody::HeadMatmul {
+            heads,
+            n,
+            k,
+            weight_dtype,
+            ..
+        } => {
+            if *heads == 0 || *n == 0 || *k == 0 {
+                return err(format!("heads {heads}, n {n}, k {k}: expected non-zero"));
+            }
+            float(*weight_dtype, "weight_dtype")
+        }
+        KernelBody::MoeRouter {
+            experts,
+            top_k,
+            n_group,
+            topk_group,
+            group_score,
+            scale,
+            bias_dtype,
+            ..
+        } => {
+            if *experts == 0 || *experts > 4096 {
+                return err(format!("{experts} experts"));
+            }
+            if *n_group == 0 || experts % n_group != 0 {
+                return err(format!("{n_group} groups do not divide {experts} experts"));
+            }
+            let per = experts / n_group;
+            if *topk_group == 0 || topk_group > n_group {
+                return err(format!("keeps {topk_group} of {n_group} groups"));
+            }
+            if *top_k == 0 || *top_k > topk_group * per {
+                return err(format!(
+                    "chooses {top_k} of the {} experts kept",
+                    topk_group * per
+                ));
+            }
+            if *group_score == crate::kernel::GroupScore::TopTwoSum && per < 2 && *n_group > 1 {
+                return err(format!("groups of {per} expert(s) scored by their top two"));
+            }
+            if !scale.is_finite() {
+                return err(format!("scale is {scale}"));
+            }
+            float(*bias_dtype, "bias_dtype")
         }
     }
 }

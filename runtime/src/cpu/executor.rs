@@ -245,7 +245,7 @@ impl CpuExecutor {
         for l in &program.launches {
             let body = &program.kernels[l.kernel as usize].body;
             let read_as_stored: &[usize] = match body {
-                KernelBody::Matmul { .. } => &[1],
+                KernelBody::Matmul { .. } | KernelBody::HeadMatmul { .. } => &[1],
                 KernelBody::Gather { .. } => &[0],
                 _ => &[],
             };
@@ -837,6 +837,74 @@ impl CpuExecutor {
                     unsafe { ew::rows(ins, program, cols, r0, r1, out.get()) };
                 });
             }
+            KernelBody::HeadMatmul {
+                rows,
+                heads,
+                n,
+                k,
+                weight_dtype,
+            } => {
+                let (rows, heads, n, k) =
+                    (rows_of(rows), *heads as usize, *n as usize, *k as usize);
+                let x =
+                    unsafe { std::slice::from_raw_parts(args[0].cast::<f32>(), rows * heads * k) };
+                let out = unsafe {
+                    std::slice::from_raw_parts_mut(args[2].cast::<f32>(), rows * heads * n)
+                };
+                let p = &self.params[&buffers[1]];
+                // SAFETY: the weight's mapped bytes, `len` of them.
+                let w = unsafe { std::slice::from_raw_parts(p.ptr, p.len) };
+                let per_head = w.len() / heads.max(1);
+                let mut xh = vec![0.0f32; rows * k];
+                let mut oh = vec![0.0f32; rows * n];
+                for h in 0..heads {
+                    for r in 0..rows {
+                        xh[r * k..(r + 1) * k].copy_from_slice(&x[(r * heads + h) * k..][..k]);
+                    }
+                    matmul::matmul(
+                        &xh,
+                        &w[h * per_head..(h + 1) * per_head],
+                        *weight_dtype,
+                        &mut oh,
+                        rows,
+                        n,
+                        k,
+                        self.threads,
+                        &self.kernels,
+                    );
+                    for r in 0..rows {
+                        out[(r * heads + h) * n..][..n].copy_from_slice(&oh[r * n..(r + 1) * n]);
+                    }
+                }
+            }
+            KernelBody::MoeRouter {
+                rows,
+                experts,
+                top_k,
+                n_group,
+                topk_group,
+                scoring,
+                group_score,
+                renormalize,
+                scale,
+                ..
+            } => {
+                let (rows, e) = (rows_of(rows), *experts as usize);
+                let logits = unsafe { std::slice::from_raw_parts(args[0].cast::<f32>(), rows * e) };
+                let bias = self.param_f32(buffers[1], args[1], e);
+                let out =
+                    unsafe { std::slice::from_raw_parts_mut(args[2].cast::<f32>(), rows * e) };
+                let routing = moe::GroupedRouting {
+                    top_k: *top_k as usize,
+                    n_group: *n_group as usize,
+                    topk_group: *topk_group as usize,
+                    sigmoid: *scoring == crate::schema::RouterScoring::Sigmoid,
+                    top_two: *group_score == crate::schema::GroupScore::TopTwoSum,
+                    renormalize: *renormalize,
+                    scale: *scale,
+                };
+                moe::route_grouped(logits, bias, out, &routing);
+            }
             other => unreachable!("{} is generated on the CPU", other.kind()),
         }
         Ok(())
@@ -881,7 +949,10 @@ impl KernelChoice {
         match (body, policy) {
             // Under the auto policy, the library's blocked attention where it runs, and its
             // sixteen-lane elementwise kernel.
-            (KernelBody::Attention { .. }, Some(_)) if attention_library() => KernelChoice::Library,
+            // The library's attention reads two planes; a latent (one plane) runs generated.
+            (KernelBody::Attention { planes: 2, .. }, Some(_)) if attention_library() => {
+                KernelChoice::Library
+            }
             (KernelBody::Elementwise { .. }, Some(_)) if library_elementwise(body) => {
                 KernelChoice::Library
             }

@@ -459,7 +459,7 @@ extern "C" __global__ void __launch_bounds__(32) rope_bb7b305e(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) kv_store_172fee03(
+extern "C" __global__ void __launch_bounds__(64) kv_store_07d5eacf(
     const float* __restrict__ k,
     const float* __restrict__ v,
     float* __restrict__ kv_cache,
@@ -493,7 +493,7 @@ extern "C" __global__ void __launch_bounds__(64) kv_store_172fee03(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_c10fff40(
+extern "C" __global__ void __launch_bounds__(128) attention_14846022(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,
@@ -833,7 +833,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_0400bb09(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_6af1c1b6(
+extern "C" __global__ void __launch_bounds__(128) attention_9d32fd5a(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,

@@ -405,7 +405,7 @@ extern "C" __global__ void __launch_bounds__(32) rope_bb7b305e(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) kv_store_19c5de1c(
+extern "C" __global__ void __launch_bounds__(64) kv_store_c52002e8(
     const float* __restrict__ k,
     const float* __restrict__ v,
     float* __restrict__ kv_cache,
@@ -439,7 +439,7 @@ extern "C" __global__ void __launch_bounds__(64) kv_store_19c5de1c(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_fd885ffa(
+extern "C" __global__ void __launch_bounds__(128) attention_76224232(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,

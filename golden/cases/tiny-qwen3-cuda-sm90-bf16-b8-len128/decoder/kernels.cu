@@ -459,7 +459,7 @@ extern "C" __global__ void __launch_bounds__(64) rope_bb0e105e(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) kv_store_1b0c1e1c(
+extern "C" __global__ void __launch_bounds__(128) kv_store_c3d9c2e8(
     const float* __restrict__ k,
     const float* __restrict__ v,
     float* __restrict__ kv_cache,
@@ -493,7 +493,7 @@ extern "C" __global__ void __launch_bounds__(128) kv_store_1b0c1e1c(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_11e99e6c(
+extern "C" __global__ void __launch_bounds__(128) attention_ac4877e7(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,

@@ -405,7 +405,7 @@ extern "C" __global__ void __launch_bounds__(32) rope_c4fe2b5e(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32) kv_store_20b30903(
+extern "C" __global__ void __launch_bounds__(32) kv_store_ecfff9cf(
     const float* __restrict__ k,
     const float* __restrict__ v,
     float* __restrict__ kv_cache,
@@ -439,7 +439,7 @@ extern "C" __global__ void __launch_bounds__(32) kv_store_20b30903(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_1c1eed5d(
+extern "C" __global__ void __launch_bounds__(128) attention_676fd5e6(
     const float* __restrict__ q,
     const float* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,

@@ -373,6 +373,7 @@ mod tests {
         for ((hd, heads, kv_heads), window) in cases {
             let shape = Shape {
                 cache: KvView {
+                    planes: 2,
                     layer: 1,
                     num_layers: 2,
                     kv_heads: kv_heads as u64,
