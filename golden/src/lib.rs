@@ -60,8 +60,8 @@ fn for_model(model: &str, rt: &ModuleRuntime) -> ModuleRuntime {
 
 /// Every golden case: each tiny model at two runtime settings on the CPU, and once for CUDA
 /// (sm_90, bf16 weights, so the tensor-core matmuls are covered); tiny-mixtral also at
-/// expert-parallel degree 2, on both. tiny-deepseek-v3 (latent attention) on the CPU only, and
-/// at degree 2, until its CUDA kernels land.
+/// expert-parallel degree 2, on both; tiny-deepseek-v3 (latent attention) at degree 2 on the
+/// CPU.
 pub fn cases() -> Vec<Case> {
     let settings = [
         ("b8-len128", runtime(8, 128, 256, true)),
@@ -101,6 +101,7 @@ pub fn cases() -> Vec<Case> {
         "tiny-gemma3",
         "tiny-mixtral",
         "tiny-roles",
+        "tiny-deepseek-v3",
     ] {
         out.push(Case {
             name: format!("{model}-cuda-sm90-bf16-b8-len128"),

@@ -9,7 +9,9 @@ use maxc_lowering::cuda::{
     compile_ptx, emit_kernel, module_source, nvrtc_status, ptxas_check, CudaError, CudaKernel,
     CudaTarget,
 };
-use maxc_schema::{DType, EwInput, EwInstr, GatherIndex, KernelBody, Rows, StepDim};
+use maxc_schema::{
+    DType, EwInput, EwInstr, GatherIndex, GroupScore, KernelBody, RouterScoring, Rows, StepDim,
+};
 
 fn required() -> bool {
     std::env::var("MAXC_REQUIRE_NVRTC").is_ok_and(|v| v == "1")
@@ -223,8 +225,79 @@ fn all_kinds() -> Vec<KernelBody> {
                 experts: 4,
                 weight_dtype: dtype,
             },
+            // DeepSeek-V3's absorbed up-projections: 128 heads, W_UKᵀ (512 × 128) and W_UV
+            // (128 × 512) per head.
+            KernelBody::HeadMatmul {
+                rows: STEP,
+                heads: 128,
+                n: 512,
+                k: 128,
+                weight_dtype: dtype,
+            },
+            KernelBody::HeadMatmul {
+                rows: Rows::Fixed(3),
+                heads: 3,
+                n: 7,
+                k: 5,
+                weight_dtype: dtype,
+            },
+            // DeepSeek-V3's router: 256 experts in 8 groups, 4 kept, 8 chosen; and V2's.
+            KernelBody::MoeRouter {
+                rows: STEP,
+                experts: 256,
+                top_k: 8,
+                n_group: 8,
+                topk_group: 4,
+                scoring: RouterScoring::Sigmoid,
+                group_score: GroupScore::TopTwoSum,
+                renormalize: true,
+                scale: 2.5,
+                bias_dtype: dtype,
+            },
+            KernelBody::MoeRouter {
+                rows: STEP,
+                experts: 160,
+                top_k: 6,
+                n_group: 8,
+                topk_group: 3,
+                scoring: RouterScoring::Softmax,
+                group_score: GroupScore::Max,
+                renormalize: false,
+                scale: 16.0,
+                bias_dtype: dtype,
+            },
         ]);
     }
+    // Multi-head latent attention at DeepSeek-V3's sizes: a one-plane cache of 512 + 64 values
+    // per token, 128 heads reading it, values its first 512.
+    bodies.extend([
+        KernelBody::KvStore {
+            layer: 1,
+            num_layers: 2,
+            kv_heads: 1,
+            head_dim: 576,
+            page_size: 64,
+            planes: 1,
+        },
+        KernelBody::Attention {
+            layer: 1,
+            num_layers: 2,
+            heads: 128,
+            kv_heads: 1,
+            head_dim: 576,
+            page_size: 64,
+            planes: 1,
+            value_dim: 512,
+            scale: 0.1352,
+            window: None,
+        },
+        KernelBody::Concat {
+            rows: STEP,
+            groups: 128,
+            a: 512,
+            b: 64,
+        },
+    ]);
     bodies
 }
 

@@ -18,13 +18,15 @@ const WARPS: u32 = 4;
 /// `l = l·e^(m-m') + e^(s-m')`, `acc = acc·e^(m-m') + e^(s-m')·v`. The warps' states are then
 /// merged in shared memory: `out = Σ_w acc_w e^(m_w-M) / Σ_w l_w e^(m_w-M)`. Prefill and
 /// decode rows run the same kernel. With a sliding `window` the walk starts at position
-/// `max(p + 1 - window, 0)`.
+/// `max(p + 1 - window, 0)`. Values are `value_dim` wide: the value plane's (two planes), or
+/// the key's first `value_dim` elements (one plane: a latent, every head reading it).
 pub(crate) fn emit(
     cx: Ctx,
     cache: &KvView,
     heads: u64,
     scale: f32,
     window: Option<u64>,
+    value_dim: u64,
 ) -> Result<Emitted, CudaError> {
     let heads = cx.size("heads", heads)?;
     if heads % cache.kv_heads != 0 {
@@ -47,6 +49,17 @@ pub(crate) fn emit(
     }
     if window == Some(0) {
         return Err(cx.invalid("`window` is 0, expected at least 1".into()));
+    }
+    let vd = value_dim;
+    let value_ok = match cache.planes {
+        2 => vd == hd,
+        _ => vd > 0 && vd <= hd,
+    };
+    if !value_ok {
+        return Err(cx.invalid(format!(
+            "`value_dim` is {vd} with {} plane(s) of head_dim {hd}",
+            cache.planes
+        )));
     }
     let first = match window {
         None => String::new(),
@@ -93,17 +106,17 @@ ${PAGE}        const float* k_ptr = ${K_PTR} + kv_head * ${HEAD_DIM};
 #pragma unroll
         for (unsigned e = 0; e < ${PER_LANE}; ++e) {
             const maxc_u64 d = lane + 32u * e;
-            if (d < ${HEAD_DIM}) acc[e] = acc[e] * corr + w * v_ptr[d];
+            if (d < ${VALUE_DIM}) acc[e] = acc[e] * corr + w * v_ptr[d];
         }
         m = m_new;
     }
     __shared__ float warp_m[${WARPS}];
     __shared__ float warp_l[${WARPS}];
-    __shared__ float warp_acc[${WARPS}][${HEAD_DIM}];
+    __shared__ float warp_acc[${WARPS}][${VALUE_DIM}];
 #pragma unroll
     for (unsigned e = 0; e < ${PER_LANE}; ++e) {
         const maxc_u64 d = lane + 32u * e;
-        if (d < ${HEAD_DIM}) warp_acc[warp][d] = acc[e];
+        if (d < ${VALUE_DIM}) warp_acc[warp][d] = acc[e];
     }
     if (lane == 0) {
         warp_m[warp] = m;
@@ -117,8 +130,8 @@ ${PAGE}        const float* k_ptr = ${K_PTR} + kv_head * ${HEAD_DIM};
     float l_all = 0.0f;
     for (unsigned w = 0; w < ${WARPS}; ++w)
         if (warp_l[w] > 0.0f) l_all += warp_l[w] * expf(warp_m[w] - m_all);
-    float* out_row = out + (r * ${HEADS} + head) * ${HEAD_DIM};
-    for (maxc_u64 d = threadIdx.x; d < ${HEAD_DIM}; d += blockDim.x) {
+    float* out_row = out + (r * ${HEADS} + head) * ${VALUE_DIM};
+    for (maxc_u64 d = threadIdx.x; d < ${VALUE_DIM}; d += blockDim.x) {
         float o = 0.0f;
         for (unsigned w = 0; w < ${WARPS}; ++w)
             if (warp_l[w] > 0.0f) o += warp_acc[w][d] * expf(warp_m[w] - m_all);
@@ -133,6 +146,7 @@ ${PAGE}        const float* k_ptr = ${K_PTR} + kv_head * ${HEAD_DIM};
             ("HEADS", ull(heads)),
             ("GROUP", ull(group)),
             ("HEAD_DIM", ull(hd)),
+            ("VALUE_DIM", ull(vd)),
             ("PER_LANE", per_lane.to_string()),
             ("WARPS", WARPS.to_string()),
             ("SCALE", f32_lit(scale)),

@@ -17,6 +17,7 @@ mod gather;
 mod init;
 mod matmul;
 mod matmul_shape;
+mod mla;
 mod mma;
 mod moe;
 mod norm;
@@ -106,22 +107,55 @@ pub fn emit_kernel(
             head_dim,
             rotary_dim,
         } => rope::emit(cx, *heads, *head_dim, *rotary_dim)?,
-        KernelBody::KvStore { planes: 1, .. }
-        | KernelBody::Attention { planes: 1, .. }
-        | KernelBody::Concat { .. }
-        | KernelBody::HeadMatmul { .. }
-        | KernelBody::MoeRouter { .. } => {
-            return Err(cx.invalid(
-                "multi-head latent attention's kernels are not emitted for CUDA yet (issue 30, the CUDA slice)".into(),
-            ))
-        }
+        KernelBody::Concat { rows, groups, a, b } => mla::emit_concat(cx, *rows, *groups, *a, *b)?,
+        KernelBody::HeadMatmul {
+            rows,
+            heads,
+            n,
+            k,
+            weight_dtype,
+        } => mla::emit_head_matmul(cx, *rows, *heads, *n, *k, *weight_dtype)?,
+        KernelBody::MoeRouter {
+            rows,
+            experts,
+            top_k,
+            n_group,
+            topk_group,
+            scoring,
+            group_score,
+            renormalize,
+            scale,
+            bias_dtype,
+        } => mla::emit_router(
+            cx,
+            *rows,
+            *experts,
+            mla::Routing {
+                top_k: *top_k,
+                n_group: *n_group,
+                topk_group: *topk_group,
+                scoring: *scoring,
+                group_score: *group_score,
+                renormalize: *renormalize,
+                scale: *scale,
+            },
+            *bias_dtype,
+        )?,
         KernelBody::KvStore { .. } => paged::emit_kv_store(cx, &paged::cache_view(cx, body)?)?,
         KernelBody::Attention {
             heads,
             scale,
             window,
+            value_dim,
             ..
-        } => attention::emit(cx, &paged::cache_view(cx, body)?, *heads, *scale, *window)?,
+        } => attention::emit(
+            cx,
+            &paged::cache_view(cx, body)?,
+            *heads,
+            *scale,
+            *window,
+            *value_dim,
+        )?,
         KernelBody::Softmax { rows, cols } => softmax::emit(cx, *rows, *cols)?,
         KernelBody::TopK {
             rows,

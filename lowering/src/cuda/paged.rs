@@ -10,7 +10,7 @@ use maxc_schema::{CudaLaunch, GridExtent, KernelBody, KvView, Rows, StepDim};
 pub(crate) fn cache_view(cx: Ctx, body: &KernelBody) -> Result<KvView, CudaError> {
     let view = KvView::of(body).map_err(|what| cx.invalid(what))?;
     cx.product(
-        "floats per cache page (num_layers × 2 × page_size × kv_heads × head_dim)",
+        "floats per cache page (num_layers × planes × page_size × kv_heads × head_dim)",
         &view.page_shape(),
     )?;
     Ok(view)
@@ -91,38 +91,51 @@ pub(crate) fn emit_positions(cx: Ctx) -> Result<Emitted, CudaError> {
 /// Emits [`maxc_schema::KernelBody::KvStore`]: one block per token row
 /// `r < total_seq_len`; the row's sequence and position give its page (through
 /// `kv_lookup_table`, skipped when out of bounds) and slot, and threads copy the row's keys
-/// and values (all KV heads) there.
+/// and values (all KV heads; with one plane, its latent) there.
 pub(crate) fn emit_kv_store(cx: Ctx, cache: &KvView) -> Result<Emitted, CudaError> {
     let floats = cache.slot_elems();
     let threads = source::row_threads(floats, 256);
+    let two = cache.planes == 2;
+    let (v_dst, v_copy) = if two {
+        (
+            format!(
+                "    float* v_dst = {};\n",
+                slot_ptr(cache, "page", "slot", 1)
+            ),
+            format!("        v_dst[c] = v[r * {} + c];\n", ull(floats)),
+        )
+    } else {
+        (String::new(), String::new())
+    };
     let body = fill(
         r#"
     const maxc_u64 r = blockIdx.x;
     if (r >= total_seq_len) return;
 ${LOCATE}    if (p < 0) return;
 ${PAGE}    float* k_dst = ${K_DST};
-    float* v_dst = ${V_DST};
-    for (maxc_u64 c = threadIdx.x; c < ${SLOT}; c += blockDim.x) {
+${V_DST}    for (maxc_u64 c = threadIdx.x; c < ${SLOT}; c += blockDim.x) {
         k_dst[c] = k[r * ${SLOT} + c];
-        v_dst[c] = v[r * ${SLOT} + c];
-    }
+${V_COPY}    }
 "#,
         &[
             ("LOCATE", LOCATE_ROW.to_string()),
             ("PAGE", page_lookup(cache, "p", "return;", "    ")),
             ("K_DST", slot_ptr(cache, "page", "slot", 0)),
-            ("V_DST", slot_ptr(cache, "page", "slot", 1)),
+            ("V_DST", v_dst),
+            ("V_COPY", v_copy),
             ("SLOT", ull(floats)),
         ],
     );
-    let bufs = [
-        Buf::input("float", "k"),
-        Buf::input("float", "v"),
+    let mut bufs = vec![Buf::input("float", "k")];
+    if two {
+        bufs.push(Buf::input("float", "v"));
+    }
+    bufs.extend([
         Buf::output("float", "kv_cache"),
         Buf::input("int", "kv_lookup_table"),
         Buf::input("int", "cache_lengths"),
         Buf::input("int", "input_row_offsets"),
-    ];
+    ]);
     let launch = CudaLaunch {
         grid: [
             source::per_row(Rows::Step(StepDim::TotalSeqLen)),
