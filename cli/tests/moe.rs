@@ -167,3 +167,63 @@ fn an_expert_parallel_artifact_runs_only_at_its_degree() {
     let o = maxc(&["run", a2.to_str().unwrap(), "--tokens", "1,2,3"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
+
+/// tiny-deepseek-v3 at degree 2: the records say its one shared expert is replicated on every
+/// rank (outside the exchange, which counts the 8 routed experts only) and name its router,
+/// and the EP init program gives every rank the shared expert.
+#[test]
+fn deepseek_records_replicated_shared_experts_and_its_router() {
+    use maxc_runtime::cpu::CpuExecutor;
+    use maxc_runtime::schema::ep_init;
+    use maxc_runtime::Artifact;
+    use std::sync::Arc;
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("ds.maxc");
+    let m = fixtures().join("tiny-deepseek-v3");
+    let o = maxc(&[
+        "compile",
+        m.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--quiet",
+        "--max-seq-len",
+        "64",
+        "--page-size",
+        "16",
+        "--max-batch-input-tokens",
+        "64",
+        "--expert-parallel-degree",
+        "2",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+    let rec = &manifest["export_records"];
+    assert_eq!(rec["moe.num_experts"], 8, "{rec}");
+    assert_eq!(rec["ep.experts_per_rank"], 4, "{rec}");
+    assert_eq!(rec["moe.num_shared_experts"], 1, "{rec}");
+    assert_eq!(rec["moe.shared_intermediate_size"], 128, "{rec}");
+    assert_eq!(rec["ep.shared_experts"], "replicated", "{rec}");
+    assert_eq!(rec["moe.router"]["scoring"], "sigmoid", "{rec}");
+    assert_eq!(rec["moe.router"]["n_group"], 4, "{rec}");
+    assert_eq!(rec["moe.router"]["topk_group"], 2, "{rec}");
+    assert_eq!(rec["moe.router"]["routed_scaling_factor"], 2.5, "{rec}");
+    let artifact = Arc::new(Artifact::open(&out).unwrap());
+    for rank in 0..2 {
+        let mut exec =
+            CpuExecutor::new(artifact.clone(), ep_init::ROLE, Default::default()).unwrap();
+        let outs = exec.run_once(&[(ep_init::RANK_INPUT, vec![rank])]).unwrap();
+        let ints = |name: &str| -> Vec<i32> {
+            let (ptr, bytes) = outs[name];
+            // SAFETY: the executor's output buffer of `bytes` bytes, alive with `exec`.
+            unsafe { std::slice::from_raw_parts(ptr.cast::<i32>(), bytes / 4) }.to_vec()
+        };
+        assert_eq!(ints(ep_init::SHARED_EXPERTS), [0], "rank {rank}");
+        let per = 4 * rank;
+        assert_eq!(
+            ints(ep_init::LOCAL_EXPERTS),
+            [per, per + 1, per + 2, per + 3],
+            "rank {rank}"
+        );
+    }
+}

@@ -112,6 +112,15 @@ impl MoeNaming {
 }
 
 impl MoeConfig {
+    /// Shared experts: their width over one routed expert's.
+    pub fn num_shared_experts(&self, intermediate_size: usize) -> usize {
+        let per = self
+            .expert_intermediate_size
+            .unwrap_or(intermediate_size)
+            .max(1);
+        self.shared_intermediate_size.map_or(0, |w| w / per)
+    }
+
     /// `num_experts` experts, `top_k` of them per token, renormalized, on every layer, named
     /// as Mixtral names them.
     pub fn new(num_experts: usize, top_k: usize) -> Self {

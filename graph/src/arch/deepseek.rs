@@ -473,11 +473,39 @@ impl DeploymentHooks for DeepseekHooks {
         }
     }
 
+    /// Mixtral's records, and what DeepSeek adds: the shared experts (replicated on every
+    /// rank, outside the exchange) and the router.
     fn export_records(&self, runtime: &ModuleRuntime) -> BTreeMap<String, Value> {
-        self.moe
-            .as_ref()
-            .map(|m| m.export_records(runtime))
-            .unwrap_or_default()
+        let (Some(m), Some(moe)) = (&self.moe, &self.config.moe) else {
+            return BTreeMap::new();
+        };
+        let mut r = m.export_records(runtime);
+        let shared = moe.num_shared_experts(self.config.intermediate_size);
+        r.insert("moe.num_shared_experts".into(), shared.into());
+        r.insert(
+            "moe.shared_intermediate_size".into(),
+            moe.shared_intermediate_size.unwrap_or(0).into(),
+        );
+        if let Some(g) = &moe.grouped_router {
+            r.insert(
+                "moe.router".into(),
+                serde_json::json!({
+                    "scoring": format!("{:?}", g.scoring).to_lowercase(),
+                    "group_score": match g.group_score {
+                        GroupScore::TopTwoSum => "top_two_sum",
+                        GroupScore::Max => "max",
+                    },
+                    "n_group": g.n_group,
+                    "topk_group": g.topk_group,
+                    "routed_scaling_factor": g.scale,
+                    "renormalize": moe.renormalize,
+                }),
+            );
+        }
+        if shared > 0 {
+            r.insert("ep.shared_experts".into(), "replicated".into());
+        }
+        r
     }
 }
 

@@ -17,6 +17,7 @@
 //! | `combine_recv` | `[T × top_k, hidden]` f32 |
 //! | `dispatch_counts`, `combine_counts` | `[2, N]` i32 (sent to, received from each peer) |
 //! | `local_experts` | `[E / N]` i32 |
+//! | `shared_experts` (with shared experts only) | `[S]` i32: `0..S`, every rank |
 //!
 //! with `max_tokens_per_rank = T × min(top_k, E / N)`: every active token's slots routed to
 //! one rank, a token's experts being distinct.
@@ -38,6 +39,8 @@ pub struct EpExchange {
     pub hidden: usize,
     /// Active tokens in one step, all replicas together (`max_batch_active_tokens`).
     pub max_active_tokens: usize,
+    /// Shared experts, replicated on every rank (DeepSeek's; 0 for Mixtral's).
+    pub shared_experts: usize,
 }
 
 impl EpExchange {
@@ -50,6 +53,15 @@ impl EpExchange {
             top_k,
             hidden,
             max_active_tokens: runtime.batch.max_batch_active_tokens(),
+            shared_experts: 0,
+        }
+    }
+
+    /// The exchange of a model that also has `n` shared experts.
+    pub fn with_shared(self, n: usize) -> Self {
+        EpExchange {
+            shared_experts: n,
+            ..self
         }
     }
 
@@ -107,6 +119,25 @@ impl EpExchange {
             &[rank],
         )?;
         g.output(names::LOCAL_EXPERTS, local);
+        if self.shared_experts > 0 {
+            // Every rank holds all of them: the experts of "rank 0" at `n` per rank.
+            let zero = g.op(
+                "shared_experts.rank",
+                Op::Zeros {
+                    dtype: DType::I32,
+                    shape: vec![Dim::Fixed(1)],
+                },
+                &[],
+            )?;
+            let shared = g.op(
+                names::SHARED_EXPERTS,
+                Op::RankExperts {
+                    experts_per_rank: self.shared_experts,
+                },
+                &[zero],
+            )?;
+            g.output(names::SHARED_EXPERTS, shared);
+        }
         g.finish()
     }
 }

@@ -117,6 +117,7 @@ pub fn build_moe_role(
             config.hidden_size,
             &opts.runtime,
         )
+        .with_shared(moe.num_shared_experts(config.intermediate_size))
         .graph(),
         _ => super::decoder::build_decoder(config, role, opts),
     }

@@ -343,6 +343,10 @@ pub mod ep_init {
     pub const COMBINE_COUNTS: &str = "combine_counts";
     /// i32 `[experts_per_rank]`: the experts the rank holds.
     pub const LOCAL_EXPERTS: &str = "local_experts";
+    /// i32 `[num_shared_experts]`, only where the model has shared experts (DeepSeek's): the
+    /// shared experts the rank holds, every one of them (`0..n`): they are replicated on every
+    /// rank, which runs them on its own tokens, outside the exchange.
+    pub const SHARED_EXPERTS: &str = "shared_experts";
     /// Every output, sorted.
     pub const OUTPUTS: [&str; 7] = [
         COMBINE_COUNTS,

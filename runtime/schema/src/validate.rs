@@ -551,10 +551,16 @@ impl Program {
 }
 
 impl Program {
-    /// The `ep_init` program's outputs are exactly [`crate::ep_init::OUTPUTS`], each an arena
+    /// The `ep_init` program's outputs are exactly [`crate::ep_init::OUTPUTS`] (and
+    /// [`crate::ep_init::SHARED_EXPERTS`] where the model has shared experts), each an arena
     /// buffer that a launch writes (the exchange state handed to the runtime).
     fn validate_ep_init_outputs(&self) -> Result<(), ValidationError> {
-        let names: Vec<&str> = self.outputs.keys().map(String::as_str).collect();
+        let names: Vec<&str> = self
+            .outputs
+            .keys()
+            .map(String::as_str)
+            .filter(|n| *n != crate::ep_init::SHARED_EXPERTS)
+            .collect();
         if names != crate::ep_init::OUTPUTS {
             return err(format!(
                 "the {} program's outputs are {names:?}, expected {:?}",

@@ -39,6 +39,8 @@ pub struct EpPlan {
     pub max_tokens_per_rank: usize,
     /// Hidden size (a slot's width).
     pub hidden: usize,
+    /// Shared experts, replicated on every rank (`moe.num_shared_experts`; 0 without).
+    pub shared_experts: usize,
 }
 
 impl EpPlan {
@@ -72,6 +74,10 @@ impl EpPlan {
             experts_per_rank: num("ep.experts_per_rank")?,
             max_tokens_per_rank: num("ep.max_tokens_per_rank")?,
             hidden: num("moe.hidden_size")?,
+            shared_experts: match records.get("moe.num_shared_experts") {
+                None => 0,
+                Some(_) => num("moe.num_shared_experts")?,
+            },
         }))
     }
 
@@ -201,6 +207,27 @@ impl RankState {
                     plan.experts_per_rank,
                     plan.hidden
                 )));
+            }
+        }
+        // Shared experts are replicated: every rank holds all of them.
+        match (outs.get(names::SHARED_EXPERTS), plan.shared_experts) {
+            (None, 0) => {}
+            (Some(&(ptr, bytes)), n) if bytes == 4 * n => {
+                // SAFETY: the output holds `bytes / 4` i32 values.
+                let held = unsafe { std::slice::from_raw_parts(ptr.cast::<i32>(), n) };
+                if !held.iter().enumerate().all(|(i, &e)| e == i as i32) {
+                    return Err(RuntimeError::Input(format!(
+                        "the ep_init program's `{}` on rank {rank} is {held:?}; shared experts are replicated, expected 0..{n}",
+                        names::SHARED_EXPERTS
+                    )));
+                }
+            }
+            (got, n) => {
+                return Err(RuntimeError::Input(format!(
+                "the ep_init program's `{}` holds {} values; the records say {n} shared experts",
+                names::SHARED_EXPERTS,
+                got.map_or(0, |g| g.1 / 4)
+            )))
             }
         }
         Ok(RankState {
@@ -591,6 +618,7 @@ mod tests {
                 experts_per_rank: per,
                 max_tokens_per_rank: bound,
                 hidden,
+                shared_experts: 0,
             };
             let mut ex = InProcessExchange::host(plan, rows * top_k);
             let mut got = vec![0.0; rows * hidden];
@@ -655,6 +683,7 @@ mod tests {
                     experts_per_rank: experts / degree,
                     max_tokens_per_rank: rows * 2,
                     hidden,
+                    shared_experts: 0,
                 },
                 rows * 2,
             );
