@@ -839,3 +839,84 @@ mod tiny_deepseek_v3_expert_parallel {
     suite!(ep2, "tiny-deepseek-v3", GraphRole::Decoder, "", Kind::Ep(2));
     suite!(ep4, "tiny-deepseek-v3", GraphRole::Decoder, "", Kind::Ep(4));
 }
+
+/// tiny-deepseek-v3's score-correction biases are all zero, so the fixture cannot tell a
+/// missing or misplaced bias. Here they are random (±0.4, which moves sigmoid scores' ranks):
+/// the interpreter's logits move with them, and the compiled artifact, at expert-parallel
+/// degrees 1 and 2, gives the interpreter's logits at every position.
+#[test]
+fn deepseek_router_biases_move_the_routing_alike_on_every_backend() {
+    let src = fixtures().join("tiny-deepseek-v3");
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("biased");
+    std::fs::create_dir(&model).unwrap();
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), model.join(f)).unwrap();
+    }
+    let mut weights = read_safetensors_file(&src.join("model.safetensors")).unwrap();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    for layer in 1..4 {
+        let bias: Vec<f32> = (0..8)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.8
+            })
+            .collect();
+        weights.insert(
+            format!("model.layers.{layer}.mlp.gate.e_score_correction_bias"),
+            maxc_graph::weights::WeightTensor::from_f32(vec![8], &bias),
+        );
+    }
+    maxc_graph::weights::write_safetensors(&model.join("model.safetensors"), &weights, None)
+        .unwrap();
+    let case = Case::new("tiny-deepseek-v3", GraphRole::Decoder, "");
+    let interp_logits = |dir: &std::path::Path, tokens: &[i64]| -> Vec<f32> {
+        let opts = LoadOptions {
+            runtime: runtime(),
+            ..Default::default()
+        };
+        let mut loaded = load_model(dir, &Registry::builtin(), &opts).expect("loads");
+        let rg = loaded.roles.remove(&GraphRole::Decoder).unwrap();
+        let interp = Interpreter::new(rg.graph, &rg.weights).unwrap();
+        let mut session = Session::new(&interp, 48, MAX_LEN.div_ceil(PAGE));
+        session.step_all(&[(0, tokens)]).unwrap().data
+    };
+    for i in case.prompts() {
+        let tokens = case.i64s(&format!("p{i}.tokens"));
+        let n = tokens.len();
+        let want = interp_logits(&model, &tokens);
+        if n > 30 {
+            let plain = interp_logits(&src, &tokens);
+            let moved = max_diff(&want, 0..n, &plain, 0, 1024);
+            assert!(
+                moved > 0.05,
+                "prompt {i}: the biases moved the logits by {moved} only"
+            );
+        }
+        for degree in [1usize, 2] {
+            let out = tmp.path().join(format!("biased-ep{degree}.maxc"));
+            if !out.exists() {
+                let opts = CompileOptions {
+                    runtime: ModuleRuntime {
+                        expert_parallel_degree: degree,
+                        ..runtime()
+                    },
+                    weights: DType::F32.into(),
+                    all_logits: true,
+                    cpu_matmul: CpuMatmul::Auto,
+                    force: false,
+                    cpu: true,
+                    cuda_arch: None,
+                    stop_after_rewrites: None,
+                };
+                compile(&model, &out, &opts, &mut |_| {}).expect("compiles");
+            }
+            let mut engine = RuntimeSession::open(&out, "decoder").expect("opens");
+            let got = engine.step_all(&[(0, &tokens)]).unwrap().data;
+            let d = max_diff(&got, 0..n, &want, 0, 1024);
+            assert!(d < TOL, "prompt {i}, degree {degree}: max |diff| {d}");
+        }
+    }
+}
