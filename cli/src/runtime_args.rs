@@ -1,7 +1,7 @@
 //! The compiler's runtime-bound flags, shared by `compile` and `plan`.
 
 use maxc_graph::arch::ModelSpec;
-use maxc_graph::{BatchProcessorRuntime, GraphRole, KvCacheParams, ModuleRuntime};
+use maxc_graph::{BatchProcessorRuntime, GraphRole, KvCacheParams, MlaAttention, ModuleRuntime};
 
 /// The longest default context.
 pub const DEFAULT_MAX_SEQ_LEN: usize = 2048;
@@ -57,6 +57,21 @@ pub struct RuntimeArgs {
     /// divide the expert count.
     #[arg(long, default_value = "1", value_parser = positive, allow_negative_numbers = true)]
     pub expert_parallel_degree: usize,
+    /// How a multi-head latent attention model (DeepSeek) computes attention over its latent
+    /// cache: `absorbed` (the up-projections folded into the query and applied after
+    /// attention: the decode form) or `decompressed` (each step expands the cached latents
+    /// into per-head keys and values), for measuring one against the other.
+    #[arg(long, value_enum, default_value = "absorbed")]
+    pub mla_attention: MlaAttentionArg,
+}
+
+/// `--mla-attention`'s values.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MlaAttentionArg {
+    /// Attention in the latent space.
+    Absorbed,
+    /// Latents expanded into keys and values each step.
+    Decompressed,
 }
 
 impl RuntimeArgs {
@@ -87,6 +102,10 @@ impl RuntimeArgs {
                 num_pages: self.kv_cache_pages,
             },
             expert_parallel_degree: self.expert_parallel_degree,
+            mla_attention: match self.mla_attention {
+                MlaAttentionArg::Absorbed => MlaAttention::Absorbed,
+                MlaAttentionArg::Decompressed => MlaAttention::Decompressed,
+            },
         }
     }
 }

@@ -95,6 +95,9 @@ enum Kind {
     Ep(usize),
     /// The artifact compiled from the fixture written as GGUF (`gguf_artifact`), weights kept.
     Gguf,
+    /// Multi-head latent attention computed decompressed (`--mla-attention decompressed`): on
+    /// the interpreter (false) or the f32 artifact (true).
+    Decompressed(bool),
 }
 
 struct Case {
@@ -144,9 +147,16 @@ impl Case {
     fn backend(&self, kind: Kind) -> Box<dyn Backend> {
         let dir = fixtures().join(self.model);
         match kind {
-            Kind::Interpreter => {
+            Kind::Interpreter | Kind::Decompressed(false) => {
+                let mla_attention = match kind {
+                    Kind::Interpreter => maxc_graph::MlaAttention::Absorbed,
+                    _ => maxc_graph::MlaAttention::Decompressed,
+                };
                 let opts = LoadOptions {
-                    runtime: runtime(),
+                    runtime: ModuleRuntime {
+                        mla_attention,
+                        ..runtime()
+                    },
                     roles: vec![self.role],
                     ..Default::default()
                 };
@@ -189,6 +199,12 @@ impl Case {
                 seqs: vec![],
                 all: true,
             }),
+            Kind::Decompressed(_) => Box::new(Compiled {
+                engine: RuntimeSession::open(&decompressed_artifact(self.model), self.role.name())
+                    .expect("artifact opens"),
+                seqs: vec![],
+                all: true,
+            }),
             Kind::Artifact(dtype, all_logits) => {
                 let out = artifact_dir(self.model, dtype, all_logits);
                 Box::new(Compiled {
@@ -199,6 +215,32 @@ impl Case {
             }
         }
     }
+}
+
+/// The f32 artifact compiled with `--mla-attention decompressed`, once per test run.
+fn decompressed_artifact(model: &str) -> PathBuf {
+    static ROOT: OnceLock<tempfile::TempDir> = OnceLock::new();
+    static LOCK: Mutex<()> = Mutex::new(());
+    let root = ROOT.get_or_init(|| tempfile::tempdir().unwrap());
+    let out = root.path().join(format!("{model}-decompressed.maxc"));
+    let _guard = LOCK.lock().unwrap();
+    if !out.exists() {
+        let opts = CompileOptions {
+            runtime: ModuleRuntime {
+                mla_attention: maxc_graph::MlaAttention::Decompressed,
+                ..runtime()
+            },
+            weights: DType::F32.into(),
+            all_logits: true,
+            cpu_matmul: CpuMatmul::Auto,
+            force: false,
+            cpu: true,
+            cuda_arch: None,
+            stop_after_rewrites: None,
+        };
+        compile(&fixtures().join(model), &out, &opts, &mut |_| {}).expect("compiles");
+    }
+    out
 }
 
 /// Compiles each (model, dtype, logits) once per test run.
@@ -310,7 +352,7 @@ fn tol(kind: Kind) -> f32 {
         Kind::Artifact(DType::F32, _) | Kind::Interpreter => TOL,
         // bf16 weights are exact copies of the bf16 checkpoint: the same tolerance holds.
         Kind::Artifact(..) => TOL,
-        Kind::Ep(_) | Kind::Gguf => TOL,
+        Kind::Ep(_) | Kind::Gguf | Kind::Decompressed(_) => TOL,
         // The GPU rounds activations to bf16 in tensor-core matmuls (issue 4's tolerance).
         Kind::Cuda(DType::BF16) => 3e-2,
         Kind::Cuda(_) => TOL,
@@ -831,6 +873,27 @@ fn cuda_hidden_states_equal_the_cpu_executors() {
 // DeepSeek-V3's multi-head latent attention over a one-plane latent cache, a dense first
 // layer, then a sigmoid group-limited router with a shared expert.
 every_backend!(tiny_deepseek_v3, "tiny-deepseek-v3", GraphRole::Decoder, "");
+
+/// tiny-deepseek-v3 with its latent attention computed decompressed (each step expanding the
+/// cached latents into keys and values) gives the fixture's logits too, on the interpreter and
+/// the CPU artifact.
+mod tiny_deepseek_v3_decompressed {
+    use super::*;
+    suite!(
+        interpreter,
+        "tiny-deepseek-v3",
+        GraphRole::Decoder,
+        "",
+        Kind::Decompressed(false)
+    );
+    suite!(
+        cpu_f32,
+        "tiny-deepseek-v3",
+        GraphRole::Decoder,
+        "",
+        Kind::Decompressed(true)
+    );
+}
 
 /// tiny-deepseek-v3's routed experts over 2 and 4 in-process ranks (its shared expert on every
 /// rank) gives the fixture's logits.

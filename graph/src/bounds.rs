@@ -198,6 +198,30 @@ pub struct ModuleRuntime {
     /// expert on one rank).
     #[serde(default = "one")]
     pub expert_parallel_degree: usize,
+    /// How multi-head latent attention (DeepSeek) is computed; other models ignore it.
+    #[serde(default, skip_serializing_if = "MlaAttention::is_absorbed")]
+    pub mla_attention: MlaAttention,
+}
+
+/// How a multi-head latent attention model's attention is computed. Both forms read and write
+/// the same latent cache and compute the same function.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MlaAttention {
+    /// The key up-projection folded into the query and the value up-projection applied after
+    /// attention: attention runs in the latent space, per cached token `C + R` values a head
+    /// (DeepSeek's decode form).
+    #[default]
+    Absorbed,
+    /// Each step decompresses its sequences' cached latents into per-head keys and values,
+    /// then plain attention: cheaper per query row, dearer per cached token.
+    Decompressed,
+}
+
+impl MlaAttention {
+    fn is_absorbed(&self) -> bool {
+        *self == MlaAttention::Absorbed
+    }
 }
 
 fn one() -> usize {
@@ -210,6 +234,7 @@ impl Default for ModuleRuntime {
             batch: BatchProcessorRuntime::default(),
             kv: KvCacheParams::default(),
             expert_parallel_degree: 1,
+            mla_attention: MlaAttention::Absorbed,
         }
     }
 }
@@ -306,7 +331,7 @@ mod tests {
                 page_size: 16,
                 num_pages: None,
             },
-            expert_parallel_degree: 1,
+            ..ModuleRuntime::default()
         }
     }
 

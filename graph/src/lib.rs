@@ -19,7 +19,7 @@ pub mod registry;
 pub mod tokenizer;
 pub mod weights;
 
-pub use bounds::{BatchProcessorRuntime, KvCacheParams, ModuleRuntime};
+pub use bounds::{BatchProcessorRuntime, KvCacheParams, MlaAttention, ModuleRuntime};
 pub use deployment::{DeploymentConfig, GraphRole};
 pub use error::{Error, Result};
 pub use ir::{Dim, Graph, Op};

@@ -258,12 +258,16 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                 val.insert(id, out);
                 continue;
             }
-            Op::PagedAttention { .. } | Op::LatentAttention { .. } => {
+            Op::PagedAttention { .. }
+            | Op::LatentAttention { .. }
+            | Op::DecompressedLatentAttention { .. } => {
                 let l =
                     k.kv.clone()
                         .ok_or_else(|| unsupported("attention before the KV cache input"))?;
                 let layer = match &node.op {
-                    Op::PagedAttention { layer, .. } | Op::LatentAttention { layer, .. } => *layer,
+                    Op::PagedAttention { layer, .. }
+                    | Op::LatentAttention { layer, .. }
+                    | Op::DecompressedLatentAttention { layer, .. } => *layer,
                     _ => unreachable!("matched above"),
                 };
                 // The layer's slot in its page group's pages (its lookup table is the operand).
@@ -286,6 +290,9 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                             .and_then(|g| g.window);
                         (&ops[1..2], &ops[2..], *value_dim as u64, *scale, window)
                     }
+                    Op::DecompressedLatentAttention { scale, .. } => {
+                        (&ops[2..3], &ops[5..], 0, *scale, None)
+                    }
                     _ => unreachable!("matched above"),
                 };
                 let (q, lut, lens, offs) = (ops[0], rest[1], rest[2], rest[3]);
@@ -298,9 +305,11 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                     kind: ValueKind::KvCacheLayer(slot.slot as u64),
                     ..whole
                 });
-                let heads = match k.values[q].shape[1] {
-                    Extent::Fixed(h) => h,
-                    Extent::Step(_) => return Err(unsupported("symbolic head count")),
+                // The query's heads, from its graph type (a reshaped temp keeps its first shape
+                // in the kernel graph).
+                let heads = match graph.node(graph.operands(id)[0]).ty.shape[1].fixed() {
+                    Some(h) => h as u64,
+                    None => return Err(unsupported("symbolic head count")),
                 };
                 let mut store_inputs = stored.to_vec();
                 store_inputs.extend([cache, lut, lens, offs]);
@@ -318,6 +327,41 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                     nodes: vec![node.name.clone()],
                 });
                 let out = new_value(&mut k, &node.ty, ValueKind::Temp)?;
+                if let Op::DecompressedLatentAttention { .. } = &node.op {
+                    // The operands' graph types (a reshaped temp keeps its first shape here).
+                    let operands = graph.operands(id);
+                    let fixed = |o: usize, i: usize| match graph
+                        .node(operands[o])
+                        .ty
+                        .shape
+                        .get(i)
+                        .and_then(Dim::fixed)
+                    {
+                        Some(n) => Ok(n as u64),
+                        None => Err(unsupported("a symbolic attention width")),
+                    };
+                    let (w_uk, w_uv) = (ops[3], ops[4]);
+                    let body = KernelBody::DecompressedAttention {
+                        layer: 0,
+                        num_layers: l.num_layers,
+                        heads,
+                        head_dim: l.head_dim,
+                        page_size: l.page_size,
+                        rope: fixed(1, 2)?,
+                        nope: fixed(0, 2)?,
+                        value: fixed(4, 1)?,
+                        scale,
+                        weight_dtype: k.values[w_uk].dtype,
+                    };
+                    k.nodes.push(KNode {
+                        body,
+                        inputs: vec![ops[0], ops[1], w_uk, w_uv, cache, lut, lens, offs],
+                        outputs: vec![out],
+                        nodes: vec![node.name.clone()],
+                    });
+                    val.insert(id, out);
+                    continue;
+                }
                 k.nodes.push(KNode {
                     body: KernelBody::Attention {
                         layer: 0,

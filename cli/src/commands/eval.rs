@@ -42,7 +42,7 @@ pub fn run(args: Args) -> Result<()> {
             page_size,
             num_pages: None,
         },
-        expert_parallel_degree: 1,
+        ..Default::default()
     };
     let opts = LoadOptions {
         runtime,

@@ -15,7 +15,9 @@
 //!    [H, V, C]`), then `o_proj`.
 //!
 //! Each step is exact algebra on the checkpoint's weights; the interpreter runs the same
-//! graph, and the transformers references check it.
+//! graph, and the transformers references check it. With `mla_attention: decompressed` in the
+//! deployment, steps 3-5 are one [`Op::DecompressedLatentAttention`] instead (the same cache,
+//! the same function, for measuring the two against each other).
 
 use super::decoder::{DecoderBuilder, KeyPath, MlaConfig, StepInputs};
 use crate::ir::{names, Dim, Op};
@@ -83,8 +85,32 @@ impl DecoderBuilder<'_> {
             .b
             .op(&p.key("latent_kv"), Op::Concat, &[latent, k_rope])?;
 
-        // The key up-projection absorbed into the query.
         let w_uk = self.weight(p.pp("kv_b_proj_k").key("weight"), &[h, lat, n])?;
+        let lookup = s.lookups[s.kv.slot(layer).map_or(0, |k| k.group)];
+        if self.opts.runtime.mla_attention == crate::MlaAttention::Decompressed {
+            let w_uv = self.weight(p.pp("kv_b_proj_v").key("weight"), &[h, v, lat])?;
+            let o = self.b.op(
+                &p.key("attention"),
+                Op::DecompressedLatentAttention {
+                    layer,
+                    scale: m.softmax_scale,
+                },
+                &[
+                    q_nope,
+                    q_rope,
+                    kv,
+                    w_uk,
+                    w_uv,
+                    s.kv_cache,
+                    lookup,
+                    s.cache_lengths,
+                    s.row_offsets,
+                ],
+            )?;
+            let o = self.reshape(p.key("merge_heads"), o, vec![t(), (h * v).into()])?;
+            return self.linear(&p.pp("o_proj"), o, hid, h * v, c.biases.o);
+        }
+        // The key up-projection absorbed into the query.
         let q_lat = self
             .b
             .op(&p.key("q_absorb"), Op::HeadLinear, &[q_nope, w_uk])?;

@@ -274,6 +274,74 @@ pub fn latent_attention(
     out
 }
 
+/// Multi-head latent attention decompressed (see `Op::DecompressedLatentAttention`): stores
+/// each row's latent `kv [T, 1, C + R]`, then per head keys `[W_UK_h c_j | k_rope_j]` and
+/// values `W_UV_h c_j`, plain softmax attention. `w_uk [H, C, N]`, `w_uv [H, V, C]`.
+#[allow(clippy::too_many_arguments)]
+pub fn decompressed_latent_attention(
+    (q_nope, q_rope): (&[f32], &[f32]),
+    kv: &[f32],
+    (w_uk, w_uv): (&[f32], &[f32]),
+    (cache, lookup): (&mut [f32], &[i64]),
+    (heads, nope, value): (usize, usize, usize),
+    l: &KvLayout,
+    layer: usize,
+    scale: f32,
+    batch: &PagedBatch<'_>,
+) -> Vec<f32> {
+    let d = l.head_dim;
+    let lat = w_uv.len() / heads / value;
+    let rope = d - lat;
+    let view = LayerView {
+        l,
+        lookup,
+        pages_per_seq: batch.pages_per_seq,
+        slot: l.slot(layer).map_or(layer, |s| s.slot),
+    };
+    for (r, b, pos) in batch.rows() {
+        let at = view.at(0, b, pos, 0);
+        cache[at..at + d].copy_from_slice(&kv[r * d..(r + 1) * d]);
+    }
+    let rows = q_nope.len() / heads / nope;
+    let mut out = vec![0.0; rows * heads * value];
+    for (r, b, pos) in batch.rows() {
+        for h in 0..heads {
+            let qn = &q_nope[(r * heads + h) * nope..][..nope];
+            let qr = &q_rope[(r * heads + h) * rope..][..rope];
+            let uk = &w_uk[h * lat * nope..(h + 1) * lat * nope];
+            let uv = &w_uv[h * value * lat..(h + 1) * value * lat];
+            let latent = |j: usize| {
+                let at = view.at(0, b, j, 0);
+                cache[at..at + d].to_vec()
+            };
+            let scores: Vec<f32> = (0..=pos)
+                .map(|j| {
+                    let c = latent(j);
+                    // k_nope[n] = Σ_c W_UK[n, c] · latent[c], W_UK[n, c] = w_uk[h][c][n].
+                    let k_nope: f32 = (0..nope)
+                        .map(|n| qn[n] * (0..lat).map(|i| uk[i * nope + n] * c[i]).sum::<f32>())
+                        .sum();
+                    let k_rope: f32 = qr.iter().zip(&c[lat..]).map(|(a, b)| a * b).sum();
+                    (k_nope + k_rope) * scale
+                })
+                .collect();
+            let probs = softmax(&scores, scores.len());
+            let o = &mut out[(r * heads + h) * value..][..value];
+            for (j, p) in probs.iter().enumerate() {
+                let c = latent(j);
+                for (v, acc) in o.iter_mut().enumerate() {
+                    *acc += p * uv[v * lat..(v + 1) * lat]
+                        .iter()
+                        .zip(&c)
+                        .map(|(a, b)| a * b)
+                        .sum::<f32>();
+                }
+            }
+        }
+    }
+    out
+}
+
 /// Group-limited top-k routing of `logits [T, E]` (see `Op::MoeRouter`).
 pub fn moe_router(logits: &[f32], bias: &[f32], op: &crate::ir::Op) -> Vec<f32> {
     use crate::ir::{GroupScore, Op, RouterScoring};

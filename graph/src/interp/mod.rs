@@ -414,6 +414,21 @@ impl Interpreter {
                     *scale,
                     &batch,
                 )),
+                Op::DecompressedLatentAttention { layer, scale } => {
+                    let nope = last(0);
+                    let value = g.node(ops[4]).ty.shape[1].fixed().unwrap_or(1);
+                    Val::F(kernels::decompressed_latent_attention(
+                        (v(0).f(), v(1).f()),
+                        v(2).f(),
+                        (self.f(&vals, ops[3]), self.f(&vals, ops[4])),
+                        (&mut cache.data, v(6).i()),
+                        (shape[1], nope, value),
+                        &self.kv_layout,
+                        *layer,
+                        *scale,
+                        &batch,
+                    ))
+                }
                 Op::MoeRouter { .. } => Val::F(kernels::moe_router(
                     v(0).f(),
                     self.f(&vals, ops[1]),

@@ -298,6 +298,20 @@ pub enum Op {
         /// Elements of the value: the latent's first `value_dim` (the KV LoRA rank).
         value_dim: usize,
     },
+    /// `(q_nope [T, H, N], q_rope [T, H, R], kv [T, 1, C + R], w_uk [H, C, N],
+    /// w_uv [H, V, C], kv_cache, kv_lookup_table [B, P], cache_lengths [B],
+    /// input_row_offsets [B+1]) -> [T, H, V]`: multi-head latent attention computed
+    /// decompressed. Writes each row's `kv` (latent `c`, then rope key) into layer `layer` of a
+    /// one-plane cache as [`Op::LatentAttention`] does, then for head `h` of a row at position
+    /// `p`: keys `[W_UK_h c_j | k_rope_j]` (`W_UK_h c = w_uk[h]ᵀ c`) and values
+    /// `W_UV_h c_j` (`w_uv[h] c`) for `j <= p`, scores `q · k · scale`. The same function as
+    /// the absorbed form; it costs more per cached token and less per query row.
+    DecompressedLatentAttention {
+        /// The decoder layer, the cache slot written and read.
+        layer: usize,
+        /// Scale of `q · k`.
+        scale: f32,
+    },
     /// `(logits [T, E], bias [E]) -> routing [T, E]`: group-limited top-k routing (DeepSeek's
     /// router). Scores `s` are the sigmoid (or softmax) of the logits; choice scores are
     /// `c = s + bias`. The experts are split into `n_group` groups of consecutive experts, each
@@ -352,6 +366,7 @@ impl Op {
             Op::Concat => "concat",
             Op::HeadLinear => "head_linear",
             Op::LatentAttention { .. } => "latent_attention",
+            Op::DecompressedLatentAttention { .. } => "decompressed_latent_attention",
             Op::MoeRouter { .. } => "moe_router",
         }
     }
@@ -707,6 +722,98 @@ impl Op {
                         q.shape[0].clone(),
                         q.shape[1].clone(),
                         Dim::Fixed(*value_dim),
+                    ],
+                ))
+            }
+            Op::DecompressedLatentAttention { .. } => {
+                arity(xs, 9)?;
+                let (qn, qr, kv, w_uk, w_uv, cache) = (xs[0], xs[1], xs[2], xs[3], xs[4], xs[5]);
+                for (x, what) in [(qn, "q_nope"), (qr, "q_rope"), (kv, "kv")] {
+                    float(x, what)?;
+                    rank(x, 3, what)?;
+                    same_dim(
+                        &x.shape[0],
+                        &qn.shape[0],
+                        &format!("{what}'s rows"),
+                        "q_nope's rows",
+                    )?;
+                }
+                same_dim(
+                    &qr.shape[1],
+                    &qn.shape[1],
+                    "q_rope's heads",
+                    "q_nope's heads",
+                )?;
+                same_dim(
+                    &kv.shape[1],
+                    &Dim::Fixed(1),
+                    "kv's heads",
+                    "one latent head",
+                )?;
+                for (w, what) in [(w_uk, "w_uk"), (w_uv, "w_uv")] {
+                    float(w, what)?;
+                    rank(w, 3, what)?;
+                    same_dim(
+                        &w.shape[0],
+                        &qn.shape[1],
+                        &format!("{what}'s heads"),
+                        "q_nope's heads",
+                    )?;
+                }
+                same_dim(
+                    &w_uk.shape[2],
+                    &qn.shape[2],
+                    "w_uk's dim 2",
+                    "q_nope's head dim",
+                )?;
+                let (c, r) = (w_uk.shape[1].fixed(), qr.shape[2].fixed());
+                let (Some(c), Some(r)) = (c, r) else {
+                    return Err("the latent and rope widths must be fixed".into());
+                };
+                same_dim(
+                    &kv.shape[2],
+                    &Dim::Fixed(c + r),
+                    "kv's width",
+                    "the latent plus the rope key",
+                )?;
+                same_dim(
+                    &w_uv.shape[2],
+                    &Dim::Fixed(c),
+                    "w_uv's dim 2",
+                    "the latent's width",
+                )?;
+                rank(cache, 6, "kv_cache")?;
+                same_dim(
+                    &cache.shape[2],
+                    &Dim::Fixed(1),
+                    "kv_cache's planes",
+                    "one latent plane",
+                )?;
+                same_dim(
+                    &cache.shape[4],
+                    &Dim::Fixed(1),
+                    "kv_cache's kv heads",
+                    "one latent head",
+                )?;
+                same_dim(
+                    &cache.shape[5],
+                    &kv.shape[2],
+                    "kv_cache's head dim",
+                    "kv's width",
+                )?;
+                for (x, what) in [
+                    (xs[6], "kv_lookup_table"),
+                    (xs[7], "cache_lengths"),
+                    (xs[8], "input_row_offsets"),
+                ] {
+                    integer(x, what)?;
+                }
+                Ok(TensorType::new(
+                    DType::F32,
+                    [
+                        qn.shape[0].clone(),
+                        qn.shape[1].clone(),
+                        w_uv.shape[1].clone(),
                     ],
                 ))
             }

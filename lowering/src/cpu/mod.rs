@@ -170,7 +170,8 @@ fn emit_body(kb: &mut KernelBuilder, body: &KernelBody) -> Result<(), CpuError> 
         }
         KernelBody::MoeExperts { .. }
         | KernelBody::HeadMatmul { .. }
-        | KernelBody::MoeRouter { .. } => Err(CpuError::Unsupported {
+        | KernelBody::MoeRouter { .. }
+        | KernelBody::DecompressedAttention { .. } => Err(CpuError::Unsupported {
             kind: body.kind(),
             what: "runs as a runtime library kernel, not generated code".to_string(),
         }),

@@ -107,6 +107,11 @@ pub fn emit_kernel(
             head_dim,
             rotary_dim,
         } => rope::emit(cx, *heads, *head_dim, *rotary_dim)?,
+        KernelBody::DecompressedAttention { .. } => {
+            return Err(cx.invalid(
+                "decompressed latent attention runs on the CPU only (it is the measuring form); compile with `--mla-attention absorbed` for CUDA".into(),
+            ))
+        }
         KernelBody::Concat { rows, groups, a, b } => mla::emit_concat(cx, *rows, *groups, *a, *b)?,
         KernelBody::HeadMatmul {
             rows,

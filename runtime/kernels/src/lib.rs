@@ -7,7 +7,8 @@
 //! - [`pool`]: the thread pool the kernels split their work over.
 //! - [`matmul`]: `x · wᵀ` on weights in their stored format (f32, f16, bf16, the GGUF blocks),
 //!   with its register tiles and block kernels per instruction set.
-//! - [`gemm`]: f32 matmuls on the `gemm` crate; [`moe`]: SwiGLU experts on them.
+//! - [`gemm`]: f32 matmuls on the `gemm` crate; [`moe`]: SwiGLU experts on them and
+//!   DeepSeek's router; [`mla`]: latent attention computed decompressed.
 //! - [`attention`]: causal attention over the paged KV cache; [`elementwise`]: fused
 //!   elementwise programs (x86-64).
 
@@ -20,6 +21,7 @@ pub mod isa;
 #[cfg(target_arch = "x86_64")]
 mod math;
 pub mod matmul;
+pub mod mla;
 pub mod moe;
 pub mod options;
 pub mod pool;

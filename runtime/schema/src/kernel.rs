@@ -337,6 +337,38 @@ pub enum KernelBody {
         /// Experts per rank.
         experts_per_rank: u64,
     },
+    /// Multi-head latent attention, decompressed (the step's latents already stored by a
+    /// one-plane [`KernelBody::KvStore`]): for each sequence, its cached latents `c_j`
+    /// (the first `head_dim - rope` values of a slot) and rope keys (the rest) are expanded per
+    /// head into keys `[w_uk[h]ᵀ c_j | k_rope_j]` and values `w_uv[h] c_j`; each query row at
+    /// position `p` attends over `j <= p` with scores `(q_nope·k_nope + q_rope·k_rope) · scale`.
+    /// Buffers: `q_nope f32 [T, heads, nope]`, `q_rope f32 [T, heads, rope]`,
+    /// `w_uk [heads, head_dim - rope, nope]`, `w_uv [heads, value, head_dim - rope]`
+    /// (`weight_dtype`), `kv_cache`, `kv_lookup_table [B, P]`, `cache_lengths [B]`,
+    /// `input_row_offsets [B+1]`, `out f32 [T, heads, value]`. Parallel range: heads (a
+    /// library kernel on the CPU).
+    DecompressedAttention {
+        /// The layer's slot in the cache.
+        layer: u64,
+        /// Layers in the cache.
+        num_layers: u64,
+        /// Query heads.
+        heads: u64,
+        /// Elements of a cached latent slot (latent and rope key).
+        head_dim: u64,
+        /// Tokens per page.
+        page_size: u64,
+        /// Rope elements per head (the slot's last ones).
+        rope: u64,
+        /// Non-rotating query/key elements per head.
+        nope: u64,
+        /// Value elements per head.
+        value: u64,
+        /// Score scale.
+        scale: f32,
+        /// Element type of the up-projections.
+        weight_dtype: DType,
+    },
     /// `out[r, g, :] = [a[r, g, :] | b[r, g, :]]`. Buffers: `a f32 [rows, groups, a]`,
     /// `b f32 [rows, groups, b]`, `out f32 [rows, groups, a + b]`. Parallel range: rows.
     Concat {
@@ -529,6 +561,20 @@ impl KernelBody {
                 page_size,
                 planes,
             }),
+            KernelBody::DecompressedAttention {
+                layer,
+                num_layers,
+                head_dim,
+                page_size,
+                ..
+            } => Some(KvView {
+                layer,
+                num_layers,
+                kv_heads: 1,
+                head_dim,
+                page_size,
+                planes: 1,
+            }),
             _ => None,
         }
     }
@@ -550,6 +596,7 @@ impl KernelBody {
             KernelBody::Zeros { .. } => "zeros",
             KernelBody::RankExperts { .. } => "rank_experts",
             KernelBody::Concat { .. } => "concat",
+            KernelBody::DecompressedAttention { .. } => "decompressed_attention",
             KernelBody::HeadMatmul { .. } => "head_matmul",
             KernelBody::MoeRouter { .. } => "moe_router",
         }
@@ -570,7 +617,8 @@ impl KernelBody {
             | KernelBody::TopK { rows: r, .. }
             | KernelBody::Concat { rows: r, .. }
             | KernelBody::MoeRouter { rows: r, .. } => rows(r),
-            KernelBody::HeadMatmul { heads, .. } => *heads,
+            KernelBody::HeadMatmul { heads, .. }
+            | KernelBody::DecompressedAttention { heads, .. } => *heads,
             KernelBody::Positions => dims[StepDim::BatchSize as usize],
             KernelBody::Rope { .. } | KernelBody::KvStore { .. } => t,
             KernelBody::Attention { kv_heads, .. } => t.saturating_mul(*kv_heads),
@@ -592,6 +640,13 @@ impl KernelBody {
             | KernelBody::Softmax { cols, .. }
             | KernelBody::TopK { cols, .. } => *cols,
             KernelBody::Concat { groups, a, b, .. } => groups * (a + b),
+            KernelBody::DecompressedAttention {
+                head_dim,
+                nope,
+                value,
+                page_size,
+                ..
+            } => t * head_dim * (nope + value) * page_size,
             KernelBody::MoeRouter { experts, .. } => experts * 4,
             KernelBody::HeadMatmul { rows, n, k, .. } => {
                 n * k
@@ -666,6 +721,7 @@ impl KernelBody {
                 | KernelBody::MoeExperts { .. }
                 | KernelBody::HeadMatmul { .. }
                 | KernelBody::MoeRouter { .. }
+                | KernelBody::DecompressedAttention { .. }
         ) && !self.reads_blocks()
     }
 }

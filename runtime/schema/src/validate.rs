@@ -813,6 +813,29 @@ fn operand_uses(body: &KernelBody, cx: &Ctx, what: &str) -> Result<Vec<Use>, Val
                 f32s(out, true),
             ]
         }
+        KernelBody::DecompressedAttention {
+            layer,
+            heads,
+            head_dim,
+            rope,
+            nope,
+            value,
+            weight_dtype,
+            ..
+        } => {
+            let lat = head_dim.saturating_sub(*rope);
+            vec![
+                f32s(mul(&[t()?, *heads, *nope], what)?, false),
+                f32s(mul(&[t()?, *heads, *rope], what)?, false),
+                vals(*weight_dtype, mul(&[*heads, lat, *nope], what)?),
+                vals(*weight_dtype, mul(&[*heads, *value, lat], what)?),
+                Use::KvCache { layer: *layer },
+                Use::Input("kv_lookup_table"),
+                Use::Input("cache_lengths"),
+                Use::Input("input_row_offsets"),
+                f32s(mul(&[t()?, *heads, *value], what)?, true),
+            ]
+        }
         KernelBody::Concat { rows, groups, a, b } => {
             let r = cx.rows(rows, what)?;
             let wide = a
@@ -1077,6 +1100,26 @@ fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(),
                 return err(format!("{experts_per_rank} experts per rank"));
             }
             Ok(())
+        }
+        KernelBody::DecompressedAttention {
+            heads,
+            head_dim,
+            rope,
+            nope,
+            value,
+            scale,
+            weight_dtype,
+            ..
+        } => {
+            if *heads == 0 || *nope == 0 || *value == 0 || *rope == 0 || rope >= head_dim {
+                return err(format!(
+                    "heads {heads}, nope {nope}, value {value}, rope {rope} of head_dim {head_dim}: expected non-zero, rope below head_dim"
+                ));
+            }
+            if !scale.is_finite() {
+                return err(format!("scale is {scale}"));
+            }
+            float(*weight_dtype, "weight_dtype")
         }
         KernelBody::Concat { groups, a, b, .. } => {
             if *groups == 0 || *a == 0 || *b == 0 {

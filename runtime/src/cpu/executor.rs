@@ -12,7 +12,7 @@ use crate::schema::{
 };
 use half::{bf16, f16};
 use maxc_kernels::options::KernelOptions;
-use maxc_kernels::{attention, elementwise as ew, gemm, isa, matmul, moe, pool};
+use maxc_kernels::{attention, elementwise as ew, gemm, isa, matmul, mla, moe, pool};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -904,6 +904,54 @@ impl CpuExecutor {
                     scale: *scale,
                 };
                 moe::route_grouped(logits, bias, out, &routing);
+            }
+            &KernelBody::DecompressedAttention {
+                heads,
+                head_dim,
+                rope,
+                nope,
+                value,
+                scale,
+                ..
+            } => {
+                let batch = dims[StepDim::BatchSize as usize] as usize;
+                let pages_per_seq = dims[StepDim::MaxNumPages as usize] as usize;
+                // SAFETY: the step inputs at these dims.
+                let ints = |i: usize, n: usize| unsafe {
+                    std::slice::from_raw_parts(args[i].cast::<i32>().cast_const(), n)
+                };
+                let seqs = mla::Seqs {
+                    lookup: ints(5, batch * pages_per_seq),
+                    cache_lengths: ints(6, batch),
+                    offsets: ints(7, batch + 1),
+                    pages_per_seq,
+                };
+                let (h, lat) = (heads as usize, (head_dim - rope) as usize);
+                let w_uk = self.param_f32(buffers[2], args[2], h * lat * nope as usize);
+                let w_uv = self.param_f32(buffers[3], args[3], h * value as usize * lat);
+                let shape = mla::Shape {
+                    cache: body
+                        .kv_view()
+                        .expect("a latent attention kernel has a KV view"),
+                    heads: h,
+                    rope: rope as usize,
+                    nope: nope as usize,
+                    value: value as usize,
+                    scale,
+                };
+                // SAFETY: the step inputs were checked (`checked_dims`): offsets, cache lengths
+                // and the pages they use lie inside the buffers and the cache.
+                unsafe {
+                    mla::decompressed(
+                        args[0].cast::<f32>().cast_const(),
+                        args[1].cast::<f32>().cast_const(),
+                        (w_uk, w_uv),
+                        args[4].cast::<f32>().cast_const(),
+                        args[8].cast::<f32>(),
+                        &seqs,
+                        shape,
+                    )
+                };
             }
             other => unreachable!("{} is generated on the CPU", other.kind()),
         }
