@@ -291,30 +291,7 @@ fn gguf_artifact(model: &str) -> PathBuf {
     );
     let _guard = LOCK.lock().unwrap();
     if !out.exists() {
-        let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-        let deps = std::process::Command::new("bash")
-            .arg("scripts/install-py-test-deps.sh")
-            .current_dir(&repo)
-            .output()
-            .expect("bash runs");
-        assert!(
-            deps.status.success(),
-            "scripts/install-py-test-deps.sh failed (it needs python3 with pip and PyPI): {}",
-            String::from_utf8_lossy(&deps.stderr)
-        );
-        let py = String::from_utf8(deps.stdout).unwrap().trim().to_string();
-        let made = std::process::Command::new("python3")
-            .arg(repo.join("graph/tests/gguf_py/hf_to_gguf.py"))
-            .arg(fixtures().join(model))
-            .arg(&gguf)
-            .env("PYTHONPATH", py)
-            .output()
-            .expect("python3 runs");
-        assert!(
-            made.status.success(),
-            "hf_to_gguf.py: {}",
-            String::from_utf8_lossy(&made.stderr)
-        );
+        write_gguf(model, &gguf, &[]);
         let opts = CompileOptions {
             runtime: runtime(),
             weights: Default::default(),
@@ -328,6 +305,36 @@ fn gguf_artifact(model: &str) -> PathBuf {
         compile(&gguf, &out, &opts, &mut |_| {}).expect("the GGUF compiles");
     }
     out
+}
+
+/// Writes fixture `model` as GGUF to `gguf` with `graph/tests/gguf_py/hf_to_gguf.py` (and its
+/// `extra` arguments).
+fn write_gguf(model: &str, gguf: &std::path::Path, extra: &[&str]) {
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let deps = std::process::Command::new("bash")
+        .arg("scripts/install-py-test-deps.sh")
+        .current_dir(&repo)
+        .output()
+        .expect("bash runs");
+    assert!(
+        deps.status.success(),
+        "scripts/install-py-test-deps.sh failed (it needs python3 with pip and PyPI): {}",
+        String::from_utf8_lossy(&deps.stderr)
+    );
+    let py = String::from_utf8(deps.stdout).unwrap().trim().to_string();
+    let made = std::process::Command::new("python3")
+        .arg(repo.join("graph/tests/gguf_py/hf_to_gguf.py"))
+        .arg(fixtures().join(model))
+        .arg(gguf)
+        .args(extra)
+        .env("PYTHONPATH", py)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        made.status.success(),
+        "hf_to_gguf.py: {}",
+        String::from_utf8_lossy(&made.stderr)
+    );
 }
 
 fn max_diff(
@@ -581,8 +588,8 @@ every_backend!(tiny_mistral_swa, "tiny-mistral-swa", GraphRole::Decoder, "");
 every_backend!(tiny_phi3, "tiny-phi3", GraphRole::Decoder, "");
 every_backend!(tiny_gemma3, "tiny-gemma3", GraphRole::Decoder, "");
 
-/// The Qwen, Phi-3 and Gemma 3 families as GGUF files (`general.architecture` `qwen2`,
-/// `qwen3`, `qwen3moe`, `phi3`, `gemma3`: q and k as the converter leaves them, q/k norms
+/// The Qwen, Phi-3, Gemma 3 and DeepSeek families as GGUF files (`general.architecture`
+/// `qwen2`, `qwen3`, `qwen3moe`, `phi3`, `gemma3`, `deepseek2`: q and k as the converter leaves them, q/k norms
 /// renamed back, Qwen3-MoE's experts stacked per projection and split back, Phi-3's fused
 /// projections kept fused with its rotary width and longrope factors from the file, Gemma's
 /// norms with their `+ 1` stored) give the fixture's logits, as their Hugging Face checkpoints
@@ -602,6 +609,15 @@ mod gguf_families {
     suite!(
         tiny_gemma3,
         "tiny-gemma3",
+        GraphRole::Decoder,
+        "",
+        Kind::Gguf
+    );
+    // deepseek2: MLA as one latent head, kv_b split into attn_k_b / attn_v_b, the router's
+    // bias, shared experts and group counts from the file.
+    suite!(
+        tiny_deepseek_v3,
+        "tiny-deepseek-v3",
         GraphRole::Decoder,
         "",
         Kind::Gguf
@@ -981,5 +997,38 @@ fn deepseek_router_biases_move_the_routing_alike_on_every_backend() {
             let d = max_diff(&got, 0..n, &want, 0, 1024);
             assert!(d < TOL, "prompt {i}, degree {degree}: max |diff| {d}");
         }
+    }
+}
+
+/// A `deepseek2` GGUF as older llama.cpp converters wrote it (`attn_kv_b` whole, the per-head
+/// sizes in key_length / value_length, every head a KV head) gives the fixture's logits too:
+/// its kv_b goes through the same split as a checkpoint's.
+#[test]
+fn an_older_deepseek2_gguf_with_a_whole_kv_b_gives_the_fixture_logits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (gguf, out) = (
+        tmp.path().join("legacy.gguf"),
+        tmp.path().join("legacy.maxc"),
+    );
+    write_gguf("tiny-deepseek-v3", &gguf, &["--kv-b"]);
+    let opts = CompileOptions {
+        runtime: runtime(),
+        weights: Default::default(),
+        all_logits: true,
+        cpu_matmul: CpuMatmul::Auto,
+        force: false,
+        cpu: true,
+        cuda_arch: None,
+        stop_after_rewrites: None,
+    };
+    compile(&gguf, &out, &opts, &mut |_| {}).expect("the GGUF compiles");
+    let case = Case::new("tiny-deepseek-v3", GraphRole::Decoder, "");
+    let mut engine = RuntimeSession::open(&out, "decoder").expect("opens");
+    for i in case.prompts() {
+        let tokens = case.i64s(&format!("p{i}.tokens"));
+        let got = engine.step_all(&[(i as u64, &tokens)]).unwrap().data;
+        let want = case.f32s(&format!("p{i}.logits"));
+        let d = max_diff(&got, 0..tokens.len(), &want, 0, 1024);
+        assert!(d < TOL, "prompt {i}: max |diff| {d}");
     }
 }

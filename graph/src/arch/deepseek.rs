@@ -358,6 +358,11 @@ impl DeploymentHooks for DeepseekHooks {
             m.qk_nope_head_dim,
             m.v_head_dim,
         );
+        let weights = if super::gguf::is_gguf_layout(&weights) {
+            super::gguf::gguf_to_hf(weights, h, h, super::gguf::GgufLayout::default())?
+        } else {
+            weights
+        };
         let mut out = StateDict::new();
         for (key, w) in weights {
             // Multi-token-prediction layers past the decoder's last.
@@ -439,6 +444,17 @@ impl DeploymentHooks for DeepseekHooks {
                 let vw = gather_rows(&w, &v_rows, &key)?;
                 let vw = WeightTensor::from_bytes(vw.dtype, vec![h, v, lat], vw.bytes().to_vec())?;
                 out.insert(format!("{p}self_attn.kv_b_proj_v.weight"), vw);
+            } else if key.ends_with("self_attn.kv_b_proj_k.weight")
+                || key.ends_with("self_attn.kv_b_proj_v.weight")
+            {
+                // Already split (a GGUF file's attn_k_b / attn_v_b); the per-head matmuls read
+                // floats, so a block type is widened.
+                let w = if w.dtype.is_quantized() {
+                    WeightTensor::from_f32(w.shape.clone(), &w.to_f32(&key)?)
+                } else {
+                    w
+                };
+                out.insert(key, w);
             } else {
                 out.insert(key, w);
             }

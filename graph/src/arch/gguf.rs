@@ -1,5 +1,5 @@
 //! GGUF checkpoints for the Llama family (`general.architecture` `llama`, `qwen2`, `qwen3`,
-//! `qwen3moe`, `phi3`, `gemma3`): the config.json equivalent of the GGUF metadata, and the weight
+//! `qwen3moe`, `phi3`, `gemma3`; `deepseek2` with [`super::deepseek_gguf`]): the config.json equivalent of the GGUF metadata, and the weight
 //! transforms that map GGUF tensors back to the Hugging Face layout: names, the Q/K row
 //! permutation llama.cpp's converter applies for its rotary layout (to `llama` only), Qwen3-MoE's
 //! experts stacked one 3-D tensor per projection (split back per expert), and Phi-3's fused
@@ -12,13 +12,15 @@ use crate::{Error, Result};
 use serde_json::{json, Map, Value};
 
 /// The GGUF architectures maxc reads, with the Hugging Face architecture each maps to.
-pub const ARCHITECTURES: [(&str, &str); 6] = [
+pub const ARCHITECTURES: [(&str, &str); 7] = [
     ("llama", "LlamaForCausalLM"),
     ("qwen2", "Qwen2ForCausalLM"),
     ("qwen3", "Qwen3ForCausalLM"),
     ("qwen3moe", "Qwen3MoeForCausalLM"),
     ("phi3", "Phi3ForCausalLM"),
     ("gemma3", "Gemma3ForCausalLM"),
+    // V3, or V2 where the gating function is softmax (see `deepseek_gguf`).
+    ("deepseek2", "DeepseekV3ForCausalLM"),
 ];
 
 /// Phi-3's longrope factors as llama.cpp's converter stores them: f32 tensors of one factor per
@@ -116,6 +118,7 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<Value> {
         .get(&format!("{arch}.rope.scaling.type"))
         .and_then(GgufValue::as_str)
     {
+        _ if arch == "deepseek2" => {}
         None | Some("none") => {}
         Some("linear") => {
             let factor = float("rope.scaling.factor").unwrap_or(1.0);
@@ -160,6 +163,9 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<Value> {
     }
     if arch == "phi3" {
         phi3_config(gguf, &mut cfg, head_dim.unwrap_or(hidden / heads.max(1)))?;
+    }
+    if arch == "deepseek2" {
+        super::deepseek_gguf::deepseek2_config(gguf, &mut cfg)?;
     }
     if arch == "qwen3moe" {
         let layers = need("block_count")?;
@@ -321,6 +327,12 @@ pub fn hf_name(gguf: &str, layout: &GgufLayout) -> Option<String> {
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
     let (module, leaf) = rest.rsplit_once('.')?;
+    if (module, leaf) == ("exp_probs_b", "bias") {
+        // DeepSeek's router bias.
+        return Some(format!(
+            "model.layers.{layer}.mlp.gate.e_score_correction_bias"
+        ));
+    }
     let gemma = layout.gemma_norms;
     let hf = match module {
         "attn_norm" => "input_layernorm",
@@ -341,6 +353,18 @@ pub fn hf_name(gguf: &str, layout: &GgufLayout) -> Option<String> {
         "ffn_down" => "mlp.down_proj",
         // The MoE router, named as Qwen names it (`MoeNaming::Qwen`).
         "ffn_gate_inp" => "mlp.gate",
+        // DeepSeek's shared experts and multi-head latent attention (`deepseek2`).
+        "ffn_gate_shexp" => "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp" => "mlp.shared_experts.up_proj",
+        "ffn_down_shexp" => "mlp.shared_experts.down_proj",
+        "attn_q_a" => "self_attn.q_a_proj",
+        "attn_q_a_norm" => "self_attn.q_a_layernorm",
+        "attn_q_b" => "self_attn.q_b_proj",
+        "attn_kv_a_mqa" => "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm" => "self_attn.kv_a_layernorm",
+        "attn_kv_b" => "self_attn.kv_b_proj",
+        "attn_k_b" => "self_attn.kv_b_proj_k",
+        "attn_v_b" => "self_attn.kv_b_proj_v",
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{hf}.{leaf}"))

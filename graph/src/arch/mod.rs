@@ -4,6 +4,7 @@
 pub mod config;
 pub mod decoder;
 pub mod deepseek;
+pub mod deepseek_gguf;
 pub mod ep_init;
 pub mod gemma3;
 pub mod gguf;

@@ -22,7 +22,18 @@ Per family, as the converter does:
 GGUF form). transformers 5 configs keep the rotary fields in `rope_parameters`, where older
 configs (the converter's) had `rope_theta` and `rope_scaling`: both are read.
 
-Usage: hf_to_gguf.py FIXTURE_DIR OUT.gguf
+- DeepSeek-V3 (DeepseekV2Model, `deepseek2`): MLA as MQA of one latent head
+  (`head_count_kv` 1, `key_length` kv_lora_rank + rope, `value_length` kv_lora_rank, the
+  per-head sizes in `key_length_mla` / `value_length_mla`), `kv_b_proj` split into `attn_k_b`
+  (each head's key rows, transposed: [heads, kv_lora_rank, nope]) and `attn_v_b`, the experts
+  stacked, the shared experts `ffn_*_shexp`, the router's bias `exp_probs_b.bias` (f32), sigmoid
+  gating, the group counts, the routed scaling factor and `expert_weights_norm`; rope rows as
+  the checkpoint has them (llama.cpp rotates adjacent pairs for deepseek2).
+
+  With `--kv-b`, as older converters wrote it: `attn_kv_b` whole, the per-head sizes in
+  `key_length` / `value_length`, `head_count_kv` the head count, no `*_mla` keys.
+
+Usage: hf_to_gguf.py FIXTURE_DIR OUT.gguf [--kv-b]
 """
 import json
 import math
@@ -33,6 +44,7 @@ import gguf
 import numpy as np
 
 src, dst = sys.argv[1], sys.argv[2]
+legacy_kv_b = "--kv-b" in sys.argv[3:]
 cfg = json.load(open(f"{src}/config.json"))
 arch_name = {
     "Qwen2ForCausalLM": "qwen2",
@@ -40,6 +52,7 @@ arch_name = {
     "Qwen3MoeForCausalLM": "qwen3moe",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
+    "DeepseekV3ForCausalLM": "deepseek2",
 }[cfg["architectures"][0]]
 arch = {
     "qwen2": gguf.MODEL_ARCH.QWEN2,
@@ -47,6 +60,7 @@ arch = {
     "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
     "phi3": gguf.MODEL_ARCH.PHI3,
     "gemma3": gguf.MODEL_ARCH.GEMMA3,
+    "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2,
 }[arch_name]
 
 with open(f"{src}/model.safetensors", "rb") as f:
@@ -87,6 +101,42 @@ if arch_name == "phi3":
                      np.array(long, dtype=np.float32))
         w.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT] + ".weight",
                      np.array(short, dtype=np.float32))
+elif arch_name == "deepseek2":
+    # DeepseekV2Model.set_gguf_parameters (TextModel's with num_key_value_heads = 1, then its
+    # own; head_dim's key_length left out, which the MLA sizes replace).
+    kv_lora, rope_dim = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    w.add_block_count(n_layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_attention_heads"] if legacy_kv_b else 1)
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    n_experts = cfg["n_routed_experts"]
+    w.add_expert_count(n_experts)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_group_count(cfg["n_group"])
+    w.add_expert_group_used_count(cfg["topk_group"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    if cfg.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(kv_lora)
+    if legacy_kv_b:
+        w.add_key_length(cfg["qk_nope_head_dim"] + rope_dim)
+        w.add_value_length(cfg["v_head_dim"])
+    else:
+        w.add_key_length(kv_lora + rope_dim)
+        w.add_value_length(kv_lora)
+        w.add_key_length_mla(cfg["qk_nope_head_dim"] + rope_dim)
+        w.add_value_length_mla(cfg["v_head_dim"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_count(cfg.get("n_shared_experts", 0))
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    if cfg.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(rope_dim)
 else:
     # TextModel.set_gguf_parameters, then the family's.
     w.add_block_count(n_layers)
@@ -133,7 +183,24 @@ experts = {}
 for key in sorted(header):
     if key == "__metadata__":
         continue
-    if arch_name == "qwen3moe" and ".mlp.experts." in key:
+    if arch_name == "deepseek2" and key.endswith("kv_b_proj.weight") and not legacy_kv_b:
+        # DeepseekV2Model.modify_tensors: per head [nope rows | v rows], keys transposed.
+        heads, nope, v_dim = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+        kv_b = tensor(key).reshape(heads, nope + v_dim, -1)
+        k_b = np.ascontiguousarray(kv_b[:, :nope, :].transpose(0, 2, 1))
+        v_b = np.ascontiguousarray(kv_b[:, nope:, :])
+        for part, raw in (("k_b_proj", k_b), ("v_b_proj", v_b)):
+            name = names.get_name(key.replace("kv_b_proj", part), try_suffixes=(".weight",))
+            assert name is not None, key
+            add_bf16(name, raw)
+        continue
+    if arch_name == "deepseek2" and key.endswith("e_score_correction_bias"):
+        name = names.get_name(key.replace("e_score_correction_bias", "e_score_correction.bias"),
+                              try_suffixes=(".bias",))
+        assert name is not None, key
+        w.add_tensor(name, (tensor(key).astype(np.uint32) << 16).view(np.float32))
+        continue
+    if arch_name in ("qwen3moe", "deepseek2") and ".mlp.experts." in key:
         # model.layers.L.mlp.experts.E.PROJ.weight, gathered and stacked below.
         parts = key.split(".")
         layer, expert, proj = int(parts[2]), int(parts[5]), parts[6]
