@@ -770,6 +770,7 @@ impl CpuExecutor {
                 heads,
                 scale,
                 window,
+                value_dim,
                 ..
             } if attention_library() && self.matmul_policy.is_some() => {
                 let batch = dims[StepDim::BatchSize as usize] as usize;
@@ -788,6 +789,7 @@ impl CpuExecutor {
                     heads: heads as usize,
                     scale,
                     window: window.map(|w| w as usize),
+                    value_dim: value_dim as usize,
                 };
                 // SAFETY: attention runs on this CPU; the step inputs were checked
                 // (`checked_dims`): offsets, cache lengths and the pages they use lie inside
@@ -997,10 +999,7 @@ impl KernelChoice {
         match (body, policy) {
             // Under the auto policy, the library's blocked attention where it runs, and its
             // sixteen-lane elementwise kernel.
-            // The library's attention reads two planes; a latent (one plane) runs generated.
-            (KernelBody::Attention { planes: 2, .. }, Some(_)) if attention_library() => {
-                KernelChoice::Library
-            }
+            (KernelBody::Attention { .. }, Some(_)) if attention_library() => KernelChoice::Library,
             (KernelBody::Elementwise { .. }, Some(_)) if library_elementwise(body) => {
                 KernelChoice::Library
             }

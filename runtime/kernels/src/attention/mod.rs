@@ -33,6 +33,9 @@ pub struct Shape {
     pub scale: f32,
     /// Sliding window: a row at position `p` sees positions `p + 1 - window ..= p` only.
     pub window: Option<usize>,
+    /// Elements of a value: the head dim with two planes; with one (a latent, multi-head
+    /// latent attention), the first `value_dim` elements of the key are its value.
+    pub value_dim: usize,
 }
 
 impl Shape {
@@ -205,7 +208,9 @@ unsafe fn attend_avx2(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scratch: &mu
 #[inline(always)]
 unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scratch: &mut Scratch) {
     let hd = shape.head_dim();
+    let vd = shape.value_dim;
     let hstride = shape.heads * hd;
+    let ostride = shape.heads * vd;
     let slot = shape.cache.slot_elems() as usize;
     let kvh = it.head / (shape.heads / shape.kv_heads());
     let first_pos = seqs.cache_lengths[it.seq] as usize + it.row - seqs.offsets[it.seq] as usize;
@@ -285,13 +290,13 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
             }
         }
         // Values: out = (scores · V) / sum, from page `first_page` on (the scores and the
-        // pages shifted by it).
+        // pages shifted by it). With one plane the value block is the key block.
         let values = |pg: usize| page_ptr(pg + first_page, 1);
         K::values(
             &scores[from..],
             ld,
             nq,
-            hd,
+            vd,
             keys - from,
             shape.page_size(),
             slot,
@@ -302,9 +307,9 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
             for g in 0..it.group {
                 let qi = r * it.group + g;
                 let inv = 1.0 / sums[qi];
-                let dst = p.out.add((it.row + r) * hstride + (it.head + g) * hd);
-                for d in 0..hd {
-                    *dst.add(d) = acc[qi * hd + d] * inv;
+                let dst = p.out.add((it.row + r) * ostride + (it.head + g) * vd);
+                for d in 0..vd {
+                    *dst.add(d) = acc[qi * vd + d] * inv;
                 }
             }
         }
@@ -317,11 +322,12 @@ mod tests {
 
     /// Plain attention over the same paged cache, in f64.
     fn reference(q: &[f32], cache: &[f32], seqs: &Seqs, shape: Shape, rows: usize) -> Vec<f32> {
-        let (hd, h) = (shape.head_dim(), shape.heads);
+        let (hd, h, vd) = (shape.head_dim(), shape.heads, shape.value_dim);
+        let planes = shape.cache.planes as usize;
         let slot = shape.kv_heads() * hd;
         let block = shape.page_size() * slot;
-        let page_floats = (shape.cache.num_layers as usize) * 2 * block;
-        let mut out = vec![0.0; rows * h * hd];
+        let page_floats = (shape.cache.num_layers as usize) * planes * block;
+        let mut out = vec![0.0; rows * h * vd];
         for b in 0..seqs.cache_lengths.len() {
             for r in seqs.offsets[b] as usize..seqs.offsets[b + 1] as usize {
                 let pos = seqs.cache_lengths[b] as usize + r - seqs.offsets[b] as usize;
@@ -331,7 +337,8 @@ mod tests {
                         let page =
                             seqs.lookup[b * seqs.pages_per_seq + t / shape.page_size()] as usize;
                         page * page_floats
-                            + ((shape.cache.layer as usize) * 2 + which) * block
+                            + ((shape.cache.layer as usize) * planes + which.min(planes - 1))
+                                * block
                             + (t % shape.page_size()) * slot
                             + kvh * hd
                     };
@@ -347,11 +354,11 @@ mod tests {
                     let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                     let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
                     let sum: f64 = e.iter().sum();
-                    for d in 0..hd {
+                    for d in 0..vd {
                         let v: f64 = (lo..=pos)
                             .map(|t| e[t - lo] * cache[at(t, 1) + d] as f64)
                             .sum();
-                        out[(r * h + head) * hd + d] = (v / sum) as f32;
+                        out[(r * h + head) * vd + d] = (v / sum) as f32;
                     }
                 }
             }
@@ -367,13 +374,17 @@ mod tests {
         }
         // (head_dim, heads, kv_heads): the register paths (64, 128) and the generic one; full
         // attention and sliding windows (within a page, across pages, longer than a context).
-        let cases = [(64, 9, 3), (128, 4, 4), (24, 6, 2)]
+        // Then one-plane latents (multi-head latent attention): every head reading the one
+        // latent, values its first value_dim (tiny-deepseek-v3's 80/64, DeepSeek-V3's 576/512).
+        let cases = [(64, 9, 3, 2, 64), (128, 4, 4, 2, 128), (24, 6, 2, 2, 24)]
             .into_iter()
-            .flat_map(|c| [None, Some(1), Some(7), Some(21), Some(100)].map(|w| (c, w)));
-        for ((hd, heads, kv_heads), window) in cases {
+            .flat_map(|c| [None, Some(1), Some(7), Some(21), Some(100)].map(|w| (c, w)))
+            .chain([((80, 4, 1, 1, 64), None), ((576, 3, 1, 1, 512), None)]);
+        for ((hd, heads, kv_heads, planes, vd), window) in cases {
             let shape = Shape {
+                value_dim: vd,
                 cache: KvView {
-                    planes: 2,
+                    planes,
                     layer: 1,
                     num_layers: 2,
                     kv_heads: kv_heads as u64,
@@ -397,8 +408,11 @@ mod tests {
                 pages_per_seq,
             };
             let rows = 58;
-            let page_floats =
-                (shape.cache.num_layers as usize) * 2 * shape.page_size() * kv_heads * hd;
+            let page_floats = (shape.cache.num_layers as usize)
+                * planes as usize
+                * shape.page_size()
+                * kv_heads
+                * hd;
             let cache: Vec<f32> = (0..10 * page_floats)
                 .map(|i| (((i * 2654435761usize) >> 7) % 2001) as f32 / 1000.0 - 1.0)
                 .collect();
@@ -407,7 +421,7 @@ mod tests {
                 .collect();
             let want = reference(&q, &cache, &seqs, shape, rows);
             for threads in [1, 2, 5] {
-                let mut out = vec![f32::NAN; rows * heads * hd];
+                let mut out = vec![f32::NAN; rows * heads * vd];
                 // SAFETY: available() checked; buffers sized as the contract says.
                 unsafe {
                     attention(
