@@ -182,6 +182,6 @@ pub fn arity(body: &KernelBody) -> (usize, usize) {
         KernelBody::Concat { .. }
         | KernelBody::HeadMatmul { .. }
         | KernelBody::MoeRouter { .. } => (2, 1),
-        KernelBody::DecompressedAttention { .. } => (8, 1),
+        KernelBody::DecompressedAttention { .. } => (9, 1),
     }
 }

@@ -355,7 +355,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                     };
                     k.nodes.push(KNode {
                         body,
-                        inputs: vec![ops[0], ops[1], w_uk, w_uv, cache, lut, lens, offs],
+                        inputs: vec![ops[0], ops[1], w_uk, w_uv, cache, lut, lens, offs, ops[9]],
                         outputs: vec![out],
                         nodes: vec![node.name.clone()],
                     });

@@ -459,6 +459,9 @@ pub(super) struct StepInputs {
     pub(super) cache_lengths: NodeIndex,
     pub(super) row_offsets: NodeIndex,
     pub(super) positions: NodeIndex,
+    /// Each sequence's context (cached plus new tokens), where the deployment's
+    /// `takes_batch_context_lengths` hook asks for it.
+    pub(super) context_lengths: Option<NodeIndex>,
 }
 
 /// Builds a decoder's graph: embedding, `num_layers` pre-norm blocks (attention over the paged
@@ -581,12 +584,14 @@ impl DecoderBuilder<'_> {
             "logit_indices",
             TensorType::new(DType::I32, [Dim::sym(names::LOGIT_ROWS)]),
         )?;
-        if self.opts.takes_batch_context_lengths {
-            self.b.input(
+        let context_lengths = if self.opts.takes_batch_context_lengths {
+            Some(self.b.input(
                 "batch_context_lengths",
                 TensorType::new(DType::I32, [bsz()]),
-            )?;
-        }
+            )?)
+        } else {
+            None
+        };
         let kv_cache = self.b.kv_cache(kv.clone())?;
 
         let model = KeyPath::new("model");
@@ -613,6 +618,7 @@ impl DecoderBuilder<'_> {
             cache_lengths,
             row_offsets,
             positions,
+            context_lengths,
         };
 
         for layer in 0..c.num_layers {

@@ -478,11 +478,16 @@ impl DeploymentHooks for DeepseekHooks {
         self.llama.prepare_weights(out)
     }
 
+    /// Mixtral's expert parallelism, and the `takes_batch_context_lengths` hook: set where the
+    /// attention is computed decompressed, whose kernels size each sequence's expansion of its
+    /// cached latents by it (without a device-to-host copy of the cache lengths).
     fn apply_runtime(
         &self,
-        config: DeploymentConfig,
+        mut config: DeploymentConfig,
         runtime: &ModuleRuntime,
     ) -> Result<DeploymentConfig> {
+        config.takes_batch_context_lengths =
+            runtime.mla_attention == crate::MlaAttention::Decompressed;
         match &self.moe {
             Some(m) => m.apply_runtime(config, runtime),
             None => Ok(config),
@@ -655,6 +660,57 @@ mod tests {
         let kv = c.kv_layout(16, crate::DType::F32);
         assert_eq!((kv.planes, kv.num_kv_heads, kv.head_dim), (1, 1, 24));
         assert!(spec.deployment().export_ep_init);
+    }
+
+    /// The `takes_batch_context_lengths` hook is set where the graph reads the input: with
+    /// the decompressed attention, which sizes each sequence's expansion by it.
+    #[test]
+    fn the_context_lengths_hook_follows_the_attention_form() {
+        use crate::arch::BuildOptions;
+        use crate::{MlaAttention, ModuleRuntime};
+        let spec = parse(&v3()).unwrap();
+        for (form, hooked) in [
+            (MlaAttention::Absorbed, false),
+            (MlaAttention::Decompressed, true),
+        ] {
+            let runtime = ModuleRuntime {
+                mla_attention: form,
+                ..ModuleRuntime::default()
+            };
+            let d = spec.deployment().apply_runtime(&runtime).unwrap();
+            assert_eq!(d.takes_batch_context_lengths, hooked, "{form:?}");
+            let opts = BuildOptions {
+                takes_batch_context_lengths: hooked,
+                runtime,
+                ..BuildOptions::default()
+            };
+            let g = spec.build(GraphRole::Decoder, &opts).unwrap();
+            let reads = g.node_ids().any(|id| {
+                g.operands(id)
+                    .iter()
+                    .any(|&o| g.node(o).name == "batch_context_lengths")
+            });
+            assert_eq!(
+                reads, hooked,
+                "{form:?}: the graph reads batch_context_lengths"
+            );
+        }
+        // The decompressed form without the hook is refused, naming the setting.
+        let opts = BuildOptions {
+            runtime: ModuleRuntime {
+                mla_attention: MlaAttention::Decompressed,
+                ..ModuleRuntime::default()
+            },
+            ..BuildOptions::default()
+        };
+        let err = spec
+            .build(GraphRole::Decoder, &opts)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("mla_attention") && err.contains("takes_batch_context_lengths"),
+            "{err}"
+        );
     }
 
     /// DeepSeek-V3's own yarn: factor 40, mscale_all_dim 1: the scale is `192^-1/2 · m²` with

@@ -88,6 +88,11 @@ impl DecoderBuilder<'_> {
         let w_uk = self.weight(p.pp("kv_b_proj_k").key("weight"), &[h, lat, n])?;
         let lookup = s.lookups[s.kv.slot(layer).map_or(0, |k| k.group)];
         if self.opts.runtime.mla_attention == crate::MlaAttention::Decompressed {
+            let context = s.context_lengths.ok_or_else(|| crate::Error::Setting {
+                field: "mla_attention".into(),
+                value: "decompressed".into(),
+                message: "the deployment does not set takes_batch_context_lengths, which sizes each sequence's expansion".into(),
+            })?;
             let w_uv = self.weight(p.pp("kv_b_proj_v").key("weight"), &[h, v, lat])?;
             let o = self.b.op(
                 &p.key("attention"),
@@ -105,6 +110,7 @@ impl DecoderBuilder<'_> {
                     lookup,
                     s.cache_lengths,
                     s.row_offsets,
+                    context,
                 ],
             )?;
             let o = self.reshape(p.key("merge_heads"), o, vec![t(), (h * v).into()])?;

@@ -300,8 +300,9 @@ pub enum Op {
     },
     /// `(q_nope [T, H, N], q_rope [T, H, R], kv [T, 1, C + R], w_uk [H, C, N],
     /// w_uv [H, V, C], kv_cache, kv_lookup_table [B, P], cache_lengths [B],
-    /// input_row_offsets [B+1]) -> [T, H, V]`: multi-head latent attention computed
-    /// decompressed. Writes each row's `kv` (latent `c`, then rope key) into layer `layer` of a
+    /// input_row_offsets [B+1], batch_context_lengths [B]) -> [T, H, V]`: multi-head latent
+    /// attention computed decompressed, each sequence's context (`batch_context_lengths`, its
+    /// cached plus new tokens: what the expansion is sized by) expanded once a step. Writes each row's `kv` (latent `c`, then rope key) into layer `layer` of a
     /// one-plane cache as [`Op::LatentAttention`] does, then for head `h` of a row at position
     /// `p`: keys `[W_UK_h c_j | k_rope_j]` (`W_UK_h c = w_uk[h]ᵀ c`) and values
     /// `W_UV_h c_j` (`w_uv[h] c`) for `j <= p`, scores `q · k · scale`. The same function as
@@ -726,7 +727,15 @@ impl Op {
                 ))
             }
             Op::DecompressedLatentAttention { .. } => {
-                arity(xs, 9)?;
+                arity(xs, 10)?;
+                rank(xs[9], 1, "batch_context_lengths")?;
+                integer(xs[9], "batch_context_lengths")?;
+                same_dim(
+                    &xs[9].shape[0],
+                    &xs[7].shape[0],
+                    "batch_context_lengths' length",
+                    "cache_lengths' length",
+                )?;
                 let (qn, qr, kv, w_uk, w_uv, cache) = (xs[0], xs[1], xs[2], xs[3], xs[4], xs[5]);
                 for (x, what) in [(qn, "q_nope"), (qr, "q_rope"), (kv, "kv")] {
                     float(x, what)?;

@@ -16,6 +16,8 @@ pub struct Seqs<'a> {
     pub cache_lengths: &'a [i32],
     /// `input_row_offsets [B+1]`.
     pub offsets: &'a [i32],
+    /// `batch_context_lengths [B]`: each sequence's cached plus new tokens.
+    pub context_lengths: &'a [i32],
     /// Columns of the lookup table.
     pub pages_per_seq: usize,
 }
@@ -72,7 +74,13 @@ pub unsafe fn decompressed(
             continue;
         }
         let cached = seqs.cache_lengths[b] as usize;
-        let ctx = cached + (hi - lo);
+        // The expansion's size, from the step input the deployment's hook adds (the executor
+        // fills it with the same cache lengths and rows).
+        let ctx = seqs.context_lengths[b].max(0) as usize;
+        debug_assert_eq!(ctx, cached + (hi - lo));
+        if ctx < cached + (hi - lo) {
+            continue;
+        }
         // The sequence's latents [ctx, lat] and rope keys [ctx, rope], gathered once.
         let mut latents = vec![0.0f32; ctx * lat];
         let mut ropes = vec![0.0f32; ctx * rope];

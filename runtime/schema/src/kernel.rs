@@ -345,7 +345,8 @@ pub enum KernelBody {
     /// Buffers: `q_nope f32 [T, heads, nope]`, `q_rope f32 [T, heads, rope]`,
     /// `w_uk [heads, head_dim - rope, nope]`, `w_uv [heads, value, head_dim - rope]`
     /// (`weight_dtype`), `kv_cache`, `kv_lookup_table [B, P]`, `cache_lengths [B]`,
-    /// `input_row_offsets [B+1]`, `out f32 [T, heads, value]`. Parallel range: heads (a
+    /// `input_row_offsets [B+1]`, `batch_context_lengths [B]` (each sequence's cached plus new
+    /// tokens: the latents expanded), `out f32 [T, heads, value]`. Parallel range: heads (a
     /// library kernel on the CPU).
     DecompressedAttention {
         /// The layer's slot in the cache.

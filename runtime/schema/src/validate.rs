@@ -833,6 +833,7 @@ fn operand_uses(body: &KernelBody, cx: &Ctx, what: &str) -> Result<Vec<Use>, Val
                 Use::Input("kv_lookup_table"),
                 Use::Input("cache_lengths"),
                 Use::Input("input_row_offsets"),
+                Use::Input("batch_context_lengths"),
                 f32s(mul(&[t()?, *heads, *value], what)?, true),
             ]
         }

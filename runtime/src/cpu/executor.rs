@@ -926,6 +926,7 @@ impl CpuExecutor {
                     lookup: ints(5, batch * pages_per_seq),
                     cache_lengths: ints(6, batch),
                     offsets: ints(7, batch + 1),
+                    context_lengths: ints(8, batch),
                     pages_per_seq,
                 };
                 let (h, lat) = (heads as usize, (head_dim - rope) as usize);
@@ -949,7 +950,7 @@ impl CpuExecutor {
                         args[1].cast::<f32>().cast_const(),
                         (w_uk, w_uv),
                         args[4].cast::<f32>().cast_const(),
-                        args[8].cast::<f32>(),
+                        args[9].cast::<f32>(),
                         &seqs,
                         shape,
                     )
