@@ -750,7 +750,7 @@ extern "C" __global__ void __launch_bounds__(32) rope_c45adb5e(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(96) concat_75783492(
+extern "C" __global__ void __launch_bounds__(96) concat_fb9b4b2b(
     const float* __restrict__ a,
     const float* __restrict__ b,
     float* __restrict__ out,
@@ -771,7 +771,7 @@ extern "C" __global__ void __launch_bounds__(96) concat_75783492(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(64) head_matmul_c2302d75(
+extern "C" __global__ void __launch_bounds__(64) head_matmul_a84ad1a5(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -794,7 +794,7 @@ extern "C" __global__ void __launch_bounds__(64) head_matmul_c2302d75(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) concat_8f748593(
+extern "C" __global__ void __launch_bounds__(256) concat_26ead22b(
     const float* __restrict__ a,
     const float* __restrict__ b,
     float* __restrict__ out,
@@ -938,7 +938,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_304667d0(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32) head_matmul_815bcd73(
+extern "C" __global__ void __launch_bounds__(32) head_matmul_bde6f1a6(
     const float* __restrict__ x,
     const __nv_bfloat16* __restrict__ w,
     float* __restrict__ out,
@@ -1407,7 +1407,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_8a85428c(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32) moe_router_1c9293cf(
+extern "C" __global__ void __launch_bounds__(32) moe_router_de3dabae(
     const float* __restrict__ logits,
     const __nv_bfloat16* __restrict__ bias,
     float* __restrict__ out,
