@@ -1,9 +1,10 @@
 """A Hugging Face fixture (config.json + bf16 model.safetensors) written as GGUF the way
-llama.cpp's convert_hf_to_gguf.py writes it for the Qwen2, Qwen3, Qwen3-MoE, Phi-3 and Gemma 3
-families, without torch (which the converter imports and CI does not install): gguf-py's own
+llama.cpp's convert_hf_to_gguf.py writes it for the Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 3 and
+DeepSeek-V3 families, without torch (which the converter imports and CI does not install): gguf-py's own
 GGUFWriter, its tensor-name map for the architecture (the table the converter renames with), the
 metadata keys the converter's Qwen2Model/Qwen3Model/Qwen3MoeModel/Phi3MiniModel/Gemma3Model set,
-the weights kept in bf16, and q/k left unpermuted (the converter permutes only for `llama`).
+the weights kept in bf16 (1-D ones, norms and biases, in f32 as the converter writes them), and
+q/k left unpermuted (the converter permutes only for `llama`).
 
 Per family, as the converter does:
 - Gemma 3: norm weights written as f32 with their `+ 1` added (the converter adds in the
@@ -33,7 +34,11 @@ configs (the converter's) had `rope_theta` and `rope_scaling`: both are read.
   With `--kv-b`, as older converters wrote it: `attn_kv_b` whole, the per-head sizes in
   `key_length` / `value_length`, `head_count_kv` the head count, no `*_mla` keys.
 
-Usage: hf_to_gguf.py FIXTURE_DIR OUT.gguf [--kv-b]
+With `--dummy-vocab`, a placeholder GPT-2 vocabulary of `vocab_size` pieces (one merge), so that
+llama.cpp loads a checkpoint without a tokenizer (scripts/bench-mla.sh's random one; llama-bench
+feeds token ids).
+
+Usage: hf_to_gguf.py FIXTURE_DIR OUT.gguf [--kv-b] [--dummy-vocab]
 """
 import json
 import math
@@ -45,6 +50,7 @@ import numpy as np
 
 src, dst = sys.argv[1], sys.argv[2]
 legacy_kv_b = "--kv-b" in sys.argv[3:]
+dummy_vocab = "--dummy-vocab" in sys.argv[3:]
 cfg = json.load(open(f"{src}/config.json"))
 arch_name = {
     "Qwen2ForCausalLM": "qwen2",
@@ -162,6 +168,16 @@ else:
         rope = cfg["rope_parameters"]["full_attention"]
         w.add_rope_freq_base(rope["rope_theta"])
 w.add_vocab_size(cfg["vocab_size"])
+if dummy_vocab:
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    pieces = [f"<t{i}>" for i in range(cfg["vocab_size"])]
+    pieces[2:5] = ["a", "b", "ab"]
+    w.add_token_list(pieces)
+    w.add_token_types([gguf.TokenType.NORMAL] * cfg["vocab_size"])
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(cfg.get("bos_token_id", 0))
+    w.add_eos_token_id(cfg.get("eos_token_id", 1))
 w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
 
 
@@ -174,6 +190,10 @@ def tensor(key):
 
 
 def add_bf16(name, raw):
+    if raw.ndim <= 1:
+        # The converter keeps 1-D tensors (norms, biases) in f32: exact for bf16 values.
+        w.add_tensor(name, (raw.astype(np.uint32) << 16).view(np.float32))
+        return
     w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
 
 
