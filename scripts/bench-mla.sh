@@ -56,7 +56,7 @@ for ctx in $contexts; do
     speeds=() ours=()
     for _ in $(seq "$runs"); do
       speeds+=("$("$llama" -m "$gguf" -p 0 -n 64 -d "$ctx" -t "$(nproc)" -r 1 -o csv 2>/dev/null |
-        python3 -c 'import csv,sys; r=list(csv.DictReader(sys.stdin)); print(r[-1]["avg_ts"])')")
+        python3 -c 'import csv,sys; r=list(csv.DictReader(sys.stdin)); print(round(float(r[-1]["avg_ts"]), 1))')")
       ours+=("$(target/release/maxc generate .tools/bench-mla-gguf.maxc --tokens "$prompt" \
         --max-new-tokens 64 --ignore-eos 2>&1 >/dev/null |
         sed -n 's/.*then \([0-9.]*\) tokens\/s.*/\1/p')")
