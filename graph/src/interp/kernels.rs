@@ -222,6 +222,29 @@ pub fn head_linear(x: &[f32], w: &[f32], heads: usize, k: usize) -> Vec<f32> {
     out
 }
 
+/// Writes each row's latent slot of `kv [T, 1, D]` into decoder layer `layer`'s slot of a
+/// one-plane cache; returns the layer's view.
+fn store_latents<'a>(
+    kv: &[f32],
+    (cache, lookup): (&mut [f32], &'a [i64]),
+    l: &'a KvLayout,
+    layer: usize,
+    batch: &PagedBatch<'_>,
+) -> LayerView<'a> {
+    let d = l.head_dim;
+    let view = LayerView {
+        l,
+        lookup,
+        pages_per_seq: batch.pages_per_seq,
+        slot: l.slot(layer).map_or(layer, |s| s.slot),
+    };
+    for (r, b, pos) in batch.rows() {
+        let at = view.at(0, b, pos, 0);
+        cache[at..at + d].copy_from_slice(&kv[r * d..(r + 1) * d]);
+    }
+    view
+}
+
 /// Writes each row's latent `kv [T, 1, D]` into decoder layer `layer`'s slot of a one-plane
 /// cache, then attends every head of `q [T, H, D]` over its sequence's latents `0..=pos`:
 /// keys the whole latent, values its first `value_dim` elements. Out `[T, H, value_dim]`.
@@ -237,16 +260,7 @@ pub fn latent_attention(
     batch: &PagedBatch<'_>,
 ) -> Vec<f32> {
     let d = l.head_dim;
-    let view = LayerView {
-        l,
-        lookup,
-        pages_per_seq: batch.pages_per_seq,
-        slot: l.slot(layer).map_or(layer, |s| s.slot),
-    };
-    for (r, b, pos) in batch.rows() {
-        let at = view.at(0, b, pos, 0);
-        cache[at..at + d].copy_from_slice(&kv[r * d..(r + 1) * d]);
-    }
+    let view = store_latents(kv, (cache, lookup), l, layer, batch);
     let mut out = vec![0.0; q.len() / d * value_dim];
     for (r, b, pos) in batch.rows() {
         for h in 0..heads {
@@ -292,16 +306,7 @@ pub fn decompressed_latent_attention(
     let d = l.head_dim;
     let lat = w_uv.len() / heads / value;
     let rope = d - lat;
-    let view = LayerView {
-        l,
-        lookup,
-        pages_per_seq: batch.pages_per_seq,
-        slot: l.slot(layer).map_or(layer, |s| s.slot),
-    };
-    for (r, b, pos) in batch.rows() {
-        let at = view.at(0, b, pos, 0);
-        cache[at..at + d].copy_from_slice(&kv[r * d..(r + 1) * d]);
-    }
+    let view = store_latents(kv, (cache, lookup), l, layer, batch);
     let rows = q_nope.len() / heads / nope;
     let mut out = vec![0.0; rows * heads * value];
     for (r, b, pos) in batch.rows() {

@@ -692,31 +692,7 @@ impl Op {
                         ))
                     }
                 }
-                rank(cache, 6, "kv_cache")?;
-                same_dim(
-                    &cache.shape[2],
-                    &Dim::Fixed(1),
-                    "kv_cache's planes",
-                    "one latent plane",
-                )?;
-                same_dim(
-                    &cache.shape[4],
-                    &Dim::Fixed(1),
-                    "kv_cache's kv heads",
-                    "one latent head",
-                )?;
-                same_dim(
-                    &cache.shape[5],
-                    &kv.shape[2],
-                    "kv_cache's head dim",
-                    "kv's head dim",
-                )?;
-                rank(lut, 2, "kv_lookup_table")?;
-                integer(lut, "kv_lookup_table")?;
-                rank(lens, 1, "cache_lengths")?;
-                integer(lens, "cache_lengths")?;
-                rank(offs, 1, "input_row_offsets")?;
-                integer(offs, "input_row_offsets")?;
+                latent_cache(cache, &kv.shape[2], [lut, lens, offs])?;
                 Ok(TensorType::new(
                     DType::F32,
                     [
@@ -791,32 +767,7 @@ impl Op {
                     "w_uv's dim 2",
                     "the latent's width",
                 )?;
-                rank(cache, 6, "kv_cache")?;
-                same_dim(
-                    &cache.shape[2],
-                    &Dim::Fixed(1),
-                    "kv_cache's planes",
-                    "one latent plane",
-                )?;
-                same_dim(
-                    &cache.shape[4],
-                    &Dim::Fixed(1),
-                    "kv_cache's kv heads",
-                    "one latent head",
-                )?;
-                same_dim(
-                    &cache.shape[5],
-                    &kv.shape[2],
-                    "kv_cache's head dim",
-                    "kv's width",
-                )?;
-                for (x, what) in [
-                    (xs[6], "kv_lookup_table"),
-                    (xs[7], "cache_lengths"),
-                    (xs[8], "input_row_offsets"),
-                ] {
-                    integer(x, what)?;
-                }
+                latent_cache(cache, &kv.shape[2], [xs[6], xs[7], xs[8]])?;
                 Ok(TensorType::new(
                     DType::F32,
                     [
@@ -863,6 +814,44 @@ impl Op {
             }
         }
     }
+}
+
+/// Checks a one-plane latent cache of slots `width` wide and the step's lookup table, cache
+/// lengths and row offsets (multi-head latent attention's operands).
+fn latent_cache(
+    cache: &TensorType,
+    width: &Dim,
+    [lut, lens, offs]: [&TensorType; 3],
+) -> Result<(), String> {
+    rank(cache, 6, "kv_cache")?;
+    same_dim(
+        &cache.shape[2],
+        &Dim::Fixed(1),
+        "kv_cache's planes",
+        "one latent plane",
+    )?;
+    same_dim(
+        &cache.shape[4],
+        &Dim::Fixed(1),
+        "kv_cache's kv heads",
+        "one latent head",
+    )?;
+    same_dim(
+        &cache.shape[5],
+        width,
+        "kv_cache's head dim",
+        "the latent's width",
+    )?;
+    rank(lut, 2, "kv_lookup_table")?;
+    for (x, what) in [
+        (lut, "kv_lookup_table"),
+        (lens, "cache_lengths"),
+        (offs, "input_row_offsets"),
+    ] {
+        integer(x, what)?;
+    }
+    rank(lens, 1, "cache_lengths")?;
+    rank(offs, 1, "input_row_offsets")
 }
 
 fn arity(xs: &[&TensorType], n: usize) -> Result<(), String> {
