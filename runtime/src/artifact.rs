@@ -95,14 +95,14 @@ fn weight_infos(index: &BTreeMap<String, WeightView>) -> BTreeMap<String, Weight
         .collect()
 }
 
-/// `path`'s bytes, mapped, or read into huge pages where `memory` says so; `bytes` is the size
-/// the manifest gives (checked before anything is read).
-fn load_file(path: &Path, memory: WeightMemory, bytes: u64) -> Result<FileBytes> {
+/// `path`'s bytes, mapped, or read into huge pages where `memory` says so, with their sha256
+/// (hex); `bytes` is the size the manifest gives (checked before anything is read).
+fn load_file(path: &Path, memory: WeightMemory, bytes: u64) -> Result<(FileBytes, String)> {
     let io = |source| RuntimeError::Io {
         path: path.into(),
         source,
     };
-    let mut file = std::fs::File::open(path).map_err(io)?;
+    let file = std::fs::File::open(path).map_err(io)?;
     let len = file.metadata().map_err(io)?.len();
     if len != bytes {
         return Err(RuntimeError::artifact(
@@ -112,15 +112,17 @@ fn load_file(path: &Path, memory: WeightMemory, bytes: u64) -> Result<FileBytes>
     }
     match memory {
         // SAFETY: read-only map of an artifact file; artifacts are not modified while served.
-        WeightMemory::Mapped => unsafe { Mmap::map(&file) }
-            .map(FileBytes::Mapped)
-            .map_err(io),
+        WeightMemory::Mapped => {
+            let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+            let sum = sha256_hex(&map);
+            Ok((FileBytes::Mapped(map), sum))
+        }
         WeightMemory::HugePages => {
             let len = usize::try_from(len).map_err(|_| {
                 RuntimeError::artifact(path, "larger than this machine's address space")
             })?;
-            crate::hugemem::HugeBuf::read_file(&mut file, len)
-                .map(FileBytes::Read)
+            crate::hugemem::HugeBuf::read_file_hashed(&file, len)
+                .map(|(b, sum)| (FileBytes::Read(b), sum))
                 .map_err(io)
         }
     }
@@ -200,8 +202,7 @@ impl Artifact {
             } else {
                 WeightMemory::Mapped
             };
-            let map = load_file(&path, memory, entry.bytes)?;
-            let sum = sha256_hex(&map);
+            let (map, sum) = load_file(&path, memory, entry.bytes)?;
             if sum != entry.sha256 {
                 return Err(RuntimeError::artifact(
                     &path,
