@@ -52,6 +52,14 @@ build_llama() {
     cmake --build "$dir" --target llama-bench llama-quantize llama-server -j "$threads" >&2
   fi
 }
+# LLAMA_ISA=avx2: a build for AVX2 + FMA + F16C CPUs (no AVX-512), to compare maxc's AVX2
+# kernels (MAXC_CPU_ISA=avx2) with llama.cpp's on a machine that has AVX-512 too.
+if [ "${LLAMA_ISA:-native}" = avx2 ]; then
+  build_llama "$src/build-avx2" -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+    -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF
+  echo "$root/$src/build-avx2/bin"
+  exit 0
+fi
 build_llama "$src/build"
 bin="$src/build/bin"
 # Some virtual machines advertise AMX in CPUID but trap its instructions (llama.cpp's native build

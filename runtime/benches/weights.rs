@@ -36,7 +36,13 @@ fn main() {
     ];
     // A stack of weights larger than the caches, cycled through, so each call streams from
     // memory as decode does.
-    let (n, k) = (1536usize, 768usize);
+    let (n, k) = (
+        1536usize,
+        std::env::var("MAXC_BENCH_K")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(768usize),
+    );
     // MAXC_BENCH_COPIES=1 keeps the weights in cache (compute speed alone).
     let copies = std::env::var("MAXC_BENCH_COPIES")
         .ok()
@@ -106,7 +112,7 @@ fn main() {
             };
             // Interleaved, so that the machine's drift hits every variant alike.
             let (mut ss, mut gs, mut ps, mut ts, mut ks) = (vec![], vec![], vec![], vec![], vec![]);
-            let mut qs = vec![];
+            let (mut qs, mut is) = (vec![], vec![]);
             let best = KernelOptions::default();
             for _ in 0..3 {
                 ss.push(time(best));
@@ -133,12 +139,17 @@ fn main() {
                     activations: Activations::Q8,
                     ..best
                 }));
+                // 16-bit activations (likewise).
+                is.push(time(KernelOptions {
+                    activations: Activations::I16,
+                    ..best
+                }));
             }
             let (s, generic, panels) = (median(ss), median(gs), median(ps));
-            let (tiles, packed, q8) = (median(ts), median(ks), median(qs));
+            let (tiles, packed, q8, i16) = (median(ts), median(ks), median(qs), median(is));
             let gbs = bytes as f64 / s;
             println!(
-                "  {:>5}  {:>8.1} us  {:>6.1} GB/s  {:>5.2} of bandwidth  {:>6.1} GFLOP/s  {:>5.2}x the generic kernel  {:>5.2}x panels  tiles {:>7.1} us  packed {:>7.1} us  q8 activations {:>7.1} us ({:.2}x)",
+                "  {:>5}  {:>8.1} us  {:>6.1} GB/s  {:>5.2} of bandwidth  {:>6.1} GFLOP/s  {:>5.2}x the generic kernel  {:>5.2}x panels  tiles {:>7.1} us  packed {:>7.1} us  q8 activations {:>7.1} us ({:.2}x)  i16 activations {:>7.1} us ({:.2}x)",
                 dtype.name(),
                 s * 1e6,
                 gbs / 1e9,
@@ -149,7 +160,9 @@ fn main() {
                 tiles * 1e6,
                 packed * 1e6,
                 q8 * 1e6,
-                s / q8
+                s / q8,
+                i16 * 1e6,
+                s / i16
             );
         }
     }

@@ -217,13 +217,20 @@ pub fn run(args: Args) -> Result<()> {
     } else {
         median(probes.gemm.clone())
     };
+    let act = args.activations.activations;
+    let resolved = act.resolve(maxc_runtime::kernels::isa::isa());
+    let activations = if resolved == act {
+        act.name().to_string()
+    } else {
+        format!("{} ({})", act.name(), resolved.name())
+    };
     let report = json!({
         "artifact": args.artifact.display().to_string(),
         "role": args.role,
         "threads": maxc_runtime::kernels::pool::threads(),
         "threads_choice": maxc_runtime::kernels::pool::choice(),
         "weight_kernels": maxc_runtime::kernels::isa::isa_name(),
-        "activations": args.activations.activations.name(),
+        "activations": activations,
         "load_s": median(loads.clone()),
         "rounds": rounds,
         "peak_rss_bytes": probes.peak_rss(),
@@ -239,7 +246,7 @@ pub fn run(args: Args) -> Result<()> {
         args.artifact.display(),
         maxc_runtime::kernels::pool::choice(),
         report["weight_kernels"].as_str().unwrap_or(""),
-        args.activations.activations.name()
+        activations
     );
     println!(
         "probes (medians; each ratio is the median of {rounds} rounds, each over the probe just \

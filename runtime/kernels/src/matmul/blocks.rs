@@ -37,6 +37,10 @@ pub type StreamFn = unsafe fn(
     cols: std::ops::Range<usize>,
 );
 
+/// How many weight rows ahead the row-streaming kernels prefetch (see
+/// [`prefetch_row`](crate::matmul::tile::prefetch_row)).
+const AHEAD: usize = 2;
+
 /// Calls `$columns::<[$gen,] R[, C]>($args.., row0, n, k, cols)` over the rows in groups, so
 /// that each group's accumulators stay in registers: the arms list each group size `R` (with
 /// the column count `C` its registers leave room for), the last one the largest, which every
@@ -759,6 +763,8 @@ mod q4k_avx512 {
 pub(crate) use avx2::hsum;
 
 #[cfg(target_arch = "x86_64")]
+pub(crate) mod int16;
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod int8;
 
 #[cfg(target_arch = "x86_64")]
@@ -1124,6 +1130,11 @@ mod avx2 {
         let xs = &xs[row0 * (k / QK)..];
         for j in cols.clone() {
             let blocks = &w[j * nb..(j + 1) * nb];
+            crate::matmul::tile::prefetch_row(
+                blocks.as_ptr().cast(),
+                std::mem::size_of_val(blocks),
+                AHEAD,
+            );
             // Two sets of accumulators, for even and odd groups: each FMA chain waits on
             // every other group only.
             let mut acc = [[_mm256_setzero_ps(); R]; 2];
@@ -1489,17 +1500,21 @@ pub struct HandKernels {
     /// Row streaming on 8-bit activations.
     #[cfg(target_arch = "x86_64")]
     pub q8: Option<int8::Q8Fn>,
+    /// Row streaming on 16-bit activations.
+    #[cfg(target_arch = "x86_64")]
+    pub i16: Option<int16::I16Fn>,
 }
 
 /// What the hand kernels need of a block format on every instruction set they are written
 /// for: its values as AVX-512 vectors ([`avx512::Dequant`]), as AVX2 vectors
-/// ([`avx2::Unpack`]) and as integer bytes ([`int8::Bytes`]). Every block format of the one
+/// ([`avx2::Unpack`]), as integer bytes ([`int8::Bytes`]) and as 16-bit words
+/// ([`int16::Words`]). Every block format of the one
 /// list ([`maxc_schema::for_each_block_format`]) must have all three: the tables below are
 /// generated from that list, so a format without them does not compile.
 #[cfg(target_arch = "x86_64")]
-trait BlockKernels: avx512::Dequant + avx2::Unpack + int8::Bytes {}
+trait BlockKernels: avx512::Dequant + avx2::Unpack + int16::Words {}
 #[cfg(target_arch = "x86_64")]
-impl<B: avx512::Dequant + avx2::Unpack + int8::Bytes> BlockKernels for B {}
+impl<B: avx512::Dequant + avx2::Unpack + int16::Words> BlockKernels for B {}
 #[cfg(not(target_arch = "x86_64"))]
 trait BlockKernels: Block {}
 #[cfg(not(target_arch = "x86_64"))]
@@ -1519,12 +1534,14 @@ impl HandKernels {
                     panel: Some(avx512::dequant::<B>),
                     // The 8-bit kernels are AVX2's, which every AVX-512 CPU here has too.
                     q8: Some(int8::stream::<B>),
+                    i16: Some(int16::stream512::<B>),
                 },
                 Isa::Avx2 => HandKernels {
                     tiles: None,
                     stream: Some(avx2::stream::<B>),
                     panel: Some(avx2::dequant::<B>),
                     q8: Some(int8::stream::<B>),
+                    i16: Some(int16::stream2::<B>),
                 },
                 Isa::Baseline => HandKernels::default(),
             };

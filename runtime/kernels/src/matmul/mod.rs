@@ -374,6 +374,10 @@ thread_local! {
     #[cfg(target_arch = "x86_64")]
     static Q8_SCRATCH: std::cell::RefCell<blocks::int8::Q8Buffers> =
         std::cell::RefCell::new(Default::default());
+    /// The calling thread's 16-bit activations (words, scales, sums), kept between calls.
+    #[cfg(target_arch = "x86_64")]
+    static I16_SCRATCH: std::cell::RefCell<blocks::int16::I16Buffers> =
+        std::cell::RefCell::new(Default::default());
     /// Each thread's dequantized panel, kept between calls.
     static PANEL_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -437,6 +441,8 @@ pub enum Inner {
 pub enum Path {
     /// 8-bit activations in integer dot products, row streaming (AVX2).
     Q8Stream,
+    /// 16-bit activations in integer dot products, row streaming (AVX2 or AVX-512).
+    I16Stream,
     /// Register tiles straight on 32-value blocks (AVX-512).
     BlockTiles,
     /// Register tiles on float weight rows as stored (AVX-512).
@@ -463,6 +469,7 @@ impl Path {
     pub fn describe(&self) -> String {
         match self {
             Path::Q8Stream => "row streaming on 8-bit activations".into(),
+            Path::I16Stream => "row streaming on 16-bit activations".into(),
             Path::BlockTiles => "register tiles on blocks".into(),
             Path::FloatTiles => "register tiles on stored rows".into(),
             Path::PackedF32 => "packed register tiles on stored rows".into(),
@@ -490,9 +497,14 @@ impl Path {
 /// `opts`: the one decision both [`matmul`] and [`MatmulPlan`] read.
 fn path(dtype: DType, hand: &HandKernels, opts: &KernelOptions, isa: Isa, rows: usize) -> Path {
     let on = opts.hand_kernels;
+    let activations = opts.activations.resolve(isa);
     #[cfg(target_arch = "x86_64")]
-    if rows <= STREAM_MAX_ROWS && opts.activations == Activations::Q8 && on && hand.q8.is_some() {
+    if rows <= STREAM_MAX_ROWS && activations == Activations::Q8 && on && hand.q8.is_some() {
         return Path::Q8Stream;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if rows <= STREAM_MAX_ROWS && activations == Activations::I16 && on && hand.i16.is_some() {
+        return Path::I16Stream;
     }
     #[cfg(target_arch = "x86_64")]
     let tiles = on && isa == Isa::Avx512;
@@ -711,6 +723,24 @@ fn run(
                 });
             });
         }
+        #[cfg(target_arch = "x86_64")]
+        Path::I16Stream => {
+            let f = hand
+                .i16
+                .expect("the i16 path is chosen only where there is an i16 kernel");
+            I16_SCRATCH.with(|scratch| {
+                let buf = &mut *scratch.borrow_mut();
+                // SAFETY: `HandKernels::of` gives an i16 kernel only where the CPU has AVX2,
+                // FMA and F16C (and AVX-512 for its AVX-512 kernel); block rows are whole
+                // 32-value groups.
+                unsafe { blocks::int16::quantize(x, rows, k, buf) };
+                let xq = buf.rows();
+                // SAFETY: as above; `xq` holds the step's rows.
+                stream_split(w.len(), out, rows, n, threads, &|o, cols| unsafe {
+                    f(&xq, w, o, rows, n, k, cols)
+                });
+            });
+        }
         Path::BlockTiles => {
             let f = hand
                 .tiles
@@ -900,8 +930,27 @@ mod tests {
                 }
                 v
             };
+            let ax: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+            let aw: Vec<f32> = wf.iter().map(|v| v.abs()).collect();
             for rows in [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 21, 22, 27, 40] {
                 let want = reference(&x, &wf, rows, n, k);
+                // 16-bit activations move each by at most 1/65534 of its group's largest:
+                // within 1e-4 of Σ|w·x| (as `blocks::int16`'s tests bound them); the other
+                // paths compute in f32 throughout.
+                let size = reference(&ax, &aw, rows, n, k);
+                let check = |out: &[f32], path: Path, what: &str| {
+                    if path == Path::I16Stream {
+                        for (i, ((a, b), s)) in out.iter().zip(&want).zip(&size).enumerate() {
+                            assert!(
+                                (a - b).abs() <= 1e-4 * s + 1e-6,
+                                "{what} at {i}: {a} vs {b}"
+                            );
+                        }
+                    } else {
+                        close(out, &want, what);
+                    }
+                };
+                let default = MatmulPlan::new(dtype, k, &KernelOptions::default()).path(rows);
                 for threads in [1, 2] {
                     let mut out = vec![f32::NAN; rows * n];
                     matmul(
@@ -915,9 +964,9 @@ mod tests {
                         threads,
                         &KernelOptions::default(),
                     );
-                    close(
+                    check(
                         &out,
-                        &want,
+                        default,
                         &format!("{dtype} rows {rows} threads {threads}"),
                     );
                 }
@@ -926,13 +975,13 @@ mod tests {
                 for isa in host_isas() {
                     for opts in option_variants()
                         .into_iter()
-                        .filter(|o| o.activations == Activations::F32)
+                        .filter(|o| o.activations != Activations::Q8)
                     {
                         let plan = MatmulPlan::for_isa(dtype, k, &opts, isa);
                         let mut out = vec![f32::NAN; rows * n];
                         plan.run(&x, &w, &mut out, rows, n, 2);
                         let what = format!("{dtype} {isa:?} {opts:?} rows {rows} ({plan:?})");
-                        close(&out, &want, &what);
+                        check(&out, plan.path(rows), &what);
                     }
                 }
             }
@@ -968,6 +1017,14 @@ mod tests {
             d,
             KernelOptions {
                 activations: Activations::Q8,
+                ..d
+            },
+            KernelOptions {
+                activations: Activations::F32,
+                ..d
+            },
+            KernelOptions {
+                activations: Activations::I16,
                 ..d
             },
             KernelOptions {
@@ -1016,7 +1073,7 @@ mod tests {
         #[cfg(target_arch = "x86_64")]
         assert_eq!(
             q4k.describe(),
-            "rows 1-16: hand row streaming; 17+: hand-dequantized panels × f32 gemm"
+            "rows 1-16: row streaming on 16-bit activations; 17+: hand-dequantized panels × f32 gemm"
         );
     }
 

@@ -161,6 +161,21 @@ pub(crate) unsafe fn prefetch_ahead(next: (*const u8, usize), line: usize) {
     unsafe { _mm_prefetch::<_MM_HINT_T1>(next.0.wrapping_add(next.1 + line * 64).cast()) }
 }
 
+/// Prefetches (into L2) the row of `bytes` bytes that starts `rows` rows of that size after
+/// `row`: row-streaming kernels call it once per weight row they start, so that the rows a
+/// little ahead are on their way before the hardware's prefetchers would start on them.
+#[inline(always)]
+pub(crate) fn prefetch_row(row: *const u8, bytes: usize, rows: usize) {
+    let at = row.wrapping_add(rows * bytes);
+    for line in 0..bytes.div_ceil(64) {
+        // SAFETY: SSE is baseline on x86-64; prefetches never fault.
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(line * 64).cast())
+        }
+    }
+}
+
 /// Rows ahead of the tile in hand that [`prefetch_strided`] fetches: a tile of short strided
 /// rows (attention's keys, 64 to 128 values of one KV head among several) computes in far less
 /// time than memory takes to answer, so the distance is several tiles.

@@ -300,6 +300,11 @@ unsafe fn columns<B: Bytes, const R: usize>(
     let split = if R <= 2 { 2 } else { 1 };
     for j in cols.clone() {
         let blocks = &w[j * nb..(j + 1) * nb];
+        crate::matmul::tile::prefetch_row(
+            blocks.as_ptr().cast(),
+            std::mem::size_of_val(blocks),
+            super::AHEAD,
+        );
         let mut acc = [[_mm256_setzero_ps(); R]; 2];
         let mut offs = [_mm256_setzero_ps(); 2];
         let mut offs1 = [[0.0f32; R]; 2];
