@@ -1,7 +1,9 @@
 //! The machine probes `maxc bench` measures rooflines against, in the same run as the model:
 //! memory bandwidth (a streaming read on every core), f32 GEMM throughput (the runtime's own
-//! matmul on every core) and the f32 FMA peak (independent register FMAs on every core: the
-//! compute ceiling no kernel can pass).
+//! matmul on every core), the f32 FMA peak (independent register FMAs on every core: the
+//! compute ceiling no f32 kernel can pass) and the 16-bit integer dot-product peak (`vpmaddwd`
+//! and a 32-bit add, the inner step of the 16-bit-activation kernels: their ceiling), each in
+//! the instruction set the kernels run (`MAXC_CPU_ISA` included).
 
 use std::time::Instant;
 
@@ -174,12 +176,10 @@ pub fn fma_peak() -> Option<f64> {
             };
             out.iter().sum()
         }
-        let lanes = if std::is_x86_feature_detected!("avx512f") {
-            16
-        } else if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            8
-        } else {
-            return None;
+        let lanes = match maxc_kernels::isa::isa() {
+            maxc_kernels::isa::Isa::Avx512 => 16,
+            maxc_kernels::isa::Isa::Avx2 => 8,
+            maxc_kernels::isa::Isa::Baseline => return None,
         };
         let threads = maxc_kernels::pool::threads();
         let reps = (0..5)
@@ -200,6 +200,85 @@ pub fn fma_peak() -> Option<f64> {
             })
             .collect();
         return Some((threads as u64 * ITERS * 12 * lanes * 2) as f64 / median(reps));
+    }
+    #[allow(unreachable_code)]
+    None
+}
+
+/// Integer operations per second (two per multiply-add) of independent 16-bit dot products
+/// in registers (`vpmaddwd`, then a 32-bit add: 2 multiply-adds per 32-bit lane) on every
+/// executor thread (median of 5), where the kernels run AVX2 or AVX-512: the ceiling of the
+/// 16-bit-activation kernels, as [`fma_peak`] is the f32 kernels'.
+pub fn int16_peak() -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        const ITERS: u64 = 4_000_000;
+        /// Twelve chains of dot products, each added into its own sum.
+        #[target_feature(enable = "avx512f,avx512bw")]
+        unsafe fn avx512() -> i32 {
+            let m = _mm512_set1_epi16(3);
+            let mut a = [_mm512_set1_epi16(1); 12];
+            let mut s = [_mm512_setzero_si512(); 12];
+            for _ in 0..std::hint::black_box(ITERS / 1024) {
+                // Opaque to the optimizer once per 1024 rounds, so that no round is folded.
+                a = std::hint::black_box(a);
+                for _ in 0..1024 {
+                    for (s, a) in s.iter_mut().zip(&a) {
+                        *s = _mm512_add_epi32(*s, _mm512_madd_epi16(*a, m));
+                    }
+                }
+                s = std::hint::black_box(s);
+            }
+            s.iter()
+                .map(|v| _mm512_reduce_add_epi32(*v))
+                .fold(0, i32::wrapping_add)
+        }
+        #[target_feature(enable = "avx2")]
+        unsafe fn avx2() -> i32 {
+            let m = _mm256_set1_epi16(3);
+            let mut a = [_mm256_set1_epi16(1); 12];
+            let mut s = [_mm256_setzero_si256(); 12];
+            for _ in 0..std::hint::black_box(ITERS / 1024) {
+                // Opaque to the optimizer once per 1024 rounds, so that no round is folded.
+                a = std::hint::black_box(a);
+                for _ in 0..1024 {
+                    for (s, a) in s.iter_mut().zip(&a) {
+                        *s = _mm256_add_epi32(*s, _mm256_madd_epi16(*a, m));
+                    }
+                }
+                s = std::hint::black_box(s);
+            }
+            let v = s
+                .iter()
+                .fold(_mm256_setzero_si256(), |t, v| _mm256_add_epi32(t, *v));
+            _mm256_extract_epi32::<0>(v)
+        }
+        let lanes: u64 = match maxc_kernels::isa::isa() {
+            maxc_kernels::isa::Isa::Avx512 => 16,
+            maxc_kernels::isa::Isa::Avx2 => 8,
+            maxc_kernels::isa::Isa::Baseline => return None,
+        };
+        let threads = maxc_kernels::pool::threads();
+        let reps = (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                maxc_kernels::pool::run(threads, &|_| {
+                    // SAFETY: the kernels' instruction set, which this CPU has.
+                    let r = unsafe {
+                        if lanes == 16 {
+                            avx512()
+                        } else {
+                            avx2()
+                        }
+                    };
+                    std::hint::black_box(r);
+                });
+                t.elapsed().as_secs_f64()
+            })
+            .collect();
+        // Two multiply-adds per 32-bit lane, two operations each.
+        return Some((threads as u64 * ITERS * 12 * lanes * 2 * 2) as f64 / median(reps));
     }
     #[allow(unreachable_code)]
     None

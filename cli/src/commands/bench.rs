@@ -9,7 +9,7 @@
 //! ratios.
 
 use anyhow::Result;
-use maxc_runtime::bench::{bandwidth, fma_peak, gemm_flops, peak_rss, reset_peak_rss};
+use maxc_runtime::bench::{bandwidth, fma_peak, gemm_flops, int16_peak, peak_rss, reset_peak_rss};
 use maxc_runtime::profile::kernel_cost;
 use maxc_runtime::Session;
 use serde_json::{json, Value};
@@ -109,6 +109,7 @@ pub fn run(args: Args) -> Result<()> {
     let rounds = args.rounds as usize;
     let mut probes = Probes::default();
     let peak = fma_peak();
+    let int_peak = int16_peak();
     let mut rows: Vec<Value> = Vec::new();
     let mut seq = 0u64;
 
@@ -171,7 +172,7 @@ pub fn run(args: Args) -> Result<()> {
         }
         let mut next: Vec<[i64; 1]> = (0..batch).map(|b| [(b as i64 * 17 + 5) % vocab]).collect();
         let (mut times, mut ratios, mut bws) = (vec![], vec![], vec![]);
-        let mut bytes = 0u64;
+        let (mut bytes, mut flops) = (0u64, 0u64);
         for round in 0..rounds {
             let bw = probes.bandwidth();
             let mut round_times = Vec::new();
@@ -181,7 +182,7 @@ pub fn run(args: Args) -> Result<()> {
                 let t = Instant::now();
                 let l = engine.step(&chunks)?;
                 round_times.push(t.elapsed().as_secs_f64());
-                bytes = step_cost(&engine).0;
+                (bytes, flops) = step_cost(&engine);
                 for (b, n) in next.iter_mut().enumerate() {
                     n[0] = maxc_runtime::sampling::argmax(l.row(b)) as i64
                         ^ ((round * args.steps + step) as i64 & 1);
@@ -195,6 +196,18 @@ pub fn run(args: Args) -> Result<()> {
             engine.release(*s);
         }
         let s = median(times);
+        // The compute ceiling of the kernels most matmuls take at this batch: the 16-bit dot
+        // product's where they run on 16-bit activations, else the f32 FMA's.
+        let plans = engine.engine().cpu_matmul_plans().unwrap_or_default();
+        let on_int16 = plans
+            .iter()
+            .filter(|(_, p)| p.path(batch) == maxc_runtime::kernels::matmul::Path::I16Stream)
+            .count();
+        let (ceiling, ceiling_ops) = if 2 * on_int16 > plans.len() {
+            ("int16_dot_peak", int_peak)
+        } else {
+            ("fma_peak", peak)
+        };
         rows.push(json!({
             "name": format!("decode_b{batch}"),
             "tokens_per_s": batch as f64 / s,
@@ -204,6 +217,11 @@ pub fn run(args: Args) -> Result<()> {
             "roofline": "bandwidth_probe",
             "probe_gbs": median(bws) / 1e9,
             "roofline_ratio": median(ratios),
+            "flop_per_step": flops,
+            "achieved_gflops": flops as f64 / s / 1e9,
+            "compute_ceiling": ceiling,
+            "compute_ceiling_gops": ceiling_ops.map(|p| p / 1e9),
+            "compute_ratio": ceiling_ops.map(|p| flops as f64 / s / p),
         }));
     }
     // Every measurement ran; the probes' medians are the machine's.
@@ -234,7 +252,7 @@ pub fn run(args: Args) -> Result<()> {
         "load_s": median(loads.clone()),
         "rounds": rounds,
         "peak_rss_bytes": probes.peak_rss(),
-        "probes": {"bandwidth_gbs": bw / 1e9, "gemm_gflops": gemm / 1e9, "fma_peak_gflops": peak.map(|p| p / 1e9)},
+        "probes": {"bandwidth_gbs": bw / 1e9, "gemm_gflops": gemm / 1e9, "fma_peak_gflops": peak.map(|p| p / 1e9), "int16_dot_peak_gops": int_peak.map(|p| p / 1e9)},
         "measurements": rows,
     });
     if args.json {
@@ -250,10 +268,12 @@ pub fn run(args: Args) -> Result<()> {
     );
     println!(
         "probes (medians; each ratio is the median of {rounds} rounds, each over the probe just \
-         before it): memory bandwidth {:.1} GB/s, f32 GEMM {:.1} GFLOP/s, f32 FMA peak {}",
+         before it): memory bandwidth {:.1} GB/s, f32 GEMM {:.1} GFLOP/s, f32 FMA peak {}, \
+         16-bit dot-product peak {}",
         bw / 1e9,
         gemm / 1e9,
-        peak.map_or("unknown".into(), |p| format!("{:.1} GFLOP/s", p / 1e9))
+        peak.map_or("unknown".into(), |p| format!("{:.1} GFLOP/s", p / 1e9)),
+        int_peak.map_or("unknown".into(), |p| format!("{:.1} GOP/s", p / 1e9))
     );
     println!(
         "load {:.3} s (files cached), peak resident memory {}",
@@ -281,11 +301,16 @@ pub fn run(args: Args) -> Result<()> {
             );
         } else {
             println!(
-                "{name:<12} {:>9.1} tokens/s  {:>8.2} ms/step  {:>7.1} GB/s     {:>5.2} of the bandwidth probe",
+                "{name:<12} {:>9.1} tokens/s  {:>8.2} ms/step  {:>7.1} GB/s     {:>5.2} of the bandwidth probe, {:>5.2} of the {}",
                 f("tokens_per_s"),
                 f("step_ms"),
                 f("achieved_gbs"),
-                f("roofline_ratio")
+                f("roofline_ratio"),
+                f("compute_ratio"),
+                match r["compute_ceiling"].as_str() {
+                    Some("int16_dot_peak") => "16-bit dot-product peak",
+                    _ => "FMA peak",
+                }
             );
         }
     }
