@@ -4,6 +4,7 @@
 # fidelity of maxc's decode activations.
 #
 #   bash scripts/bench-peers.sh [GGUF]      (default: the SmolLM2 Q4_1 file of scripts/fetch-smollm2.sh)
+#   VARIANTS= bash scripts/bench-peers.sh "$(bash scripts/fetch-gemma3.sh)"   (Gemma 3 270M Q4_K_M alone)
 #
 # llama.cpp comes from PyPI's llama-cpp-python source distribution (its vendored llama.cpp),
 # built once with CMake (from PyPI too) into .tools/peers by scripts/llama-cpp.sh. The variants
@@ -11,12 +12,12 @@
 # are made from GGUF with llama.cpp's own llama-quantize, so both engines read the very same
 # files. llama-bench reports prefill (pp128) and decode (tg64) means over 3 repetitions; maxc
 # bench the median of its prefill_128 and decode_b1 steps (decode after a 16-token prompt) with
-# its default activations (`auto`), and decode again with `--activations i16` and `q8` (8-bit
-# activations, as llama.cpp computes).
+# its default activations (f32, exact), and decode again with `--activations i16` (16-bit
+# integer activations) and `q8` (8-bit, as llama.cpp computes).
 #
-# Fidelity: the largest |logit difference| over a 16-token prompt run as decode steps, of the
-# default and of i16 and q8 against `--activations f32` on the same artifact (the exact product
-# of the stored weights: within 2e-3 of the dequantized reference, see cli/tests/quantized.rs).
+# Fidelity: the largest |logit difference| over a 16-token prompt run as decode steps, of i16
+# and q8 against the default f32 activations on the same artifact (the exact product of the
+# stored weights: within 2e-3 of the dequantized reference, see cli/tests/quantized.rs).
 #
 # ISA=avx2 compares AVX2 kernels on a machine that has AVX-512 too: maxc with MAXC_CPU_ISA=avx2,
 # llama.cpp built for AVX2 (LLAMA_ISA=avx2 of scripts/llama-cpp.sh). Not part of CI: it builds
@@ -45,7 +46,8 @@ fi
 # The variants, made by llama-quantize from the given file.
 base=$(basename "$gguf" .gguf)
 files=("$gguf")
-for t in Q8_0 BF16 F32 Q4_K_M Q5_K_M Q6_K Q5_0; do
+# VARIANTS (space-separated llama-quantize types; empty: the given file alone).
+for t in ${VARIANTS-Q8_0 BF16 F32 Q4_K_M Q5_K_M Q6_K Q5_0}; do
   out="$peers/$base.$t.gguf"
   if [ ! -f "$out" ]; then
     "$quantize" --allow-requantize "$gguf" "$out" "$t" >/dev/null 2>&1
@@ -69,7 +71,7 @@ for f in "${files[@]}"; do
   "$maxc" compile "$f" --out "$art" --weights keep --max-batch-size 1 --max-seq-len 512 \
     --max-batch-input-tokens 512 --force --quiet
   # The fidelity of each activation format against f32 activations (deterministic: once).
-  for a in f32 auto i16 q8; do
+  for a in f32 i16 q8; do
     "$maxc" run "$art" --tokens 1,504,3458,282,253,5458,30,378,314,1345,17,216,2123,28,563,4071 \
       --step-tokens 1 --activations "$a" --dump-logits "$scratch/$a.safetensors" >/dev/null
   done
@@ -86,7 +88,7 @@ def logits(path):
         return v
 exact = logits(f"{sys.argv[2]}/f32.safetensors")
 diff = lambda a: max(abs(x - y) for x, y in zip(logits(f"{sys.argv[2]}/{a}.safetensors"), exact))
-print(json.dumps([sys.argv[1], diff("auto"), diff("i16"), diff("q8")]))
+print(json.dumps([sys.argv[1], diff("i16"), diff("q8")]))
 EOF2
 done
 for round in $(seq "$rounds"); do
@@ -119,15 +121,15 @@ for line in open(sys.argv[1]):
     rows.setdefault(name, []).append(v)
 fid = {l[0]: l[1:] for l in map(json.loads, open(sys.argv[3]))}
 print(f"medians of {sys.argv[2]} interleaved rounds (tokens/s); ratios against llama.cpp; "
-      "fidelity: max |logit diff| against f32 activations")
-print(f"{'file':<34} {'llama pp128':>11} {'maxc pp128':>10} {'ratio':>6} {'llama tg':>9} "
-      f"{'maxc tg':>8} {'ratio':>6} {'fidelity':>9} {'tg i16':>7} {'ratio':>6} {'fidelity':>9} "
+      "fidelity: max |logit diff| against f32 activations (the default)")
+print(f"{'file':<38} {'llama pp128':>11} {'maxc pp128':>10} {'ratio':>6} {'llama tg':>9} "
+      f"{'maxc tg':>8} {'ratio':>6} {'tg i16':>7} {'ratio':>6} {'fidelity':>9} "
       f"{'tg q8':>7} {'ratio':>6} {'fidelity':>9}")
 for name, rs in rows.items():
     med = lambda i: st.median(r[i] for r in rs)
     ratio = lambda i, j: st.median(r[i] / r[j] for r in rs)
-    fa, fi, f8 = fid[name]
-    print(f"{name:<34} {med(0):11.1f} {med(1):10.1f} {ratio(1, 0):5.2f}x {med(2):9.1f} "
-          f"{med(3):8.1f} {ratio(3, 2):5.2f}x {fa:9.2g} {med(4):7.1f} {ratio(4, 2):5.2f}x {fi:9.2g} "
+    fi, f8 = fid[name]
+    print(f"{name:<38} {med(0):11.1f} {med(1):10.1f} {ratio(1, 0):5.2f}x {med(2):9.1f} "
+          f"{med(3):8.1f} {ratio(3, 2):5.2f}x {med(4):7.1f} {ratio(4, 2):5.2f}x {fi:9.2g} "
           f"{med(5):7.1f} {ratio(5, 2):5.2f}x {f8:9.2g}")
 EOF2

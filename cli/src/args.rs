@@ -58,11 +58,11 @@ pub struct ActivationArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub threads: Option<u32>,
     /// Activations of the CPU's matmuls on block-format weights (Q4_1, Q8_0, K-quants, ...) in
-    /// decode steps: auto (i16 on AVX2 CPUs, f32 on AVX-512 ones: the fastest measured within
-    /// 0.05 of the exact logits), f32 (the interpreter's arithmetic), i16 (16 bits per 32
-    /// values and integer dot products) or q8 (8 bits, as llama.cpp: faster on AVX2, logits
-    /// further from the reference). Float weights, prefill and other CPUs keep f32.
-    #[arg(long, default_value = "auto", value_name = "auto|f32|i16|q8")]
+    /// decode steps: f32 (the interpreter's arithmetic), i16 (16 bits per 32 values and
+    /// integer dot products: SmolLM2's logits within 0.01, Gemma 3's within 0.09) or q8 (8
+    /// bits, as llama.cpp: faster on AVX2, logits further from the reference, 1-12). Float
+    /// weights, prefill and other CPUs keep f32.
+    #[arg(long, default_value = "f32", value_name = "f32|i16|q8")]
     pub activations: maxc_runtime::kernels::options::Activations,
 }
 

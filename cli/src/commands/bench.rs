@@ -235,13 +235,7 @@ pub fn run(args: Args) -> Result<()> {
     } else {
         median(probes.gemm.clone())
     };
-    let act = args.activations.activations;
-    let resolved = act.resolve(maxc_runtime::kernels::isa::isa());
-    let activations = if resolved == act {
-        act.name().to_string()
-    } else {
-        format!("{} ({})", act.name(), resolved.name())
-    };
+    let activations = args.activations.activations.name();
     let report = json!({
         "artifact": args.artifact.display().to_string(),
         "role": args.role,

@@ -4,13 +4,10 @@
 /// How activations meet block-format weights in steps of a few rows (decode).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Activations {
-    /// The fastest measured of those within the default fidelity (max |logit diff| 0.05 from
-    /// the exact product) on this instruction set: [`Activations::I16`] on AVX2 CPUs,
-    /// [`Activations::F32`] on AVX-512 ones, whose f32 register tiles on blocks run as fast
-    /// (the default; measured in the README).
+    /// As f32, accumulated in f32: the interpreter's arithmetic in another order (the
+    /// default: exact wherever the model's activations range, which 16-bit ones are not for
+    /// every model, see [`Activations::I16`]).
     #[default]
-    Auto,
-    /// As f32, accumulated in f32: the interpreter's arithmetic in another order.
     F32,
     /// Quantized to 8 bits per 32 values (one f32 scale each) and multiplied with the weights'
     /// integers in integer arithmetic: faster where the CPU has AVX2, at the cost of
@@ -19,25 +16,18 @@ pub enum Activations {
     Q8,
     /// Quantized to 16 bits per 32 values (one f32 scale each) and multiplied with the
     /// weights' integers in integer arithmetic: a rounding error of at most `max|x| / 65534`
-    /// per value (measured in the README). CPUs without AVX2, float weights and steps of more
-    /// than [`STREAM_MAX_ROWS`](crate::matmul::STREAM_MAX_ROWS) rows keep f32 activations.
+    /// per value, relative to the group's largest, so a group with one outlier (Gemma 3's
+    /// activations have them) rounds its small values coarsely: SmolLM2's logits move
+    /// 0.005-0.01 from f32 activations, Gemma 3 270M's 0.06-0.09 (measured in the README).
+    /// CPUs without AVX2, float weights and steps of more than
+    /// [`STREAM_MAX_ROWS`](crate::matmul::STREAM_MAX_ROWS) rows keep f32 activations.
     I16,
 }
 
 impl Activations {
-    /// What [`Activations::Auto`] stands for on `isa` (the others stand for themselves).
-    pub fn resolve(self, isa: crate::isa::Isa) -> Activations {
-        match (self, isa) {
-            (Activations::Auto, crate::isa::Isa::Avx2) => Activations::I16,
-            (Activations::Auto, _) => Activations::F32,
-            (a, _) => a,
-        }
-    }
-
     /// The name the command line takes.
     pub fn name(self) -> &'static str {
         match self {
-            Activations::Auto => "auto",
             Activations::F32 => "f32",
             Activations::Q8 => "q8",
             Activations::I16 => "i16",
@@ -49,12 +39,11 @@ impl std::str::FromStr for Activations {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
-            "auto" => Ok(Activations::Auto),
             "f32" => Ok(Activations::F32),
             "q8" => Ok(Activations::Q8),
             "i16" => Ok(Activations::I16),
             _ => Err(format!(
-                "unknown activation format {s:?}: expected auto, f32, i16 or q8"
+                "unknown activation format {s:?}: expected f32, i16 or q8"
             )),
         }
     }
@@ -79,7 +68,7 @@ pub struct KernelOptions {
 impl Default for KernelOptions {
     fn default() -> Self {
         KernelOptions {
-            activations: Activations::Auto,
+            activations: Activations::F32,
             hand_kernels: true,
             block_tiles: true,
             packed_min_rows: None,

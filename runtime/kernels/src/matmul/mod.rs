@@ -497,7 +497,7 @@ impl Path {
 /// `opts`: the one decision both [`matmul`] and [`MatmulPlan`] read.
 fn path(dtype: DType, hand: &HandKernels, opts: &KernelOptions, isa: Isa, rows: usize) -> Path {
     let on = opts.hand_kernels;
-    let activations = opts.activations.resolve(isa);
+    let activations = opts.activations;
     #[cfg(target_arch = "x86_64")]
     if rows <= STREAM_MAX_ROWS && activations == Activations::Q8 && on && hand.q8.is_some() {
         return Path::Q8Stream;
@@ -1073,7 +1073,7 @@ mod tests {
         #[cfg(target_arch = "x86_64")]
         assert_eq!(
             q4k.describe(),
-            "rows 1-16: row streaming on 16-bit activations; 17+: hand-dequantized panels × f32 gemm"
+            "rows 1-16: hand row streaming; 17+: hand-dequantized panels × f32 gemm"
         );
     }
 
