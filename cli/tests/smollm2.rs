@@ -369,3 +369,66 @@ fn sixteen_bit_activations_stay_within_the_default_fidelity() {
         }
     }
 }
+
+/// A weights file of more than one checksum piece (the f32 SmolLM2's 538 MB: 33 pieces of
+/// 16 MiB) is checked piece by piece: one flipped byte is refused naming its piece and range,
+/// and a manifest whose piece list does not fit the file's size is refused naming the field.
+#[test]
+fn a_corrupt_piece_of_the_weights_is_named() {
+    let src = artifact();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("copy.maxc");
+    let copy = |from: &std::path::Path, to: &std::path::Path| {
+        for e in walk(from) {
+            let rel = e.strip_prefix(from).unwrap();
+            std::fs::create_dir_all(to.join(rel).parent().unwrap()).unwrap();
+            std::fs::copy(&e, to.join(rel)).unwrap();
+        }
+    };
+    copy(src, &dir);
+    let weights = dir.join("weights.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    bytes[(16 << 20) + 12345] ^= 0x40;
+    std::fs::write(&weights, &bytes).unwrap();
+    let err = Session::open(&dir, "decoder")
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("bytes 16777216..33554432 (piece 1)") && err.contains("chunk_sha256[1]"),
+        "{err}"
+    );
+    // The file restored, its manifest's piece list cut short.
+    bytes[(16 << 20) + 12345] ^= 0x40;
+    std::fs::write(&weights, &bytes).unwrap();
+    let manifest = dir.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&manifest).unwrap()).unwrap();
+    let pieces = m["files"]["weights.safetensors"]["chunk_sha256"]
+        .as_array_mut()
+        .unwrap();
+    assert_eq!(pieces.len(), 33);
+    pieces.pop();
+    std::fs::write(&manifest, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    let err = Session::open(&dir, "decoder")
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("chunk_sha256 lists 32 sums") && err.contains("33 pieces"),
+        "{err}"
+    );
+}
+
+fn walk(dir: &std::path::Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}

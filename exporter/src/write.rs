@@ -387,21 +387,52 @@ fn token_ids(config: &serde_json::Value, key: &str) -> Vec<i64> {
     }
 }
 
-/// A writer that hashes what passes through it.
+/// A writer that hashes what passes through it: whole, and in pieces of
+/// [`maxc_schema::manifest::CHECKSUM_CHUNK`] bytes.
 struct Hashing<W> {
     inner: W,
     sha: sha2::Sha256,
+    chunk: sha2::Sha256,
+    /// Bytes in `chunk` so far.
+    in_chunk: u64,
+    chunks: Vec<String>,
 }
 
 impl<W: Write> Write for Hashing<W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        use maxc_schema::manifest::CHECKSUM_CHUNK;
         let n = self.inner.write(buf)?;
         sha2::Digest::update(&mut self.sha, &buf[..n]);
+        let mut rest = &buf[..n];
+        while !rest.is_empty() {
+            let take = rest.len().min((CHECKSUM_CHUNK - self.in_chunk) as usize);
+            sha2::Digest::update(&mut self.chunk, &rest[..take]);
+            self.in_chunk += take as u64;
+            rest = &rest[take..];
+            if self.in_chunk == CHECKSUM_CHUNK {
+                let done = std::mem::take(&mut self.chunk);
+                self.chunks
+                    .push(maxc_schema::hex(&sha2::Digest::finalize(done)));
+                self.in_chunk = 0;
+            }
+        }
         Ok(n)
     }
     fn flush(&mut self) -> std::io::Result<()> {
         self.inner.flush()
     }
+}
+
+/// The sha256 of each [`maxc_schema::manifest::CHECKSUM_CHUNK`] bytes of `bytes`, where it
+/// is more than one piece.
+fn chunk_sums(bytes: &[u8]) -> Vec<String> {
+    if FileEntry::chunks_for(bytes.len() as u64) == 0 {
+        return Vec::new();
+    }
+    bytes
+        .chunks(maxc_schema::manifest::CHECKSUM_CHUNK as usize)
+        .map(sha256_hex)
+        .collect()
 }
 
 /// Writes the weights file, hashing it on the way out (no second read of a large file).
@@ -410,13 +441,24 @@ fn write_weights(path: &Path, weights: &StateDict) -> Result<FileEntry, ExportEr
     let mut out = Hashing {
         inner: std::io::BufWriter::new(file),
         sha: sha2::Digest::new(),
+        chunk: sha2::Digest::new(),
+        in_chunk: 0,
+        chunks: Vec::new(),
     };
     let bytes = write_safetensors_to(&mut out, weights, None)
         .map_err(|e| ExportError::Other(format!("{}: {e}", path.display())))?;
     out.flush().map_err(io(path))?;
+    let mut chunks = out.chunks;
+    if out.in_chunk > 0 {
+        chunks.push(maxc_schema::hex(&sha2::Digest::finalize(out.chunk)));
+    }
+    if FileEntry::chunks_for(bytes) == 0 {
+        chunks.clear();
+    }
     Ok(FileEntry {
         bytes,
         sha256: maxc_schema::hex(&sha2::Digest::finalize(out.sha)),
+        chunk_sha256: chunks,
     })
 }
 
@@ -455,6 +497,7 @@ fn write_dir(
             FileEntry {
                 bytes: bytes.len() as u64,
                 sha256: sha256_hex(bytes),
+                chunk_sha256: chunk_sums(bytes),
             },
         );
         total += bytes.len() as u64;
@@ -478,6 +521,7 @@ fn write_dir(
             FileEntry {
                 bytes: bytes.len() as u64,
                 sha256: sha256_hex(bytes),
+                chunk_sha256: chunk_sums(bytes),
             },
         );
         total += bytes.len() as u64;

@@ -4,8 +4,8 @@
 
 use crate::error::{Result, RuntimeError};
 use crate::schema::{
-    bincode_config, CpuModule, CudaModule, DType, Manifest, Program, ProgramEnv, StepDim,
-    StepLimits, WeightInfo, FORMAT_VERSION, MANIFEST_FILE, WEIGHTS_FILE,
+    bincode_config, manifest::FileEntry, CpuModule, CudaModule, DType, Manifest, Program,
+    ProgramEnv, StepDim, StepLimits, WeightInfo, FORMAT_VERSION, MANIFEST_FILE, WEIGHTS_FILE,
 };
 use memmap2::Mmap;
 use std::collections::BTreeMap;
@@ -95,9 +95,23 @@ fn weight_infos(index: &BTreeMap<String, WeightView>) -> BTreeMap<String, Weight
         .collect()
 }
 
+/// What a file's bytes hashed to: the whole, or each piece of
+/// [`CHECKSUM_CHUNK`](crate::schema::manifest::CHECKSUM_CHUNK) bytes.
+enum Sums {
+    Whole(String),
+    Pieces(Vec<String>),
+}
+
 /// `path`'s bytes, mapped, or read into huge pages where `memory` says so, with their sha256
-/// (hex); `bytes` is the size the manifest gives (checked before anything is read).
-fn load_file(path: &Path, memory: WeightMemory, bytes: u64) -> Result<(FileBytes, String)> {
+/// (hex), whole or in pieces (`pieces`, hashed on every CPU at once); `bytes` is the size the
+/// manifest gives (checked before anything is read).
+fn load_file(
+    path: &Path,
+    memory: WeightMemory,
+    bytes: u64,
+    pieces: bool,
+) -> Result<(FileBytes, Sums)> {
+    use crate::schema::manifest::CHECKSUM_CHUNK;
     let io = |source| RuntimeError::Io {
         path: path.into(),
         source,
@@ -110,20 +124,35 @@ fn load_file(path: &Path, memory: WeightMemory, bytes: u64) -> Result<(FileBytes
             format!("{len} bytes, the manifest says {bytes}"),
         ));
     }
+    let piece = CHECKSUM_CHUNK as usize;
     match memory {
         // SAFETY: read-only map of an artifact file; artifacts are not modified while served.
         WeightMemory::Mapped => {
             let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-            let sum = sha256_hex(&map);
-            Ok((FileBytes::Mapped(map), sum))
+            let sums = if pieces {
+                let bytes: &[u8] = &map;
+                Sums::Pieces(
+                    crate::hugemem::hash_pieces(map.len(), piece, &|from, to| Ok(&bytes[from..to]))
+                        .map_err(io)?,
+                )
+            } else {
+                Sums::Whole(sha256_hex(&map))
+            };
+            Ok((FileBytes::Mapped(map), sums))
         }
         WeightMemory::HugePages => {
             let len = usize::try_from(len).map_err(|_| {
                 RuntimeError::artifact(path, "larger than this machine's address space")
             })?;
-            crate::hugemem::HugeBuf::read_file_hashed(&file, len)
-                .map(|(b, sum)| (FileBytes::Read(b), sum))
-                .map_err(io)
+            if pieces {
+                crate::hugemem::HugeBuf::read_file_piece_hashed(&file, len, piece)
+                    .map(|(b, sums)| (FileBytes::Read(b), Sums::Pieces(sums)))
+                    .map_err(io)
+            } else {
+                crate::hugemem::HugeBuf::read_file_hashed(&file, len)
+                    .map(|(b, sum)| (FileBytes::Read(b), Sums::Whole(sum)))
+                    .map_err(io)
+            }
         }
     }
 }
@@ -202,12 +231,45 @@ impl Artifact {
             } else {
                 WeightMemory::Mapped
             };
-            let (map, sum) = load_file(&path, memory, entry.bytes)?;
-            if sum != entry.sha256 {
+            let want_pieces = FileEntry::chunks_for(entry.bytes);
+            if entry.chunk_sha256.len() != want_pieces {
                 return Err(RuntimeError::artifact(
-                    &path,
-                    format!("sha256 {sum} differs from the manifest's {}", entry.sha256),
+                    &manifest_path,
+                    format!(
+                        "file `{name}`: chunk_sha256 lists {} sums; a file of {} bytes has {want_pieces} pieces of {} bytes",
+                        entry.chunk_sha256.len(),
+                        entry.bytes,
+                        crate::schema::manifest::CHECKSUM_CHUNK
+                    ),
                 ));
+            }
+            let (map, sums) = load_file(&path, memory, entry.bytes, want_pieces > 0)?;
+            match sums {
+                Sums::Whole(sum) if sum != entry.sha256 => {
+                    return Err(RuntimeError::artifact(
+                        &path,
+                        format!("sha256 {sum} differs from the manifest's {}", entry.sha256),
+                    ));
+                }
+                Sums::Pieces(sums) => {
+                    let piece = crate::schema::manifest::CHECKSUM_CHUNK;
+                    if let Some((i, (got, want))) = sums
+                        .iter()
+                        .zip(&entry.chunk_sha256)
+                        .enumerate()
+                        .find(|(_, (g, w))| g != w)
+                    {
+                        return Err(RuntimeError::artifact(
+                            &path,
+                            format!(
+                                "bytes {}..{} (piece {i}) have sha256 {got}, the manifest's chunk_sha256[{i}] is {want}",
+                                i as u64 * piece,
+                                ((i as u64 + 1) * piece).min(entry.bytes)
+                            ),
+                        ));
+                    }
+                }
+                Sums::Whole(_) => {}
             }
             maps.insert(name.clone(), map);
         }

@@ -146,6 +146,28 @@ impl HugeBuf {
         Ok((buf, sum))
     }
 
+    /// As [`HugeBuf::read_file`], with the sha256 (hex) of each `piece` bytes (the last
+    /// shorter): every thread this process may run (the caller and [`piece_threads`] - 1
+    /// others) takes the next piece, reads it and hashes it, so the hash, the slowest part of a
+    /// load, runs on every CPU at once.
+    pub fn read_file_piece_hashed(
+        file: &std::fs::File,
+        len: usize,
+        piece: usize,
+    ) -> std::io::Result<(HugeBuf, Vec<String>)> {
+        let mut buf = HugeBuf::zeroed(len)?;
+        let base = Base(buf.as_mut_slice().as_mut_ptr());
+        let sums = hash_pieces(len, piece, &|from, to| {
+            use std::os::unix::fs::FileExt;
+            // SAFETY: each piece is one thread's alone (`hash_pieces` hands each out once)
+            // and lies inside the buffer.
+            let dst = unsafe { std::slice::from_raw_parts_mut(base.get().add(from), to - from) };
+            file.read_exact_at(dst, from as u64)?;
+            Ok(&*dst)
+        })?;
+        Ok((buf, sums))
+    }
+
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
         &self.map[self.start..self.start + self.len]
@@ -164,9 +186,83 @@ impl std::ops::Deref for HugeBuf {
     }
 }
 
+/// Threads [`hash_pieces`] runs on: every CPU this process may use, at most 8.
+pub fn piece_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 8)
+}
+
+/// The sha256 (hex) of each `piece` bytes of `len` (the last shorter), `fetch(from, to)`
+/// giving the bytes of each (reading them where they are not in memory yet), on
+/// [`piece_threads`] threads, the caller one of them, each taking the next piece. The first
+/// error stops the others at their next piece.
+pub fn hash_pieces<'a>(
+    len: usize,
+    piece: usize,
+    fetch: &(dyn Fn(usize, usize) -> std::io::Result<&'a [u8]> + Sync),
+) -> std::io::Result<Vec<String>> {
+    use sha2::Digest;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    let pieces = len.div_ceil(piece.max(1));
+    let next = AtomicUsize::new(0);
+    let sums: Mutex<Vec<String>> = Mutex::new(vec![String::new(); pieces]);
+    let failed: Mutex<Option<std::io::Error>> = Mutex::new(None);
+    let work = || loop {
+        let c = next.fetch_add(1, Ordering::Relaxed);
+        if c >= pieces {
+            return;
+        }
+        let (from, to) = (c * piece, ((c + 1) * piece).min(len));
+        match fetch(from, to) {
+            Ok(bytes) => {
+                let sum = maxc_schema::hex(&sha2::Sha256::digest(bytes));
+                sums.lock().unwrap_or_else(|p| p.into_inner())[c] = sum;
+            }
+            Err(e) => {
+                *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                next.store(pieces, Ordering::Relaxed);
+                return;
+            }
+        }
+    };
+    std::thread::scope(|s| {
+        for _ in 1..piece_threads().min(pieces.max(1)) {
+            s.spawn(work);
+        }
+        work();
+    });
+    if let Some(e) = failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+    Ok(sums.into_inner().unwrap_or_else(|p| p.into_inner()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every byte and the sha256 of each piece of a file of several pieces and a partial
+    /// one; a file shorter than asked is an error.
+    #[test]
+    fn a_piece_hashed_read_keeps_every_byte_and_gives_each_pieces_sha256() {
+        use sha2::Digest;
+        let (len, piece) = (3 * 65536 + 777, 65536);
+        let data: Vec<u8> = (0..len).map(|i| (i * 7919 % 251) as u8).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w");
+        std::fs::write(&path, &data).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let (buf, sums) = HugeBuf::read_file_piece_hashed(&file, len, piece).unwrap();
+        assert_eq!(&buf[..], &data[..]);
+        let want: Vec<String> = data
+            .chunks(piece)
+            .map(|c| maxc_schema::hex(&sha2::Sha256::digest(c)))
+            .collect();
+        assert_eq!(sums, want);
+        assert!(HugeBuf::read_file_piece_hashed(&file, len + 1, piece).is_err());
+    }
 
     /// Every byte and the sha256 of a file of several chunks and a partial one; a file shorter
     /// than asked is an error.

@@ -33,7 +33,7 @@ pub use manifest::{
 /// The artifact format this runtime reads and the exporter writes. Bumped on any change to a
 /// bincode type (bincode records no field names, so an older file cannot be read as a newer
 /// type); readers refuse every other version and ask for a recompile.
-pub const FORMAT_VERSION: u32 = 8;
+pub const FORMAT_VERSION: u32 = 9;
 
 /// Lowercase hex sha256 of `bytes`, as the manifest records files.
 pub fn sha256_hex(bytes: &[u8]) -> String {

@@ -18,6 +18,26 @@ pub struct FileEntry {
     pub bytes: u64,
     /// Lowercase hex sha256 of the content.
     pub sha256: String,
+    /// For files of more than one [`CHECKSUM_CHUNK`]: the sha256 of each consecutive piece of
+    /// that many bytes (the last one shorter), which a reader checks on every CPU at once
+    /// instead of the whole file's on one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub chunk_sha256: Vec<String>,
+}
+
+/// The bytes of each piece [`FileEntry::chunk_sha256`] hashes.
+pub const CHECKSUM_CHUNK: u64 = 16 << 20;
+
+impl FileEntry {
+    /// The pieces `chunk_sha256` should list for a file of `bytes` bytes (0 where the file
+    /// is one piece or less, and is checked whole).
+    pub fn chunks_for(bytes: u64) -> usize {
+        if bytes > CHECKSUM_CHUNK {
+            bytes.div_ceil(CHECKSUM_CHUNK) as usize
+        } else {
+            0
+        }
+    }
 }
 
 /// Batch limits the artifact was bounded for.
