@@ -22,6 +22,8 @@ fi
 bin=$(THREADS=$threads bash scripts/llama-cpp.sh "$gguf")
 # llama-completion (the non-interactive llama-cli) from the same build, once.
 if [ ! -x "$bin/llama-completion" ]; then
+  # (scripts/llama-cpp.sh put CMake from PyPI there where the machine has none.)
+  command -v cmake >/dev/null || export PATH="$(pwd)/$peers/cmake/bin:$PATH"
   build=$(dirname "$bin")
   cmake --build "$build" --target llama-completion -j "$threads" >&2
 fi
@@ -60,7 +62,7 @@ def theirs(f):
             "--temp", "0", "--simple-io"]
 # Into the page cache, and a first run of each that is not timed.
 for f in files:
-    for p in [f] + [os.path.join(art(f), n) for n in os.listdir(art(f))]:
+    for p in [f] + [os.path.join(d, n) for d, _, ns in os.walk(art(f)) for n in ns]:
         with open(p, "rb") as fh:
             while fh.read(1 << 24):
                 pass

@@ -62,6 +62,8 @@ maxc=target/release/maxc
 # and each ratio the median of the rounds' ratios (this machine's neighbours make single runs
 # noisy).
 rounds=${ROUNDS:-3}
+# PP: the prompt of the prefill measurement, 128 or 512 tokens.
+pp=${PP:-128}
 results=$(mktemp)
 fidelity=$(mktemp)
 scratch=$(mktemp -d)
@@ -94,26 +96,27 @@ done
 for round in $(seq "$rounds"); do
   for f in "${files[@]}"; do
     art="$peers/$(basename "$f" .gguf).maxc"
-    llama=$("$bin/llama-bench" -m "$f" -t "$threads" -p 128 -n 64 -r 3 -o json 2>/dev/null)
+    llama=$("$bin/llama-bench" -m "$f" -t "$threads" -p "$pp" -n 64 -r 3 -o json 2>/dev/null)
     ours=$("$maxc" bench "$art" --json --steps 64 --rounds 1)
     ours16=$("$maxc" bench "$art" --json --steps 64 --rounds 1 --activations i16)
     # 8-bit activations, as llama.cpp's (decode of block formats; the same kernels otherwise).
     ours8=$("$maxc" bench "$art" --json --steps 64 --rounds 1 --activations q8)
-    python3 - "$f" "$llama" "$ours" "$ours16" "$ours8" >> "$results" <<'EOF2'
+    python3 - "$f" "$llama" "$ours" "$ours16" "$ours8" "$pp" >> "$results" <<'EOF2'
 import json, os, sys
 name, llama, ours, ours16, ours8 = os.path.basename(sys.argv[1]), *map(json.loads, sys.argv[2:6])
-pp = next(r["avg_ts"] for r in llama if r["n_prompt"] == 128 and r["n_gen"] == 0)
+n = int(sys.argv[6])
+pp = next(r["avg_ts"] for r in llama if r["n_prompt"] == n and r["n_gen"] == 0)
 tg = next(r["avg_ts"] for r in llama if r["n_gen"] == 64 and r["n_prompt"] == 0)
 m = {r["name"]: r for r in ours["measurements"]}
 m16 = {r["name"]: r for r in ours16["measurements"]}
 m8 = {r["name"]: r for r in ours8["measurements"]}
-print(json.dumps([name, pp, m["prefill_128"]["tokens_per_s"], tg, m["decode_b1"]["tokens_per_s"],
+print(json.dumps([name, pp, m[f"prefill_{n}"]["tokens_per_s"], tg, m["decode_b1"]["tokens_per_s"],
                   m16["decode_b1"]["tokens_per_s"], m8["decode_b1"]["tokens_per_s"]]))
 EOF2
   done
 done
 echo "maxc: $("$maxc" bench "$peers/$(basename "${files[0]}" .gguf).maxc" --steps 1 --rounds 1 | head -n1)"
-python3 - "$results" "$rounds" "$fidelity" <<'EOF2'
+python3 - "$results" "$rounds" "$fidelity" "$pp" <<'EOF2'
 import json, statistics as st, sys
 rows = {}
 for line in open(sys.argv[1]):
@@ -122,7 +125,7 @@ for line in open(sys.argv[1]):
 fid = {l[0]: l[1:] for l in map(json.loads, open(sys.argv[3]))}
 print(f"medians of {sys.argv[2]} interleaved rounds (tokens/s); ratios against llama.cpp; "
       "fidelity: max |logit diff| against f32 activations (the default)")
-print(f"{'file':<38} {'llama pp128':>11} {'maxc pp128':>10} {'ratio':>6} {'llama tg':>9} "
+print(f"{'file':<38} {'llama pp' + sys.argv[4]:>11} {'maxc pp' + sys.argv[4]:>10} {'ratio':>6} {'llama tg':>9} "
       f"{'maxc tg':>8} {'ratio':>6} {'tg i16':>7} {'ratio':>6} {'fidelity':>9} "
       f"{'tg q8':>7} {'ratio':>6} {'fidelity':>9}")
 for name, rs in rows.items():

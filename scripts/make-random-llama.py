@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Writes a Llama-3.2-1B-shaped Hugging Face checkpoint of random bf16 weights (2.5 GB), for
-measuring memory at scale: config.json and one model.safetensors, written tensor by tensor so
-that the script itself never holds more than one tensor.
+measuring memory and speed at scale: config.json and one model.safetensors, written tensor by
+tensor so that the script itself never holds more than one tensor. `--qwen3` writes a
+Qwen3-0.6B-shaped one instead (1.2 GB: 28 layers of 1024, 16 query heads of 128 over 8 KV
+heads, q/k norms, a 151,936-piece vocabulary).
 
-    python3 scripts/make-random-llama.py OUT_DIR [--layers N]
+    python3 scripts/make-random-llama.py OUT_DIR [--layers N] [--qwen3]
 
 Needs numpy (scripts/install-py-test-deps.sh puts it in .tools/py). The values are normal with
 std 0.02 (norm weights 1.0), from a fixed seed: the same bytes on every run.
@@ -17,14 +19,21 @@ import numpy as np
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
-p.add_argument("--layers", type=int, default=16)
+p.add_argument("--layers", type=int)
+p.add_argument("--qwen3", action="store_true")
 args = p.parse_args()
 
-hidden, ffn, heads, kv_heads, vocab = 2048, 8192, 32, 8, 128256
-head_dim = hidden // heads
+if args.qwen3:
+    hidden, ffn, heads, kv_heads, vocab, head_dim = 1024, 3072, 16, 8, 151936, 128
+    layers = args.layers or 28
+else:
+    hidden, ffn, heads, kv_heads, vocab = 2048, 8192, 32, 8, 128256
+    head_dim = hidden // heads
+    layers = args.layers or 16
+args.layers = layers
 config = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
+    "architectures": ["Qwen3ForCausalLM" if args.qwen3 else "LlamaForCausalLM"],
+    "model_type": "qwen3" if args.qwen3 else "llama",
     "hidden_size": hidden,
     "intermediate_size": ffn,
     "num_hidden_layers": args.layers,
@@ -41,6 +50,9 @@ config = {
     "bos_token_id": 128000,
     "eos_token_id": 128001,
 }
+if args.qwen3:
+    config.update({"rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+                   "bos_token_id": 151643, "eos_token_id": 151645})
 
 shapes = {"model.embed_tokens.weight": [vocab, hidden], "model.norm.weight": [hidden]}
 for i in range(args.layers):
@@ -54,6 +66,9 @@ for i in range(args.layers):
     shapes[pre + "mlp.gate_proj.weight"] = [ffn, hidden]
     shapes[pre + "mlp.up_proj.weight"] = [ffn, hidden]
     shapes[pre + "mlp.down_proj.weight"] = [hidden, ffn]
+    if args.qwen3:
+        shapes[pre + "self_attn.q_norm.weight"] = [head_dim]
+        shapes[pre + "self_attn.k_norm.weight"] = [head_dim]
 
 header, offset = {}, 0
 for key in sorted(shapes):

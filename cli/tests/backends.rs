@@ -588,14 +588,16 @@ every_backend!(tiny_mistral_swa, "tiny-mistral-swa", GraphRole::Decoder, "");
 every_backend!(tiny_phi3, "tiny-phi3", GraphRole::Decoder, "");
 every_backend!(tiny_gemma3, "tiny-gemma3", GraphRole::Decoder, "");
 
-/// The Qwen, Phi-3, Gemma 3 and DeepSeek families as GGUF files (`general.architecture`
-/// `qwen2`, `qwen3`, `qwen3moe`, `phi3`, `gemma3`, `deepseek2`: q and k as the converter leaves them, q/k norms
+/// The Llama, Qwen, Phi-3, Gemma 3 and DeepSeek families as GGUF files (`general.architecture`
+/// `llama`, `qwen2`, `qwen3`, `qwen3moe`, `phi3`, `gemma3`, `deepseek2`: q and k as the converter leaves them, q/k norms
 /// renamed back, Qwen3-MoE's experts stacked per projection and split back, Phi-3's fused
 /// projections kept fused with its rotary width and longrope factors from the file, Gemma's
 /// norms with their `+ 1` stored) give the fixture's logits, as their Hugging Face checkpoints
 /// do.
 mod gguf_families {
     use super::*;
+    // (`llama`: q and k rows permuted to adjacent pairs by the converter, permuted back.)
+    suite!(tiny_llama, "tiny-llama", GraphRole::Decoder, "", Kind::Gguf);
     suite!(tiny_qwen2, "tiny-qwen2", GraphRole::Decoder, "", Kind::Gguf);
     suite!(tiny_qwen3, "tiny-qwen3", GraphRole::Decoder, "", Kind::Gguf);
     suite!(

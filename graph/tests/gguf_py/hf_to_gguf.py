@@ -1,10 +1,10 @@
 """A Hugging Face fixture (config.json + bf16 model.safetensors) written as GGUF the way
-llama.cpp's convert_hf_to_gguf.py writes it for the Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 3 and
-DeepSeek-V3 families, without torch (which the converter imports and CI does not install): gguf-py's own
+llama.cpp's convert_hf_to_gguf.py writes it for the Llama (q/k rows permuted to adjacent pairs,
+as LlamaModel.permute), Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 3 and DeepSeek-V3 families, without torch (which the converter imports and CI does not install): gguf-py's own
 GGUFWriter, its tensor-name map for the architecture (the table the converter renames with), the
 metadata keys the converter's Qwen2Model/Qwen3Model/Qwen3MoeModel/Phi3MiniModel/Gemma3Model set,
 the weights kept in bf16 (1-D ones, norms and biases, in f32 as the converter writes them), and
-q/k left unpermuted (the converter permutes only for `llama`).
+q/k left unpermuted but for `llama` (as the converter).
 
 Per family, as the converter does:
 - Gemma 3: norm weights written as f32 with their `+ 1` added (the converter adds in the
@@ -53,6 +53,7 @@ legacy_kv_b = "--kv-b" in sys.argv[3:]
 dummy_vocab = "--dummy-vocab" in sys.argv[3:]
 cfg = json.load(open(f"{src}/config.json"))
 arch_name = {
+    "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3moe",
@@ -61,6 +62,7 @@ arch_name = {
     "DeepseekV3ForCausalLM": "deepseek2",
 }[cfg["architectures"][0]]
 arch = {
+    "llama": gguf.MODEL_ARCH.LLAMA,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
     "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
@@ -163,6 +165,9 @@ else:
         w.add_value_length(cfg["head_dim"])
     if arch_name == "qwen3moe":
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if arch_name == "llama":
+        # LlamaModel.set_gguf_parameters.
+        w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     if arch_name == "gemma3":
         w.add_sliding_window(cfg["sliding_window"])
         rope = cfg["rope_parameters"]["full_attention"]
@@ -231,6 +236,13 @@ for key in sorted(header):
     if name is None and arch_name == "qwen3moe":
         name = dense_names.get_name(key, try_suffixes=(".weight", ".bias"))
     assert name is not None, key
+    if arch_name == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
+        # LlamaModel.permute: each head's rows from rotate-half to adjacent pairs.
+        n_head = cfg["num_attention_heads"]
+        if key.endswith("k_proj.weight"):
+            n_head = cfg["num_key_value_heads"]
+        raw = (raw.reshape(n_head, 2, raw.shape[0] // n_head // 2, *raw.shape[1:])
+               .swapaxes(1, 2).reshape(raw.shape))
     if arch_name == "gemma3" and key.endswith("norm.weight"):
         values = (raw.astype(np.uint32) << 16).view(np.float32) + np.float32(1.0)
         w.add_tensor(name, values)
