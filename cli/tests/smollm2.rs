@@ -44,20 +44,24 @@ fn fetch() -> PathBuf {
 }
 
 fn artifact() -> &'static PathBuf {
-    static DIR: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    &DIR.get_or_init(|| compiled(DType::F32.into())).1
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| compiled(DType::F32.into(), "f32"))
 }
 
 /// The GGUF's Q4_1 and Q8_0 blocks kept as stored.
 fn blocks_artifact() -> &'static PathBuf {
-    static DIR: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    &DIR.get_or_init(|| compiled(WeightFormat::Keep)).1
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| compiled(WeightFormat::Keep, "blocks"))
 }
 
-fn compiled(weights: WeightFormat) -> (tempfile::TempDir, PathBuf) {
+/// Compiled into a folder of cargo's test scratch space that each run of this test binary
+/// replaces (a temporary directory held by a static is never removed: these are 100-500 MB).
+fn compiled(weights: WeightFormat, name: &str) -> PathBuf {
     {
-        let tmp = tempfile::tempdir().unwrap();
-        let out = tmp.path().join("smollm2.maxc");
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("smollm2-{name}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = dir.join("smollm2.maxc");
         let mut rt = ModuleRuntime::default();
         rt.batch.max_batch_size = 2;
         rt.batch.max_seq_len = 128;
@@ -77,7 +81,7 @@ fn compiled(weights: WeightFormat) -> (tempfile::TempDir, PathBuf) {
             stop_after_rewrites: None,
         };
         compile(&gguf(), &out, &opts, &mut |_| {}).expect("SmolLM2 compiles");
-        (tmp, out)
+        out
     }
 }
 
