@@ -127,6 +127,30 @@ pub fn gemm_flops() -> f64 {
     2.0 * (n * n * n) as f64 / median(reps)
 }
 
+/// 32-bit lanes of the vectors the kernels run (`MAXC_CPU_ISA` included), where they are
+/// vectors at all.
+fn vector_lanes() -> Option<u64> {
+    match maxc_kernels::isa::isa() {
+        maxc_kernels::isa::Isa::Avx512 => Some(16),
+        maxc_kernels::isa::Isa::Avx2 => Some(8),
+        maxc_kernels::isa::Isa::Baseline => None,
+    }
+}
+
+/// Runs `kernel` on every executor thread at once, 5 times: the threads, and the median
+/// seconds of a run.
+fn on_every_thread(kernel: &(dyn Fn() + Sync)) -> (u64, f64) {
+    let threads = maxc_kernels::pool::threads();
+    let reps = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            maxc_kernels::pool::run(threads, &|_| kernel());
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    (threads as u64, median(reps))
+}
+
 /// FLOP per second of independent f32 FMAs in registers on every executor thread (median of
 /// 5), where the CPU has AVX-512F or AVX2 + FMA.
 pub fn fma_peak() -> Option<f64> {
@@ -176,30 +200,12 @@ pub fn fma_peak() -> Option<f64> {
             };
             out.iter().sum()
         }
-        let lanes = match maxc_kernels::isa::isa() {
-            maxc_kernels::isa::Isa::Avx512 => 16,
-            maxc_kernels::isa::Isa::Avx2 => 8,
-            maxc_kernels::isa::Isa::Baseline => return None,
-        };
-        let threads = maxc_kernels::pool::threads();
-        let reps = (0..5)
-            .map(|_| {
-                let t = Instant::now();
-                maxc_kernels::pool::run(threads, &|_| {
-                    // SAFETY: the features were detected above.
-                    let r = unsafe {
-                        if lanes == 16 {
-                            avx512()
-                        } else {
-                            avx2()
-                        }
-                    };
-                    std::hint::black_box(r);
-                });
-                t.elapsed().as_secs_f64()
-            })
-            .collect();
-        return Some((threads as u64 * ITERS * 12 * lanes * 2) as f64 / median(reps));
+        let lanes = vector_lanes()?;
+        // SAFETY: the kernels' instruction set, which this CPU has.
+        let (threads, s) = on_every_thread(&|| unsafe {
+            std::hint::black_box(if lanes == 16 { avx512() } else { avx2() });
+        });
+        return Some((threads * ITERS * 12 * lanes * 2) as f64 / s);
     }
     #[allow(unreachable_code)]
     None
@@ -254,31 +260,13 @@ pub fn int16_peak() -> Option<f64> {
                 .fold(_mm256_setzero_si256(), |t, v| _mm256_add_epi32(t, *v));
             _mm256_extract_epi32::<0>(v)
         }
-        let lanes: u64 = match maxc_kernels::isa::isa() {
-            maxc_kernels::isa::Isa::Avx512 => 16,
-            maxc_kernels::isa::Isa::Avx2 => 8,
-            maxc_kernels::isa::Isa::Baseline => return None,
-        };
-        let threads = maxc_kernels::pool::threads();
-        let reps = (0..5)
-            .map(|_| {
-                let t = Instant::now();
-                maxc_kernels::pool::run(threads, &|_| {
-                    // SAFETY: the kernels' instruction set, which this CPU has.
-                    let r = unsafe {
-                        if lanes == 16 {
-                            avx512()
-                        } else {
-                            avx2()
-                        }
-                    };
-                    std::hint::black_box(r);
-                });
-                t.elapsed().as_secs_f64()
-            })
-            .collect();
+        let lanes = vector_lanes()?;
+        // SAFETY: the kernels' instruction set, which this CPU has.
+        let (threads, s) = on_every_thread(&|| unsafe {
+            std::hint::black_box(if lanes == 16 { avx512() } else { avx2() });
+        });
         // Two multiply-adds per 32-bit lane, two operations each.
-        return Some((threads as u64 * ITERS * 12 * lanes * 2 * 2) as f64 / median(reps));
+        return Some((threads * ITERS * 12 * lanes * 2 * 2) as f64 / s);
     }
     #[allow(unreachable_code)]
     None

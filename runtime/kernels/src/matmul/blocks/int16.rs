@@ -653,33 +653,7 @@ mod tests {
         }
     }
 
-    /// Blocks of `dtype` from a byte pattern, with small finite scales (as the other kernels'
-    /// tests make them).
-    fn weights(dtype: DType, n: usize, k: usize) -> Vec<u8> {
-        let (elems, size) = dtype.block();
-        let mut w: Vec<u8> = (0..n * k / elems * size)
-            .map(|i| ((i * 73) % 256) as u8)
-            .collect();
-        for (i, b) in w.chunks_exact_mut(size).enumerate() {
-            let d = if dtype == DType::Q6K { size - 2 } else { 0 };
-            b[d..d + 2]
-                .copy_from_slice(&half::f16::from_f32(0.01 * (1 + i % 5) as f32).to_le_bytes());
-            if matches!(dtype, DType::Q4_1 | DType::Q5_1) {
-                b[2..4].copy_from_slice(&half::f16::from_f32(-0.05).to_le_bytes());
-            }
-            if matches!(dtype, DType::Q4K | DType::Q5K) {
-                b[2..4].copy_from_slice(&half::f16::from_f32(0.02).to_le_bytes());
-            }
-            if dtype == DType::Q6K {
-                // Sub-block scales at both ends of their range (−128 and 127) among others.
-                b[192..208].copy_from_slice(&[
-                    0x80, 0x7F, 3, 0xFD, 0x80, 0x80, 0x7F, 0x7F, 1, 0, 0xFF, 64, 0xC0, 17, 0x81,
-                    100,
-                ]);
-            }
-        }
-        w
-    }
+    use super::super::int8::tests::weights;
 
     fn run(
         isa: Isa,

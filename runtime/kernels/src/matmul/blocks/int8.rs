@@ -387,7 +387,7 @@ pub(super) unsafe fn stream<B: Bytes>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use maxc_schema::DType;
 
@@ -398,8 +398,9 @@ mod tests {
     }
 
     /// Blocks of `dtype` from a byte pattern, with small finite scales (as the f32 kernels'
-    /// test makes them).
-    fn weights(dtype: DType, n: usize, k: usize) -> Vec<u8> {
+    /// test makes them), Q6_K's sub-block scales at both ends of their range (−128 and 127)
+    /// among others (also the 16-bit kernels' test weights).
+    pub(crate) fn weights(dtype: DType, n: usize, k: usize) -> Vec<u8> {
         let (elems, size) = dtype.block();
         let mut w: Vec<u8> = (0..n * k / elems * size)
             .map(|i| ((i * 73) % 256) as u8)
@@ -413,6 +414,12 @@ mod tests {
             }
             if matches!(dtype, DType::Q4K | DType::Q5K) {
                 b[2..4].copy_from_slice(&half::f16::from_f32(0.02).to_le_bytes());
+            }
+            if dtype == DType::Q6K {
+                b[192..208].copy_from_slice(&[
+                    0x80, 0x7F, 3, 0xFD, 0x80, 0x80, 0x7F, 0x7F, 1, 0, 0xFF, 64, 0xC0, 17, 0x81,
+                    100,
+                ]);
             }
         }
         w
