@@ -26,6 +26,7 @@ fn runtime() -> ModuleRuntime {
     rt.kv = KvCacheParams {
         page_size: 16,
         num_pages: None,
+        dtype: Default::default(),
     };
     rt
 }

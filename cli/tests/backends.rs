@@ -15,6 +15,10 @@ use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 
 const TOL: f32 = 1e-3;
+/// How far a bf16 or q8_0 KV cache may move the tiny fixtures' logits from an f32 cache's.
+const KV_NEAR: f32 = 0.1;
+/// How far the artifact's logits may be from the interpreter's with the same KV dtype.
+const KV_SAME: f32 = 5e-3;
 const PAGE: usize = 16;
 const MAX_LEN: usize = 160;
 
@@ -26,6 +30,7 @@ fn runtime() -> ModuleRuntime {
     rt.kv = KvCacheParams {
         page_size: PAGE,
         num_pages: Some(48),
+        dtype: Default::default(),
     };
     rt
 }
@@ -1033,4 +1038,121 @@ fn an_older_deepseek2_gguf_with_a_whole_kv_b_gives_the_fixture_logits() {
         let d = max_diff(&got, 0..tokens.len(), &want, 0, 1024);
         assert!(d < TOL, "prompt {i}: max |diff| {d}");
     }
+}
+
+/// A bf16 or q8_0 KV cache: the compiled CPU artifact (its KV store kernels rounding each row
+/// to the type, its attention reading it) gives the interpreter's logits with the same cache
+/// (rows rounded as `KvDtype::round_row` says) at every row of a ragged prefill and the decode
+/// step after it; and stays near the fixture's f32-cache logits. Sliding windows (Gemma 3)
+/// and the latent cache (DeepSeek-V3, bf16; its 80-wide latent is refused for q8_0 by name).
+#[test]
+fn kv_cache_dtypes_give_the_interpreters_logits_with_the_same_cache() {
+    use maxc_schema::KvDtype;
+    let root = tempfile::tempdir().unwrap();
+    let cases = [
+        ("tiny-llama", KvDtype::Bf16),
+        ("tiny-llama", KvDtype::Q8_0),
+        ("tiny-qwen3", KvDtype::Q8_0),
+        ("tiny-gemma3", KvDtype::Bf16),
+        ("tiny-gemma3", KvDtype::Q8_0),
+        ("tiny-deepseek-v3", KvDtype::Bf16),
+    ];
+    for (model, dtype) in cases {
+        let mut rt = runtime();
+        rt.kv.dtype = dtype;
+        let case = Case::new(model, GraphRole::Decoder, "");
+        let opts = LoadOptions {
+            runtime: rt.clone(),
+            roles: vec![GraphRole::Decoder],
+            ..Default::default()
+        };
+        let dir = fixtures().join(model);
+        let mut loaded = load_model(&dir, &Registry::builtin(), &opts).expect("fixture loads");
+        let rg = loaded.roles.remove(&GraphRole::Decoder).unwrap();
+        let interp = Interpreter::new(rg.graph, &rg.weights).unwrap();
+        let mut session = Session::new(&interp, 48, MAX_LEN.div_ceil(PAGE));
+        let out = root.path().join(format!("{model}-{dtype}.maxc"));
+        let copts = CompileOptions {
+            runtime: rt,
+            weights: DType::F32.into(),
+            all_logits: true,
+            cpu_matmul: CpuMatmul::Auto,
+            force: false,
+            cpu: true,
+            cuda_arch: None,
+            stop_after_rewrites: None,
+        };
+        compile(&dir, &out, &copts, &mut |_| {}).expect("compiles");
+        let mut engine = RuntimeSession::open(&out, "decoder").expect("artifact opens");
+
+        let prompts: Vec<Vec<i64>> = case
+            .prompts()
+            .iter()
+            .map(|i| case.i64s(&format!("p{i}.tokens")))
+            .collect();
+        let heads: Vec<(u64, &[i64])> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (i as u64, &t[..t.len() - 1]))
+            .collect();
+        let tails: Vec<(u64, &[i64])> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (i as u64, &t[t.len() - 1..]))
+            .collect();
+        for (what, chunks) in [("prefill", &heads), ("decode", &tails)] {
+            let want = session.step_all(chunks).expect("interpreter step").data;
+            let got = engine.step_all(chunks).expect("artifact step").data;
+            let d = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            // Keys that differ by float rounding before they are stored can round to
+            // neighbouring bf16 or q8 values: one step of the type, so a looser bound than
+            // TOL, and far inside what the type itself moves (`KV_NEAR`).
+            assert!(
+                d < KV_SAME,
+                "{model} {dtype} {what}: max |logit diff| against the interpreter {d}"
+            );
+            if what == "decode" {
+                // Each prompt's last row against the fixture (an f32 cache): near, not equal.
+                let near = prompts
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| {
+                        let want = case.f32s(&format!("p{i}.logits"));
+                        max_diff(&got, i..i + 1, &want, t.len() - 1, 1024)
+                    })
+                    .fold(0f32, f32::max);
+                eprintln!("{model} {dtype}: max |logit diff| against the fixture {near}");
+                assert!(near > 0.0 && near < KV_NEAR, "{model} {dtype}: {near}");
+            }
+        }
+    }
+
+    // q8_0 scales groups of 32: DeepSeek-V3's 80-wide latent is refused, naming head_dim.
+    let mut rt = runtime();
+    rt.kv.dtype = KvDtype::Q8_0;
+    let copts = CompileOptions {
+        runtime: rt,
+        weights: DType::F32.into(),
+        all_logits: true,
+        cpu_matmul: CpuMatmul::Auto,
+        force: false,
+        cpu: true,
+        cuda_arch: None,
+        stop_after_rewrites: None,
+    };
+    let out = root.path().join("deepseek-q8.maxc");
+    let err = compile(
+        &fixtures().join("tiny-deepseek-v3"),
+        &out,
+        &copts,
+        &mut |_| {},
+    )
+    .expect_err("an 80-wide latent cannot be q8_0")
+    .to_string();
+    assert!(err.contains("head_dim") && err.contains("q8_0"), "{err}");
+    assert!(!out.exists(), "no artifact is left behind");
 }

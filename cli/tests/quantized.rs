@@ -26,6 +26,7 @@ fn runtime() -> ModuleRuntime {
     rt.kv = KvCacheParams {
         page_size: PAGE,
         num_pages: Some(48),
+        dtype: Default::default(),
     };
     rt
 }

@@ -69,6 +69,7 @@ fn compiled(weights: WeightFormat, name: &str) -> PathBuf {
         rt.kv = KvCacheParams {
             page_size: 16,
             num_pages: None,
+            dtype: Default::default(),
         };
         let opts = CompileOptions {
             runtime: rt,

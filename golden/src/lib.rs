@@ -44,6 +44,7 @@ fn runtime(batch: usize, len: usize, budget: usize, chunked: bool) -> ModuleRunt
     rt.kv = KvCacheParams {
         page_size: 16,
         num_pages: None,
+        dtype: Default::default(),
     };
     rt
 }

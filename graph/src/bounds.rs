@@ -131,6 +131,9 @@ pub struct KvCacheParams {
     /// one group's layers, so its memory is the same. `None` means enough for every context at
     /// full length in every group ([`KvCacheParams::total_pages`]).
     pub num_pages: Option<usize>,
+    /// What the cache stores each key and value as.
+    #[serde(default)]
+    pub dtype: maxc_schema::KvDtype,
 }
 
 impl Default for KvCacheParams {
@@ -138,6 +141,7 @@ impl Default for KvCacheParams {
         KvCacheParams {
             page_size: 128,
             num_pages: None,
+            dtype: maxc_schema::KvDtype::F32,
         }
     }
 }
@@ -330,6 +334,7 @@ mod tests {
             kv: KvCacheParams {
                 page_size: 16,
                 num_pages: None,
+                dtype: Default::default(),
             },
             ..ModuleRuntime::default()
         }

@@ -321,6 +321,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                         head_dim: l.head_dim,
                         page_size: l.page_size,
                         planes,
+                        kv_dtype: l.dtype,
                     },
                     inputs: store_inputs,
                     outputs: vec![],
@@ -352,6 +353,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                         value: fixed(4, 1)?,
                         scale,
                         weight_dtype: k.values[w_uk].dtype,
+                        kv_dtype: l.dtype,
                     };
                     k.nodes.push(KNode {
                         body,
@@ -374,6 +376,7 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                         value_dim,
                         scale,
                         window: window.map(|w| w as u64),
+                        kv_dtype: l.dtype,
                     },
                     inputs: vec![q, cache, lut, lens, offs],
                     outputs: vec![out],

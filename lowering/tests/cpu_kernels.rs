@@ -4,7 +4,7 @@
 
 use maxc_lowering::cpu::{compile_kernel, CpuError, CpuTarget};
 use maxc_runtime::cpu::code::ExecutableCode;
-use maxc_schema::{DType, EwInput, EwInstr, GatherIndex, KernelBody, Rows, StepDim};
+use maxc_schema::{DType, EwInput, EwInstr, GatherIndex, KernelBody, KvDtype, Rows, StepDim};
 
 // ---------------------------------------------------------------------------------------------
 // Harness
@@ -724,6 +724,7 @@ fn kv_store_then_attention_over_paged_cache() {
         (3, 1, 3, 32),
         (16, 2, 2, 6),
         (5, 2, 6, 13),
+        (4, 2, 4, 64),
     ] {
         let step = Step::new(page_size);
         let c = Cache {
@@ -763,88 +764,117 @@ fn kv_store_then_attention_over_paged_cache() {
                 }
             }
         }
-        let what = format!("page_size {page_size} kv_heads {kv_heads} heads {heads} hd {hd}");
-        let Some(store) = Kernel::new(KernelBody::KvStore {
-            planes: 2,
-            layer: c.layer as u64,
-            num_layers: c.num_layers as u64,
-            kv_heads: kv_heads as u64,
-            head_dim: hd as u64,
-            page_size: page_size as u64,
-        }) else {
-            return;
-        };
-        let mut lookup = step.lookup.clone();
-        let mut cache_lengths = step.cache_lengths.clone();
-        let mut offsets = step.offsets.clone();
-        store.run(
-            &ptrs![k_new, v_new, cache, lookup, cache_lengths, offsets],
-            step.dims(),
-        );
-        let same = cache
-            .iter()
-            .zip(&want_cache)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(same, "kv_store {what}: cache differs from the reference");
-
-        let scale = 1.0 / (hd as f32).sqrt();
-        let mut q: Vec<f32> = rng.vec(t * heads * hd).iter().map(|v| v * 3.0).collect();
-        // Full attention, and sliding windows within a page, across pages and past a context.
-        for window in [
-            None,
-            Some(1u64),
-            Some(3),
-            Some(page_size as u64 + 2),
-            Some(1000),
-        ] {
-            let Some(attn) = Kernel::new(KernelBody::Attention {
+        // Every KV dtype (q8_0 where head_dim is whole groups of 32): the cache's bytes row by
+        // row; the store must write exactly what `KvDtype::encode_row` writes, and attention
+        // reads back what the rows hold.
+        for dtype in KvDtype::ALL {
+            if dtype.check_head_dim(hd as u64).is_err() {
+                continue;
+            }
+            let row_bytes = dtype.row_bytes(hd as u64) as usize;
+            let encode = |floats: &[f32]| {
+                let mut bytes = vec![0u8; floats.len() / hd * row_bytes];
+                for (row, out) in floats.chunks(hd).zip(bytes.chunks_mut(row_bytes)) {
+                    dtype.encode_row(row, out);
+                }
+                bytes
+            };
+            let mut cache_bytes = encode(&cache);
+            let want_bytes = encode(&want_cache);
+            let mut held = want_cache.clone();
+            for row in held.chunks_mut(hd) {
+                dtype.round_row(row);
+            }
+            let what =
+                format!("{dtype} page_size {page_size} kv_heads {kv_heads} heads {heads} hd {hd}");
+            let Some(store) = Kernel::new(KernelBody::KvStore {
                 planes: 2,
-                value_dim: hd as u64,
                 layer: c.layer as u64,
                 num_layers: c.num_layers as u64,
-                heads: heads as u64,
                 kv_heads: kv_heads as u64,
                 head_dim: hd as u64,
                 page_size: page_size as u64,
-                scale,
-                window,
+                kv_dtype: dtype,
             }) else {
                 return;
             };
-            let mut out = vec![f32::NAN; t * heads * hd];
-            attn.run(
-                &ptrs![q, cache, lookup, cache_lengths, offsets, out],
+            let mut lookup = step.lookup.clone();
+            let mut cache_lengths = step.cache_lengths.clone();
+            let mut offsets = step.offsets.clone();
+            store.run(
+                &ptrs![k_new, v_new, cache_bytes, lookup, cache_lengths, offsets],
                 step.dims(),
             );
-            let mut want = vec![0f64; out.len()];
-            for r in 0..t {
-                let (b, p) = step.locate(r);
-                let lo = window.map_or(0, |w| (p + 1).saturating_sub(w as usize));
-                for h in 0..heads {
-                    let kvh = h / (heads / kv_heads);
-                    let qh = &q[(r * heads + h) * hd..][..hd];
-                    let scores: Vec<f32> = (lo..=p)
-                        .map(|j| {
-                            let k = &cache[step.index(&c, b, 0, j, kvh)..][..hd];
-                            let dot: f64 = qh.iter().zip(k).map(|(a, b)| f64::from(a * b)).sum();
-                            (dot * f64::from(scale)) as f32
-                        })
-                        .collect();
-                    let weights = softmax_ref(&scores);
-                    for (j, w) in (lo..).zip(&weights) {
-                        let v = &cache[step.index(&c, b, 1, j, kvh)..][..hd];
-                        for e in 0..hd {
-                            want[(r * heads + h) * hd + e] += w * f64::from(v[e]);
+            // NaN rows (never written) may differ in their payload bits only where unused.
+            let same = cache_bytes
+                .chunks(row_bytes)
+                .zip(want_bytes.chunks(row_bytes))
+                .zip(want_cache.chunks(hd))
+                .all(|((a, b), f)| a == b || f.iter().any(|v| v.is_nan()));
+            assert!(same, "kv_store {what}: cache differs from the reference");
+
+            let scale = 1.0 / (hd as f32).sqrt();
+            let mut q: Vec<f32> = rng.vec(t * heads * hd).iter().map(|v| v * 3.0).collect();
+            // Full attention, and sliding windows within a page, across pages and past a
+            // context.
+            for window in [
+                None,
+                Some(1u64),
+                Some(3),
+                Some(page_size as u64 + 2),
+                Some(1000),
+            ] {
+                let Some(attn) = Kernel::new(KernelBody::Attention {
+                    planes: 2,
+                    value_dim: hd as u64,
+                    layer: c.layer as u64,
+                    num_layers: c.num_layers as u64,
+                    heads: heads as u64,
+                    kv_heads: kv_heads as u64,
+                    head_dim: hd as u64,
+                    page_size: page_size as u64,
+                    scale,
+                    window,
+                    kv_dtype: dtype,
+                }) else {
+                    return;
+                };
+                let mut out = vec![f32::NAN; t * heads * hd];
+                attn.run(
+                    &ptrs![q, cache_bytes, lookup, cache_lengths, offsets, out],
+                    step.dims(),
+                );
+                let mut want = vec![0f64; out.len()];
+                for r in 0..t {
+                    let (b, p) = step.locate(r);
+                    let lo = window.map_or(0, |w| (p + 1).saturating_sub(w as usize));
+                    for h in 0..heads {
+                        let kvh = h / (heads / kv_heads);
+                        let qh = &q[(r * heads + h) * hd..][..hd];
+                        let scores: Vec<f32> = (lo..=p)
+                            .map(|j| {
+                                let k = &held[step.index(&c, b, 0, j, kvh)..][..hd];
+                                let dot: f64 =
+                                    qh.iter().zip(k).map(|(a, b)| f64::from(a * b)).sum();
+                                (dot * f64::from(scale)) as f32
+                            })
+                            .collect();
+                        let weights = softmax_ref(&scores);
+                        for (j, w) in (lo..).zip(&weights) {
+                            let v = &held[step.index(&c, b, 1, j, kvh)..][..hd];
+                            for e in 0..hd {
+                                want[(r * heads + h) * hd + e] += w * f64::from(v[e]);
+                            }
                         }
                     }
                 }
+                assert_close(
+                    &out,
+                    &want,
+                    1e-5,
+                    &format!("attention {what} window {window:?}"),
+                );
             }
-            assert_close(
-                &out,
-                &want,
-                1e-5,
-                &format!("attention {what} window {window:?}"),
-            );
         }
     }
 }
@@ -894,6 +924,7 @@ fn all_kinds() -> Vec<KernelBody> {
             kv_heads: 2,
             head_dim: 8,
             page_size: 16,
+            kv_dtype: KvDtype::F32,
         },
         KernelBody::Attention {
             planes: 2,
@@ -906,6 +937,38 @@ fn all_kinds() -> Vec<KernelBody> {
             page_size: 16,
             scale: 0.17,
             window: None,
+            kv_dtype: KvDtype::F32,
+        },
+        KernelBody::Attention {
+            planes: 1,
+            value_dim: 48,
+            layer: 0,
+            num_layers: 1,
+            heads: 4,
+            kv_heads: 1,
+            head_dim: 64,
+            page_size: 16,
+            scale: 0.17,
+            window: Some(9),
+            kv_dtype: KvDtype::Q8_0,
+        },
+        KernelBody::KvStore {
+            planes: 1,
+            layer: 0,
+            num_layers: 1,
+            kv_heads: 1,
+            head_dim: 64,
+            page_size: 16,
+            kv_dtype: KvDtype::Q8_0,
+        },
+        KernelBody::KvStore {
+            planes: 2,
+            layer: 1,
+            num_layers: 2,
+            kv_heads: 2,
+            head_dim: 12,
+            page_size: 16,
+            kv_dtype: KvDtype::Bf16,
         },
         KernelBody::Softmax {
             rows: step,
@@ -988,6 +1051,7 @@ fn errors_name_the_kernel_and_the_problem() {
         page_size: 4,
         scale: 1.0,
         window: None,
+        kv_dtype: KvDtype::F32,
     };
     let err = compile_kernel(&bad_gqa, &target).expect_err("heads not a multiple");
     assert!(err.to_string().contains("kv_heads"), "{err}");

@@ -3,7 +3,9 @@
 //! mapping, page-table addressing, the tensor-core path), launch shapes and determinism.
 
 use maxc_lowering::cuda::{emit_kernel, module_source, CudaError, CudaKernel, CudaTarget};
-use maxc_schema::{DType, EwInput, EwInstr, GatherIndex, GridExtent, KernelBody, Rows, StepDim};
+use maxc_schema::{
+    DType, EwInput, EwInstr, GatherIndex, GridExtent, KernelBody, KvDtype, Rows, StepDim,
+};
 
 const STEP: Rows = Rows::Step(StepDim::TotalSeqLen);
 const DIMS: [&str; 6] = [
@@ -281,6 +283,7 @@ fn kv_store_addresses_pages_through_the_lookup_table() {
         kv_heads: 2,
         head_dim: 128,
         page_size: 16,
+        kv_dtype: KvDtype::F32,
     });
     assert_signature(
         &k,
@@ -296,7 +299,7 @@ fn kv_store_addresses_pages_through_the_lookup_table() {
     assert_has(
         &k,
         &[
-            "float* __restrict__ kv_cache",
+            "unsigned char* __restrict__ kv_cache",
             "if (r >= total_seq_len) return;",
             "maxc_sequence_of(input_row_offsets, batch_size, r)",
             "(long long)cache_lengths[b] + ((long long)r - (long long)input_row_offsets[b])",
@@ -305,13 +308,13 @@ fn kv_store_addresses_pages_through_the_lookup_table() {
             "if (page_index >= max_num_pages) return;",
             "kv_lookup_table[b * max_num_pages + page_index]",
             "(maxc_u64)page_entry >= total_num_pages",
-            // [pages, num_layers, 2, page_size, kv_heads × head_dim]: layer 2 of 3, K then V.
-            // A page is 3 × 2 × 16 × 256 = 24576 floats; layer 2's keys start (2·2 + 0)·16·256
-            // = 16384 floats in, its values (2·2 + 1)·16·256 = 20480.
-            "kv_cache + page * 24576ULL + 16384ULL + slot * 256ULL",
-            "kv_cache + page * 24576ULL + 20480ULL + slot * 256ULL",
-            "k_dst[c] = k[r * 256ULL + c];",
-            "v_dst[c] = v[r * 256ULL + c];",
+            // [pages, num_layers, 2, page_size, kv_heads × head_dim], in bytes: layer 2 of 3,
+            // K then V. A page is 3 × 2 × 16 × 256 × 4 = 98304 bytes; layer 2's keys start
+            // (2·2 + 0)·16·1024 = 65536 bytes in, its values (2·2 + 1)·16·1024 = 81920.
+            "kv_cache + page * 98304ULL + 65536ULL + slot * 1024ULL",
+            "kv_cache + page * 98304ULL + 81920ULL + slot * 1024ULL",
+            "((float*)(k_dst))[c] = k[r * 256ULL + c];",
+            "((float*)(v_dst))[c] = v[r * 256ULL + c];",
         ],
     );
     assert!(k.source.contains("const float* __restrict__ k,"));
@@ -330,6 +333,7 @@ fn attention_maps_query_heads_to_kv_heads_and_pages() {
         page_size: 16,
         scale: 0.125,
         window: None,
+        kv_dtype: KvDtype::F32,
     });
     assert_signature(
         &k,
@@ -345,7 +349,7 @@ fn attention_maps_query_heads_to_kv_heads_and_pages() {
     assert_has(
         &k,
         &[
-            "const float* __restrict__ kv_cache",
+            "const unsigned char* __restrict__ kv_cache",
             "if (r >= total_seq_len || head >= 8ULL) return;",
             // GQA: 8 query heads over 2 KV heads, 4 per group.
             "const maxc_u64 kv_head = head / 4ULL;",
@@ -354,13 +358,14 @@ fn attention_maps_query_heads_to_kv_heads_and_pages() {
             "kv_lookup_table[b * max_num_pages + page_index]",
             "if (page_index >= max_num_pages) continue;",
             "(maxc_u64)page_entry >= total_num_pages) continue;",
-            // A page is 2 × 2 × 16 × 256 = 16384 floats; layer 1's keys start (1·2 + 0)·16·256
-            // = 8192 floats in, its values (1·2 + 1)·16·256 = 12288.
-            "kv_cache + page * 16384ULL + 8192ULL + slot * 256ULL + kv_head * 128ULL",
-            "kv_cache + page * 16384ULL + 12288ULL + slot * 256ULL + kv_head * 128ULL",
+            // A page is 2 × 2 × 16 × 256 × 4 = 65536 bytes; layer 1's keys start
+            // (1·2 + 0)·16·1024 = 32768 bytes in, its values (1·2 + 1)·16·1024 = 49152; a
+            // KV head's row is 512 bytes.
+            "kv_cache + page * 65536ULL + 32768ULL + slot * 1024ULL + kv_head * 512ULL",
+            "kv_cache + page * 65536ULL + 49152ULL + slot * 1024ULL + kv_head * 512ULL",
             "maxc_warp_sum(dot) * 0.125f",
             "expf(m - m_new)",
-            "acc[e] = acc[e] * corr + w * v_ptr[d];",
+            "acc[e] = acc[e] * corr + w * ((const float*)(v_ptr))[d];",
             "float qv[4];",
             "out_row[d] = l_all > 0.0f ? o / l_all : 0.0f;",
         ],
@@ -576,6 +581,7 @@ fn all_kinds() -> Vec<KernelBody> {
             kv_heads: 2,
             head_dim: 8,
             page_size: 16,
+            kv_dtype: KvDtype::F32,
         },
         KernelBody::Attention {
             planes: 2,
@@ -588,6 +594,7 @@ fn all_kinds() -> Vec<KernelBody> {
             page_size: 16,
             scale: 0.17,
             window: None,
+            kv_dtype: KvDtype::F32,
         },
         KernelBody::Softmax {
             rows: STEP,
@@ -670,6 +677,7 @@ fn errors_name_the_kernel_and_the_problem() {
         page_size: 4,
         scale: 1.0,
         window: None,
+        kv_dtype: KvDtype::F32,
     };
     let msg = invalid("attn", &bad_gqa);
     assert!(msg.starts_with("kernel `attn` (attention)"), "{msg}");
@@ -682,6 +690,7 @@ fn errors_name_the_kernel_and_the_problem() {
         kv_heads: 1,
         head_dim: 8,
         page_size: 4,
+        kv_dtype: KvDtype::F32,
     };
     assert!(invalid("kv", &bad_layer).contains("`layer` is 2"));
 

@@ -10,7 +10,8 @@ use maxc_lowering::cuda::{
     CudaTarget,
 };
 use maxc_schema::{
-    DType, EwInput, EwInstr, GatherIndex, GroupScore, KernelBody, RouterScoring, Rows, StepDim,
+    DType, EwInput, EwInstr, GatherIndex, GroupScore, KernelBody, KvDtype, RouterScoring, Rows,
+    StepDim,
 };
 
 fn required() -> bool {
@@ -54,6 +55,7 @@ fn all_kinds() -> Vec<KernelBody> {
             kv_heads: 2,
             head_dim: 128,
             page_size: 16,
+            kv_dtype: KvDtype::F32,
         },
         KernelBody::Attention {
             planes: 2,
@@ -66,6 +68,7 @@ fn all_kinds() -> Vec<KernelBody> {
             page_size: 16,
             scale: 0.088,
             window: None,
+            kv_dtype: KvDtype::F32,
         },
         KernelBody::Attention {
             planes: 2,
@@ -78,6 +81,53 @@ fn all_kinds() -> Vec<KernelBody> {
             page_size: 5,
             scale: 0.17,
             window: None,
+            kv_dtype: KvDtype::F32,
+        },
+        // The KV dtypes: bf16 and q8_0 rows stored and read (q8_0's warps quantize whole
+        // groups of 32 with shuffles).
+        KernelBody::KvStore {
+            planes: 2,
+            layer: 1,
+            num_layers: 2,
+            kv_heads: 2,
+            head_dim: 128,
+            page_size: 16,
+            kv_dtype: KvDtype::Bf16,
+        },
+        KernelBody::KvStore {
+            planes: 2,
+            layer: 1,
+            num_layers: 2,
+            kv_heads: 2,
+            head_dim: 64,
+            page_size: 16,
+            kv_dtype: KvDtype::Q8_0,
+        },
+        KernelBody::Attention {
+            planes: 2,
+            value_dim: 128,
+            layer: 1,
+            num_layers: 2,
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 128,
+            page_size: 16,
+            scale: 0.088,
+            window: None,
+            kv_dtype: KvDtype::Bf16,
+        },
+        KernelBody::Attention {
+            planes: 1,
+            value_dim: 512,
+            layer: 0,
+            num_layers: 1,
+            heads: 4,
+            kv_heads: 1,
+            head_dim: 576,
+            page_size: 16,
+            scale: 0.07,
+            window: None,
+            kv_dtype: KvDtype::Q8_0,
         },
         // A sliding window (Mistral, Gemma 3's local layers).
         KernelBody::Attention {
@@ -91,6 +141,7 @@ fn all_kinds() -> Vec<KernelBody> {
             page_size: 16,
             scale: 0.125,
             window: Some(512),
+            kv_dtype: KvDtype::F32,
         },
         KernelBody::Softmax {
             rows: STEP,
@@ -278,6 +329,7 @@ fn all_kinds() -> Vec<KernelBody> {
             head_dim: 576,
             page_size: 64,
             planes: 1,
+            kv_dtype: KvDtype::F32,
         },
         KernelBody::Attention {
             layer: 1,
@@ -290,6 +342,7 @@ fn all_kinds() -> Vec<KernelBody> {
             value_dim: 512,
             scale: 0.1352,
             window: None,
+            kv_dtype: KvDtype::F32,
         },
         KernelBody::Concat {
             rows: STEP,

@@ -94,12 +94,13 @@ pub fn kernel_cost(body: &KernelBody, dims: &[u64; StepDim::COUNT]) -> (u64, u64
             kv_heads,
             head_dim,
             page_size,
+            kv_dtype,
             ..
         } => {
             // Each row reads its context's keys and values: half the lookup table's span on
             // average.
             let ctx = (dims[StepDim::MaxNumPages as usize] * page_size).max(2) / 2;
-            let kv = 2 * ctx * kv_heads * head_dim * 4;
+            let kv = 2 * ctx * kv_heads * kv_dtype.row_bytes(*head_dim);
             (
                 t * (kv + 8 * heads * head_dim),
                 4 * t * heads * head_dim * ctx,

@@ -33,6 +33,11 @@ pub struct Args {
     /// The role to benchmark.
     #[arg(long, default_value = "decoder")]
     pub role: String,
+    /// Also decode one sequence after this many tokens of context (comma-separated, e.g.
+    /// `2048,8192`): a row `decode_b1_ctx<N>` each, its prompt prefilled in step-budget
+    /// chunks first. Needs an artifact whose max_seq_len holds the context and the steps.
+    #[arg(long, value_delimiter = ',')]
+    pub context: Vec<usize>,
     #[command(flatten)]
     pub activations: crate::args::ActivationArgs,
 }
@@ -224,6 +229,54 @@ pub fn run(args: Args) -> Result<()> {
             "compute_ratio": ceiling_ops.map(|p| flops as f64 / s / p),
         }));
     }
+    for &ctx in &args.context {
+        let need = ctx + args.steps * rounds;
+        let max_len = engine.engine().max_seq_len();
+        if ctx == 0 || need > max_len {
+            anyhow::bail!(
+                "--context {ctx}: the context and --steps × --rounds ({need} tokens) must fit \
+                 the artifact's max_seq_len {max_len} (compile with --max-seq-len {need} or more)"
+            );
+        }
+        let seq = 5000 + ctx as u64;
+        let p = prompt(ctx, vocab, 7);
+        for chunk in p.chunks(engine.engine().max_step_tokens().max(1)) {
+            engine.step(&[(seq, chunk)])?;
+        }
+        let mut next = [5i64];
+        let (mut times, mut ratios, mut bws) = (vec![], vec![], vec![]);
+        let (mut bytes, mut flops) = (0u64, 0u64);
+        for round in 0..rounds {
+            let bw = probes.bandwidth();
+            let mut round_times = Vec::new();
+            for step in 0..args.steps {
+                let t = Instant::now();
+                let l = engine.step(&[(seq, &next[..])])?;
+                round_times.push(t.elapsed().as_secs_f64());
+                (bytes, flops) = step_cost(&engine);
+                next[0] = maxc_runtime::sampling::argmax(l.row(0)) as i64
+                    ^ ((round * args.steps + step) as i64 & 1);
+            }
+            ratios.push(bytes as f64 / median(round_times.clone()) / bw);
+            bws.push(bw);
+            times.extend(round_times);
+        }
+        engine.release(seq);
+        let s = median(times);
+        rows.push(json!({
+            "name": format!("decode_b1_ctx{ctx}"),
+            "context": ctx,
+            "tokens_per_s": 1.0 / s,
+            "step_ms": s * 1e3,
+            "bytes_per_step": bytes,
+            "achieved_gbs": bytes as f64 / s / 1e9,
+            "roofline": "bandwidth_probe",
+            "probe_gbs": median(bws) / 1e9,
+            "roofline_ratio": median(ratios),
+            "flop_per_step": flops,
+            "achieved_gflops": flops as f64 / s / 1e9,
+        }));
+    }
     // Every measurement ran; the probes' medians are the machine's.
     let bw = if probes.bandwidth.is_empty() {
         probes.bandwidth()
@@ -243,6 +296,7 @@ pub fn run(args: Args) -> Result<()> {
         "threads_choice": maxc_runtime::kernels::pool::choice(),
         "weight_kernels": maxc_runtime::kernels::isa::isa_name(),
         "activations": activations,
+        "kv_cache_dtype": engine.engine().program().kv.as_ref().map(|kv| kv.dtype.name()),
         "load_s": median(loads.clone()),
         "rounds": rounds,
         "peak_rss_bytes": probes.peak_rss(),
@@ -254,11 +308,12 @@ pub fn run(args: Args) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{}: {}, weight kernels {}, activations {}",
+        "{}: {}, weight kernels {}, activations {}, KV cache {}",
         args.artifact.display(),
         maxc_runtime::kernels::pool::choice(),
         report["weight_kernels"].as_str().unwrap_or(""),
-        activations
+        activations,
+        report["kv_cache_dtype"].as_str().unwrap_or("none")
     );
     println!(
         "probes (medians; each ratio is the median of {rounds} rounds, each over the probe just \
@@ -294,6 +349,16 @@ pub fn run(args: Args) -> Result<()> {
                 f("fma_peak_ratio")
             );
         } else {
+            if r.get("context").is_some() {
+                println!(
+                    "{name:<12} {:>9.1} tokens/s  {:>8.2} ms/step  {:>7.1} GB/s     {:>5.2} of the bandwidth probe",
+                    f("tokens_per_s"),
+                    f("step_ms"),
+                    f("achieved_gbs"),
+                    f("roofline_ratio"),
+                );
+                continue;
+            }
             println!(
                 "{name:<12} {:>9.1} tokens/s  {:>8.2} ms/step  {:>7.1} GB/s     {:>5.2} of the bandwidth probe, {:>5.2} of the {}",
                 f("tokens_per_s"),

@@ -41,6 +41,7 @@ pub fn run(args: Args) -> Result<()> {
         kv: KvCacheParams {
             page_size,
             num_pages: None,
+            dtype: Default::default(),
         },
         ..Default::default()
     };

@@ -200,7 +200,8 @@ pub fn run(args: Args) -> Result<()> {
                 _ => "keys and values",
             };
             println!(
-                "  kv cache {} page groups of {} layers ({}; {planes}), {} bytes per page",
+                "  kv cache ({}) {} page groups of {} layers ({}; {planes}), {} bytes per page",
+                kv["dtype"].as_str().unwrap_or("?"),
                 windows.len(),
                 kv["num_layers"],
                 windows.join(", "),

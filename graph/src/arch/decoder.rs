@@ -338,7 +338,7 @@ impl DecoderConfig {
     }
 
     /// The layout of this decoder's paged KV cache: its layers in page groups by window.
-    pub fn kv_layout(&self, page_size: usize, dtype: DType) -> KvLayout {
+    pub fn kv_layout(&self, page_size: usize, dtype: maxc_schema::KvDtype) -> KvLayout {
         if let Some(m) = &self.mla {
             let width = m.kv_lora_rank + m.qk_rope_head_dim;
             return KvLayout::latent(&self.windows(), width, page_size, dtype);
@@ -571,7 +571,7 @@ impl DecoderBuilder<'_> {
         let cache_lengths = self
             .b
             .input("cache_lengths", TensorType::new(DType::I32, [bsz()]))?;
-        let kv = c.kv_layout(self.opts.page_size, DType::F32);
+        let kv = c.kv_layout(self.opts.page_size, self.opts.runtime.kv.dtype);
         let lookups = (0..kv.groups.len().max(1))
             .map(|g| {
                 self.b.input(

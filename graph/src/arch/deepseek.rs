@@ -657,7 +657,7 @@ mod tests {
         assert_eq!(moe.shared_intermediate_size, Some(32));
         let g = moe.grouped_router.as_ref().unwrap();
         assert_eq!((g.n_group, g.topk_group, g.scale), (4, 2, 2.5));
-        let kv = c.kv_layout(16, crate::DType::F32);
+        let kv = c.kv_layout(16, maxc_schema::KvDtype::F32);
         assert_eq!((kv.planes, kv.num_kv_heads, kv.head_dim), (1, 1, 24));
         assert!(spec.deployment().export_ep_init);
     }

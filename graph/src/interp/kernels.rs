@@ -167,8 +167,10 @@ pub fn paged_attention(
             let src = (r * hkv + h) * d;
             let ks = view.at(0, b, pos, h);
             cache[ks..ks + d].copy_from_slice(&k[src..src + d]);
+            l.dtype.round_row(&mut cache[ks..ks + d]);
             let vs = view.at(1, b, pos, h);
             cache[vs..vs + d].copy_from_slice(&v[src..src + d]);
+            l.dtype.round_row(&mut cache[vs..vs + d]);
         }
     }
     let group = hq / hkv;
@@ -241,6 +243,7 @@ fn store_latents<'a>(
     for (r, b, pos) in batch.rows() {
         let at = view.at(0, b, pos, 0);
         cache[at..at + d].copy_from_slice(&kv[r * d..(r + 1) * d]);
+        l.dtype.round_row(&mut cache[at..at + d]);
     }
     view
 }

@@ -5,6 +5,7 @@
 
 use super::dim::{names, same_volume, shape_string, Dim, Shape};
 use crate::DType;
+use maxc_schema::KvDtype;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -49,8 +50,8 @@ pub struct KvLayout {
     pub head_dim: usize,
     /// Tokens per page.
     pub page_size: usize,
-    /// Element type of the cache.
-    pub dtype: DType,
+    /// What the cache stores each key and value as; the graph sees them as f32.
+    pub dtype: KvDtype,
     /// The page groups, in lookup-table order.
     pub groups: Vec<KvGroup>,
     /// Planes per layer slot: 2 (keys, then values) or 1 (a latent whose first elements are
@@ -93,7 +94,7 @@ impl KvLayout {
         num_kv_heads: usize,
         head_dim: usize,
         page_size: usize,
-        dtype: DType,
+        dtype: KvDtype,
     ) -> KvLayout {
         let mut counts: BTreeMap<Option<usize>, usize> = BTreeMap::new();
         for w in windows {
@@ -139,7 +140,7 @@ impl KvLayout {
         windows: &[Option<usize>],
         head_dim: usize,
         page_size: usize,
-        dtype: DType,
+        dtype: KvDtype,
     ) -> KvLayout {
         KvLayout {
             planes: 1,
@@ -162,10 +163,11 @@ impl KvLayout {
         self.groups.iter().map(|g| g.window).collect()
     }
 
-    /// The cache tensor's type, with `total_num_pages` symbolic.
+    /// The cache tensor's type, with `total_num_pages` symbolic: f32 values, whatever
+    /// [`KvLayout::dtype`] stores them as.
     pub fn tensor_type(&self) -> TensorType {
         TensorType::new(
-            self.dtype,
+            DType::F32,
             [
                 Dim::sym(names::TOTAL_NUM_PAGES),
                 self.num_layers.into(),

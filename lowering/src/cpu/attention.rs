@@ -3,7 +3,7 @@
 use super::builder::{check_product, check_size, KernelBuilder};
 use super::columns::Reduce;
 use super::math;
-use super::paged::{CacheAddr, Sequences};
+use super::paged::{load_cached, CacheAddr, Sequences};
 use super::CpuError;
 use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::types::{F32, F32X4, I64};
@@ -174,7 +174,9 @@ fn attend(kb: &mut KernelBuilder, ctx: &Context, head: &Head, b: Value, p: Value
     let (first_page, _) = cache.page_and_slot(kb, lo);
     kb.for_range(first_page, pages, 1, |kb, pg| {
         let page = seqs.page(kb, b, pg);
-        let head_off = kb.b.ins().imul_imm_s(head.kv_head, (hd * 4) as i64);
+        let head_off =
+            kb.b.ins()
+                .imul_imm_s(head.kv_head, cache.row_bytes() as i64);
         let k_block = cache.block(kb, cache_ptr, page, 0);
         let k_block = kb.b.ins().iadd(k_block, head_off);
         let v_block = cache.block(kb, cache_ptr, page, 1);
@@ -193,7 +195,7 @@ fn attend(kb: &mut KernelBuilder, ctx: &Context, head: &Head, b: Value, p: Value
             let v_ptr = cache.slot(kb, v_block, s);
             let dot = kb.reduce_cols(hd, Reduce::Add, 0.0, |kb, ty, c| {
                 let qv = kb.load_f32(ty, head.q, c);
-                let kv = kb.load_f32(ty, k_ptr, c);
+                let kv = load_cached(kb, cache, ty, k_ptr, c);
                 kb.b.ins().fmul(qv, kv)
             });
             let score = kb.b.ins().fmul(dot, scale);
@@ -217,7 +219,7 @@ fn attend(kb: &mut KernelBuilder, ctx: &Context, head: &Head, b: Value, p: Value
                     (corr, e)
                 };
                 let a = kb.load_f32(ty, acc, c);
-                let v = kb.load_f32(ty, v_ptr, c);
+                let v = load_cached(kb, cache, ty, v_ptr, c);
                 let a = kb.b.ins().fmul(a, corr);
                 let ev = kb.b.ins().fmul(v, e);
                 let a = kb.b.ins().fadd(a, ev);

@@ -2,11 +2,12 @@
 //! token row, cache addressing, and the KV store kernel.
 
 use super::builder::{check_product, check_size, KernelBuilder, MEM};
+use super::dtype::{self, FloatType};
 use super::CpuError;
-use cranelift_codegen::ir::condcodes::IntCC;
-use cranelift_codegen::ir::types::I64;
-use cranelift_codegen::ir::{BlockArg, InstBuilder, Value};
-use maxc_schema::{KernelBody, KvView, StepDim};
+use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
+use cranelift_codegen::ir::types::{F32, F32X4, I32, I32X4, I64, I8X16};
+use cranelift_codegen::ir::{BlockArg, Endianness, InstBuilder, MemFlagsData, Type, Value};
+use maxc_schema::{KernelBody, KvDtype, KvView, StepDim};
 
 /// The checked view of the paged cache of a KV store or attention kernel `kind`'s `body`: the
 /// contract's checks ([`KvView::check`]), then this backend's size limits.
@@ -23,7 +24,7 @@ pub(crate) fn cache_view(kind: &'static str, body: &KernelBody) -> Result<KvView
     check_product(
         kind,
         "bytes per cache page (num_layers × planes × page_size × kv_heads × head_dim × 4)",
-        &[&view.page_shape()[..], &[4]].concat(),
+        &[&view.page_rows()[..], &[view.head_dim, 4]].concat(),
     )?;
     Ok(view)
 }
@@ -40,12 +41,12 @@ pub(crate) trait CacheAddr {
 
 impl CacheAddr for KvView {
     fn block(&self, kb: &mut KernelBuilder, cache: Value, page: Value, which: u64) -> Value {
-        let page_base = kb.addr(cache, page, self.page_elems() * 4);
-        kb.offset(page_base, self.block_offset(which) * 4)
+        let page_base = kb.addr(cache, page, self.page_bytes());
+        kb.offset(page_base, self.block_offset(which))
     }
 
     fn slot(&self, kb: &mut KernelBuilder, block: Value, slot: Value) -> Value {
-        kb.addr(block, slot, self.slot_elems() * 4)
+        kb.addr(block, slot, self.slot_bytes())
     }
 
     fn page_and_slot(&self, kb: &mut KernelBuilder, p: Value) -> (Value, Value) {
@@ -144,8 +145,118 @@ pub(crate) fn emit_positions(kb: &mut KernelBuilder) {
     });
 }
 
-/// Emits [`maxc_schema::KernelBody::KvStore`]: copies each row's keys and values (or its
-/// latent, with one plane; all KV heads, f32x4 copies) into its page and slot of the cache.
+/// Element `c` (i64; a multiple of 4 for a vector `ty`) of the cached row at `row`, stored in
+/// `view`'s dtype, widened to `ty` (f32 or f32x4).
+pub(crate) fn load_cached(
+    kb: &mut KernelBuilder,
+    view: &KvView,
+    ty: Type,
+    row: Value,
+    c: Value,
+) -> Value {
+    match view.dtype {
+        KvDtype::F32 => kb.load_f32(ty, row, c),
+        KvDtype::Bf16 => dtype::load(kb, ty, FloatType::Bf16, row, c),
+        KvDtype::Q8_0 => {
+            let addr = kb.b.ins().iadd(row, c);
+            let q = if ty.is_vector() {
+                // Four i8 as one i32, widened lane by lane.
+                let w = kb.b.ins().load(I32, MEM, addr, 0);
+                let v = kb.b.ins().scalar_to_vector(I32X4, w);
+                let little = MemFlagsData::new().with_endianness(Endianness::Little);
+                let v = kb.b.ins().bitcast(I8X16, little, v);
+                let v = kb.b.ins().swiden_low(v);
+                let v = kb.b.ins().swiden_low(v);
+                debug_assert_eq!(kb.b.func.dfg.value_type(v), I32X4);
+                kb.b.ins().fcvt_from_sint(F32X4, v)
+            } else {
+                let q = kb.b.ins().sload8(I32, MEM, addr, 0);
+                kb.b.ins().fcvt_from_sint(F32, q)
+            };
+            // The row's scales follow its head_dim integers; lanes of a vector share one.
+            let block = kb.b.ins().ushr_imm_u(c, 5);
+            let scales = kb.offset(row, view.head_dim);
+            let d = kb.load_f32(F32, scales, block);
+            let d = if ty.is_vector() {
+                kb.b.ins().splat(F32X4, d)
+            } else {
+                d
+            };
+            kb.b.ins().fmul(q, d)
+        }
+    }
+}
+
+/// Stores the `head_dim` f32 values at `src` as one cached row at `dst` in `view`'s dtype,
+/// rounded as [`KvDtype::round_row`] says (bf16: to nearest even; q8_0: per 32 values
+/// `d = max|x| / 127`, `q = x / d` to nearest even, 0 where `d` is 0).
+fn store_row(kb: &mut KernelBuilder, view: &KvView, src: Value, dst: Value) {
+    let hd = view.head_dim;
+    match view.dtype {
+        KvDtype::F32 => kb.map_cols(hd, |kb, ty, c| {
+            let x = kb.load_f32(ty, src, c);
+            kb.store_f32(x, dst, c);
+        }),
+        KvDtype::Bf16 => {
+            let (lo, hi) = (kb.i64c(0), kb.i64c(hd));
+            kb.for_range(lo, hi, 1, |kb, c| {
+                let x = kb.load_f32(F32, src, c);
+                let bits = kb.bitcast(I32, x);
+                let lsb = kb.b.ins().ushr_imm_u(bits, 16);
+                let lsb = kb.b.ins().band_imm_u(lsb, 1);
+                let bias = kb.b.ins().iadd_imm_s(lsb, 0x7fff);
+                let rounded = kb.b.ins().iadd(bits, bias);
+                let rounded = kb.b.ins().ushr_imm_u(rounded, 16);
+                // NaN stays NaN (quiet): its upper half with the quiet bit set.
+                let upper = kb.b.ins().ushr_imm_u(bits, 16);
+                let quiet = kb.b.ins().bor_imm_u(upper, 0x40);
+                let nan = kb.b.ins().fcmp(FloatCC::Unordered, x, x);
+                let h = kb.b.ins().select(nan, quiet, rounded);
+                let addr = kb.addr(dst, c, 2);
+                kb.b.ins().istore16(MEM, h, addr, 0);
+            });
+        }
+        KvDtype::Q8_0 => {
+            let n = KvDtype::Q8_BLOCK;
+            let (lo, hi) = (kb.i64c(0), kb.i64c(hd / n));
+            kb.for_range(lo, hi, 1, |kb, j| {
+                let first = kb.b.ins().imul_imm_s(j, n as i64);
+                let block = kb.addr(src, first, 4);
+                let zero = kb.fconst(F32, 0.0);
+                let amax = kb.var(F32, zero);
+                let (lo, hi) = (kb.i64c(0), kb.i64c(n));
+                kb.for_range(lo, hi, 1, |kb, i| {
+                    let x = kb.load_f32(F32, block, i);
+                    let a = kb.b.ins().fabs(x);
+                    let m = kb.get(amax);
+                    let m = kb.max(m, a);
+                    kb.set(amax, m);
+                });
+                let amax = kb.get(amax);
+                let c127 = kb.fconst(F32, 127.0);
+                let d = kb.b.ins().fdiv(amax, c127);
+                let zero = kb.fconst(F32, 0.0);
+                let is_zero = kb.b.ins().fcmp(FloatCC::Equal, d, zero);
+                let q_block = kb.b.ins().iadd(dst, first);
+                kb.for_range(lo, hi, 1, |kb, i| {
+                    let x = kb.load_f32(F32, block, i);
+                    let r = kb.b.ins().fdiv(x, d);
+                    let r = kb.b.ins().nearest(r);
+                    let r = kb.b.ins().select(is_zero, zero, r);
+                    let q = kb.b.ins().fcvt_to_sint_sat(I32, r);
+                    let addr = kb.b.ins().iadd(q_block, i);
+                    kb.b.ins().istore8(MEM, q, addr, 0);
+                });
+                let scales = kb.offset(dst, hd);
+                kb.store_f32(d, scales, j);
+            });
+        }
+    }
+}
+
+/// Emits [`maxc_schema::KernelBody::KvStore`]: writes each row's keys and values (or its
+/// latent, with one plane; every KV head) into its page and slot of the cache, in the
+/// cache's dtype.
 pub(crate) fn emit_kv_store(kb: &mut KernelBuilder, cache: &KvView) -> Result<(), CpuError> {
     let planes = cache.planes as usize;
     let srcs: Vec<Value> = (0..planes).map(|i| kb.buf(i)).collect();
@@ -155,7 +266,7 @@ pub(crate) fn emit_kv_store(kb: &mut KernelBuilder, cache: &KvView) -> Result<()
         cache_lengths: kb.buf(planes + 2),
         offsets: kb.buf(planes + 3),
     };
-    let floats = cache.slot_elems();
+    let floats = cache.kv_heads * cache.head_dim;
     let (start, end) = (kb.start(), kb.end());
     kb.for_range(start, end, 1, |kb, r| {
         let (b, p) = seqs.locate(kb, r);
@@ -166,9 +277,19 @@ pub(crate) fn emit_kv_store(kb: &mut KernelBuilder, cache: &KvView) -> Result<()
             let block = cache.block(kb, cache_ptr, page, which);
             let dst = cache.slot(kb, block, slot);
             let src_row = kb.addr(src, r, floats * 4);
-            kb.map_cols(floats, |kb, ty, c| {
-                let x = kb.load_f32(ty, src_row, c);
-                kb.store_f32(x, dst, c);
+            if cache.dtype == KvDtype::F32 {
+                // The row's KV heads are contiguous in both: one copy.
+                kb.map_cols(floats, |kb, ty, c| {
+                    let x = kb.load_f32(ty, src_row, c);
+                    kb.store_f32(x, dst, c);
+                });
+                continue;
+            }
+            let (lo, hi) = (kb.i64c(0), kb.i64c(cache.kv_heads));
+            kb.for_range(lo, hi, 1, |kb, h| {
+                let src_head = kb.addr(src_row, h, cache.head_dim * 4);
+                let dst_head = kb.addr(dst, h, cache.row_bytes());
+                store_row(kb, cache, src_head, dst_head);
             });
         }
     });

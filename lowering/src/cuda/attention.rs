@@ -1,6 +1,6 @@
 //! Causal attention over the paged KV cache with an online (flash-style) softmax.
 
-use super::paged::{page_lookup, slot_ptr, LOCATE_ROW};
+use super::paged::{load_cached, page_lookup, slot_ptr, LOCATE_ROW};
 use super::source::{self, f32_lit, fill, ull, Buf, Ctx, WARP};
 use super::{CudaError, Emitted};
 use maxc_schema::KvView;
@@ -90,13 +90,13 @@ ${LOCATE}    // Grouped-query attention: query heads [g * ${GROUP}, (g + 1) * ${
     float l = 0.0f;
     // Warp-uniform loop: every lane of a warp sees the same positions and pages.
     for (long long pos = ${FIRST}warp; pos <= p; pos += ${WARPS}) {
-${PAGE}        const float* k_ptr = ${K_PTR} + kv_head * ${HEAD_DIM};
-        const float* v_ptr = ${V_PTR} + kv_head * ${HEAD_DIM};
+${PAGE}        const unsigned char* k_ptr = ${K_PTR} + kv_head * ${ROW_BYTES};
+        const unsigned char* v_ptr = ${V_PTR} + kv_head * ${ROW_BYTES};
         float dot = 0.0f;
 #pragma unroll
         for (unsigned e = 0; e < ${PER_LANE}; ++e) {
             const maxc_u64 d = lane + 32u * e;
-            if (d < ${HEAD_DIM}) dot += qv[e] * k_ptr[d];
+            if (d < ${HEAD_DIM}) dot += qv[e] * ${K_AT_D};
         }
         const float s = maxc_warp_sum(dot) * ${SCALE};
         const float m_new = fmaxf(m, s);
@@ -106,7 +106,7 @@ ${PAGE}        const float* k_ptr = ${K_PTR} + kv_head * ${HEAD_DIM};
 #pragma unroll
         for (unsigned e = 0; e < ${PER_LANE}; ++e) {
             const maxc_u64 d = lane + 32u * e;
-            if (d < ${VALUE_DIM}) acc[e] = acc[e] * corr + w * v_ptr[d];
+            if (d < ${VALUE_DIM}) acc[e] = acc[e] * corr + w * ${V_AT_D};
         }
         m = m_new;
     }
@@ -143,6 +143,9 @@ ${PAGE}        const float* k_ptr = ${K_PTR} + kv_head * ${HEAD_DIM};
             ("PAGE", page_lookup(cache, "pos", "continue;", "        ")),
             ("K_PTR", slot_ptr(cache, "page", "slot", 0)),
             ("V_PTR", slot_ptr(cache, "page", "slot", 1)),
+            ("ROW_BYTES", ull(cache.row_bytes())),
+            ("K_AT_D", load_cached(cache, "k_ptr", "d")),
+            ("V_AT_D", load_cached(cache, "v_ptr", "d")),
             ("HEADS", ull(heads)),
             ("GROUP", ull(group)),
             ("HEAD_DIM", ull(hd)),
@@ -155,7 +158,7 @@ ${PAGE}        const float* k_ptr = ${K_PTR} + kv_head * ${HEAD_DIM};
     );
     let bufs = [
         Buf::input("float", "q"),
-        Buf::input("float", "kv_cache"),
+        Buf::input("unsigned char", "kv_cache"),
         Buf::input("int", "kv_lookup_table"),
         Buf::input("int", "cache_lengths"),
         Buf::input("int", "input_row_offsets"),

@@ -3,28 +3,42 @@
 
 use super::source::{self, fill, ull, Buf, Ctx};
 use super::{CudaError, Emitted};
-use maxc_schema::{CudaLaunch, GridExtent, KernelBody, KvView, Rows, StepDim};
+use maxc_schema::{CudaLaunch, GridExtent, KernelBody, KvDtype, KvView, Rows, StepDim};
 
 /// The checked view of the paged cache of a KV store or attention kernel's `body`: the
 /// contract's checks ([`KvView::check`]), then this backend's index range.
 pub(crate) fn cache_view(cx: Ctx, body: &KernelBody) -> Result<KvView, CudaError> {
     let view = KvView::of(body).map_err(|what| cx.invalid(what))?;
     cx.product(
-        "floats per cache page (num_layers × planes × page_size × kv_heads × head_dim)",
-        &view.page_shape(),
+        "bytes per cache page (num_layers × planes × page_size × kv_heads × row bytes)",
+        &[&view.page_rows()[..], &[view.row_bytes()]].concat(),
     )?;
     Ok(view)
 }
 
-/// The C expression of the first float of `slot` in the keys (`which` = 0) or values (1) of
-/// the view's layer in cache page `page` (both `maxc_u64` expressions).
+/// The C expression (a byte pointer) of the first row of `slot` in the keys (`which` = 0) or
+/// values (1) of the view's layer in cache page `page` (both `maxc_u64` expressions); the
+/// cache buffer is `kv_cache`, bytes.
 pub(crate) fn slot_ptr(cache: &KvView, page: &str, slot: &str, which: u64) -> String {
     format!(
-        "kv_cache + {page} * {pe} + {bo} + {slot} * {se}",
-        pe = ull(cache.page_elems()),
+        "kv_cache + {page} * {pb} + {bo} + {slot} * {sb}",
+        pb = ull(cache.page_bytes()),
         bo = ull(cache.block_offset(which)),
-        se = ull(cache.slot_elems()),
+        sb = ull(cache.slot_bytes()),
     )
+}
+
+/// The C expression of value `d` of the cached row at the byte pointer `row`, as a float
+/// (the view's dtype widened).
+pub(crate) fn load_cached(cache: &KvView, row: &str, d: &str) -> String {
+    match cache.dtype {
+        KvDtype::F32 => format!("((const float*)({row}))[{d}]"),
+        KvDtype::Bf16 => format!("__bfloat162float(((const __nv_bfloat16*)({row}))[{d}])"),
+        KvDtype::Q8_0 => format!(
+            "((float)((const signed char*)({row}))[{d}] * ((const float*)(({row}) + {hd}))[({d}) >> 5])",
+            hd = ull(cache.head_dim)
+        ),
+    }
 }
 
 /// C statements locating token row `r` (a `maxc_u64` in scope, below `total_seq_len`): the
@@ -90,39 +104,71 @@ pub(crate) fn emit_positions(cx: Ctx) -> Result<Emitted, CudaError> {
 
 /// Emits [`maxc_schema::KernelBody::KvStore`]: one block per token row
 /// `r < total_seq_len`; the row's sequence and position give its page (through
-/// `kv_lookup_table`, skipped when out of bounds) and slot, and threads copy the row's keys
-/// and values (all KV heads; with one plane, its latent) there.
+/// `kv_lookup_table`, skipped when out of bounds) and slot, and threads store the row's keys
+/// and values (all KV heads; with one plane, its latent) there in the cache's dtype. With
+/// q8_0 each warp takes whole groups of 32 values: their largest magnitude by shuffles, the
+/// scale `max / 127` from lane 0, each lane its integer `x / d` rounded to nearest even.
 pub(crate) fn emit_kv_store(cx: Ctx, cache: &KvView) -> Result<Emitted, CudaError> {
-    let floats = cache.slot_elems();
+    let floats = cache.kv_heads * cache.head_dim;
     let threads = source::row_threads(floats, 256);
     let two = cache.planes == 2;
-    let (v_dst, v_copy) = if two {
+    let store = |dst: &str, src: &str| -> String {
+        let x = format!("{src}[r * {} + c]", ull(floats));
+        match cache.dtype {
+            KvDtype::F32 => format!("        ((float*)({dst}))[c] = {x};\n"),
+            KvDtype::Bf16 => {
+                format!("        ((__nv_bfloat16*)({dst}))[c] = __float2bfloat16_rn({x});\n")
+            }
+            KvDtype::Q8_0 => fill(
+                r#"        {
+            const float x = ${X};
+            float amax = fabsf(x);
+            for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            const float d = amax / 127.0f;
+            unsigned char* row = ${DST} + (c / ${HD}) * ${ROW};
+            const maxc_u64 e = c % ${HD};
+            ((signed char*)row)[e] = (signed char)(d == 0.0f ? 0 : __float2int_rn(x / d));
+            if ((e & 31u) == 0) ((float*)(row + ${HD}))[e >> 5] = d;
+        }
+"#,
+                &[
+                    ("X", x),
+                    ("DST", dst.to_string()),
+                    ("HD", ull(cache.head_dim)),
+                    ("ROW", ull(cache.row_bytes())),
+                ],
+            ),
+        }
+    };
+    let (v_dst, v_store) = if two {
         (
             format!(
-                "    float* v_dst = {};\n",
+                "    unsigned char* v_dst = {};\n",
                 slot_ptr(cache, "page", "slot", 1)
             ),
-            format!("        v_dst[c] = v[r * {} + c];\n", ull(floats)),
+            store("v_dst", "v"),
         )
     } else {
         (String::new(), String::new())
     };
+    // Every warp's 32 values lie in one group of 32 of one head (threads and head_dim are
+    // multiples of 32 with q8_0), and the loop is warp-uniform.
     let body = fill(
         r#"
     const maxc_u64 r = blockIdx.x;
     if (r >= total_seq_len) return;
 ${LOCATE}    if (p < 0) return;
-${PAGE}    float* k_dst = ${K_DST};
+${PAGE}    unsigned char* k_dst = ${K_DST};
 ${V_DST}    for (maxc_u64 c = threadIdx.x; c < ${SLOT}; c += blockDim.x) {
-        k_dst[c] = k[r * ${SLOT} + c];
-${V_COPY}    }
+${K_STORE}${V_STORE}    }
 "#,
         &[
             ("LOCATE", LOCATE_ROW.to_string()),
             ("PAGE", page_lookup(cache, "p", "return;", "    ")),
             ("K_DST", slot_ptr(cache, "page", "slot", 0)),
             ("V_DST", v_dst),
-            ("V_COPY", v_copy),
+            ("K_STORE", store("k_dst", "k")),
+            ("V_STORE", v_store),
             ("SLOT", ull(floats)),
         ],
     );
@@ -131,7 +177,7 @@ ${V_COPY}    }
         bufs.push(Buf::input("float", "v"));
     }
     bufs.extend([
-        Buf::output("float", "kv_cache"),
+        Buf::output("unsigned char", "kv_cache"),
         Buf::input("int", "kv_lookup_table"),
         Buf::input("int", "cache_lengths"),
         Buf::input("int", "input_row_offsets"),

@@ -50,7 +50,7 @@ pub unsafe fn decompressed(
     q_nope: *const f32,
     q_rope: *const f32,
     (w_uk, w_uv): (&[f32], &[f32]),
-    cache: *const f32,
+    cache: *const u8,
     out: *mut f32,
     seqs: &Seqs,
     s: Shape,
@@ -88,7 +88,9 @@ pub unsafe fn decompressed(
             let page = seqs.lookup[b * seqs.pages_per_seq + j / ps] as u64;
             let at = s.cache.offset(page, 0, (j % ps) as u64, 0) as usize;
             // SAFETY: the slot lies in the cache (as the caller guarantees).
-            let slot = unsafe { std::slice::from_raw_parts(cache.add(at), d) };
+            let bytes =
+                unsafe { std::slice::from_raw_parts(cache.add(at), s.cache.row_bytes() as usize) };
+            let slot = s.cache.dtype.decode_row(bytes, d);
             latents[j * lat..(j + 1) * lat].copy_from_slice(&slot[..lat]);
             ropes[j * rope..(j + 1) * rope].copy_from_slice(&slot[lat..]);
         }

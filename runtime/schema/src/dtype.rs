@@ -275,3 +275,235 @@ impl FromStr for DType {
         })
     }
 }
+
+/// The element type of the paged KV cache: what each cached key and value (or latent) is
+/// stored as, and what the KV store kernels round to and the attention kernels read.
+///
+/// A row is one token's keys (or values) of one KV head, `head_dim` values:
+/// - [`KvDtype::F32`]: `head_dim` f32 (4 bytes a value, exact);
+/// - [`KvDtype::Bf16`]: `head_dim` bfloat16, rounded to nearest even (2 bytes a value);
+/// - [`KvDtype::Q8_0`]: `head_dim` i8 `q`, then one f32 scale `d` per 32 values (1.125 bytes a
+///   value): `d = max|x| / 127` over each 32 values and `q = x / d` rounded to nearest even
+///   (0 where `d` is 0); a value reads back as `d·q`. llama.cpp's `q8_0` stores the same
+///   integers with an f16 scale in 34-byte blocks; here the scale is exact and the integers
+///   stay contiguous, so a row's values load in whole vectors.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub enum KvDtype {
+    /// IEEE 754 binary32.
+    #[default]
+    #[serde(rename = "f32")]
+    F32,
+    /// bfloat16.
+    #[serde(rename = "bf16")]
+    Bf16,
+    /// 8-bit integers with an f32 scale per 32.
+    #[serde(rename = "q8_0")]
+    Q8_0,
+}
+
+impl KvDtype {
+    /// Every KV dtype.
+    pub const ALL: [KvDtype; 3] = [KvDtype::F32, KvDtype::Bf16, KvDtype::Q8_0];
+
+    /// Values per scale of [`KvDtype::Q8_0`].
+    pub const Q8_BLOCK: u64 = 32;
+
+    /// The name, as the CLI and manifests spell it (llama.cpp's `-ctk`/`-ctv` names).
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::Bf16 => "bf16",
+            KvDtype::Q8_0 => "q8_0",
+        }
+    }
+
+    /// Bytes of one row of `head_dim` values (with [`KvDtype::Q8_0`], `head_dim` must be a
+    /// multiple of 32: [`KvDtype::check_head_dim`]).
+    pub fn row_bytes(self, head_dim: u64) -> u64 {
+        match self {
+            KvDtype::F32 => head_dim * 4,
+            KvDtype::Bf16 => head_dim * 2,
+            KvDtype::Q8_0 => head_dim + head_dim / Self::Q8_BLOCK * 4,
+        }
+    }
+
+    /// Checks that rows of `head_dim` values can be stored: [`KvDtype::Q8_0`] scales whole
+    /// groups of 32. The message names `head_dim`.
+    pub fn check_head_dim(self, head_dim: u64) -> Result<(), String> {
+        if self == KvDtype::Q8_0 && !head_dim.is_multiple_of(Self::Q8_BLOCK) {
+            return Err(format!(
+                "`head_dim` is {head_dim}; a q8_0 KV cache needs a multiple of {}",
+                Self::Q8_BLOCK
+            ));
+        }
+        Ok(())
+    }
+
+    /// `x` rounded to bfloat16 (to nearest, ties to even; NaN stays NaN), as its bits.
+    pub fn bf16_bits(x: f32) -> u16 {
+        let b = x.to_bits();
+        if x.is_nan() {
+            return ((b >> 16) | 0x40) as u16;
+        }
+        (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16
+    }
+
+    /// The scale and integers of 32 values as [`KvDtype::Q8_0`] stores them.
+    pub fn q8_block(x: &[f32]) -> (f32, [i8; 32]) {
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let mut q = [0i8; 32];
+        if d != 0.0 {
+            for (q, v) in q.iter_mut().zip(x) {
+                *q = (v / d).round_ties_even().clamp(-127.0, 127.0) as i8;
+            }
+        }
+        (d, q)
+    }
+
+    /// `row` as this dtype would read it back: each value rounded as the KV store kernels
+    /// round it (the reference for their tests and the interpreter's cache).
+    pub fn round_row(self, row: &mut [f32]) {
+        match self {
+            KvDtype::F32 => {}
+            KvDtype::Bf16 => {
+                for v in row {
+                    *v = f32::from_bits(u32::from(Self::bf16_bits(*v)) << 16);
+                }
+            }
+            KvDtype::Q8_0 => {
+                for block in row.chunks_mut(Self::Q8_BLOCK as usize) {
+                    let (d, q) = Self::q8_block(block);
+                    for (v, q) in block.iter_mut().zip(q) {
+                        *v = d * f32::from(q);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes `row` (`head_dim` values) in this dtype's bytes into `out` (`row_bytes` long).
+    pub fn encode_row(self, row: &[f32], out: &mut [u8]) {
+        match self {
+            KvDtype::F32 => {
+                for (o, v) in out.chunks_exact_mut(4).zip(row) {
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            KvDtype::Bf16 => {
+                for (o, v) in out.chunks_exact_mut(2).zip(row) {
+                    o.copy_from_slice(&Self::bf16_bits(*v).to_le_bytes());
+                }
+            }
+            KvDtype::Q8_0 => {
+                let (qs, scales) = out.split_at_mut(row.len());
+                let blocks = row.chunks(Self::Q8_BLOCK as usize);
+                for (i, block) in blocks.enumerate() {
+                    let (d, q) = Self::q8_block(block);
+                    for (o, q) in qs[i * 32..].iter_mut().zip(&q[..block.len()]) {
+                        *o = *q as u8;
+                    }
+                    scales[i * 4..][..4].copy_from_slice(&d.to_le_bytes());
+                }
+            }
+        }
+    }
+
+    /// The `head_dim` values of a row stored in this dtype's bytes.
+    pub fn decode_row(self, bytes: &[u8], head_dim: usize) -> Vec<f32> {
+        match self {
+            KvDtype::F32 => bytes
+                .chunks_exact(4)
+                .take(head_dim)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            KvDtype::Bf16 => bytes
+                .chunks_exact(2)
+                .take(head_dim)
+                .map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16))
+                .collect(),
+            KvDtype::Q8_0 => {
+                let (qs, scales) = bytes.split_at(head_dim);
+                qs.iter()
+                    .enumerate()
+                    .map(|(i, &q)| {
+                        let s = &scales[i / 32 * 4..][..4];
+                        f32::from_le_bytes([s[0], s[1], s[2], s[3]]) * f32::from(q as i8)
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+impl fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for KvDtype {
+    type Err = String;
+
+    /// `f32`, `bf16` or `q8_0` (`f16` is refused by name: bf16 keeps f32's range).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        KvDtype::ALL
+            .into_iter()
+            .find(|d| d.name() == s.to_ascii_lowercase())
+            .ok_or_else(|| {
+                format!(
+                    "unknown KV cache dtype `{s}` (expected one of {})",
+                    KvDtype::ALL.map(KvDtype::name).join(", ")
+                )
+            })
+    }
+}
+
+#[cfg(test)]
+mod kv_tests {
+    use super::KvDtype;
+
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to the even (1).
+        assert_eq!(KvDtype::bf16_bits(1.0 + 1.0 / 256.0), 0x3f80);
+        // 1 + 3·2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties to 1 + 2^-6 (even).
+        assert_eq!(KvDtype::bf16_bits(1.0 + 3.0 / 256.0), 0x3f82);
+        assert_eq!(KvDtype::bf16_bits(1.0 + 1.5 / 256.0), 0x3f81);
+        assert_eq!(KvDtype::bf16_bits(-2.0), 0xc000);
+        assert!(f32::from_bits(u32::from(KvDtype::bf16_bits(f32::NAN)) << 16).is_nan());
+    }
+
+    #[test]
+    fn rows_round_trip_through_their_bytes_as_round_row_says() {
+        let row: Vec<f32> = (0..64)
+            .map(|i| ((i * 37) % 61) as f32 / 7.0 - 4.0)
+            .collect();
+        for dt in KvDtype::ALL {
+            let mut bytes = vec![0u8; dt.row_bytes(64) as usize];
+            dt.encode_row(&row, &mut bytes);
+            let mut want = row.clone();
+            dt.round_row(&mut want);
+            assert_eq!(dt.decode_row(&bytes, 64), want, "{dt}");
+            let err = row.iter().zip(&want).map(|(a, b)| (a - b).abs());
+            let bound = match dt {
+                KvDtype::F32 => 0.0,
+                KvDtype::Bf16 => 4.0 / 256.0,
+                KvDtype::Q8_0 => 4.0 / 127.0 / 2.0 * 1.0001,
+            };
+            assert!(err.fold(0f32, f32::max) <= bound, "{dt}");
+        }
+        // A block of zeros has scale 0 and reads back as zeros.
+        let (d, q) = KvDtype::q8_block(&[0.0; 32]);
+        assert_eq!((d, q), (0.0, [0; 32]));
+        assert!(KvDtype::Q8_0.check_head_dim(80).is_err());
+        assert!(KvDtype::Q8_0.check_head_dim(576).is_ok());
+        assert_eq!("Q8_0".parse::<KvDtype>(), Ok(KvDtype::Q8_0));
+        assert!("f16"
+            .parse::<KvDtype>()
+            .unwrap_err()
+            .contains("f32, bf16, q8_0"));
+    }
+}

@@ -17,7 +17,7 @@
 //! Integer step inputs (`input_row_offsets`, `cache_lengths`, `kv_lookup_table`) are i32;
 //! `tokens` and positions are i64.
 
-use super::DType;
+use super::{DType, KvDtype};
 use serde::{Deserialize, Serialize};
 
 /// The version of what a kernel body means beyond its fields (calling convention, parallel
@@ -222,8 +222,9 @@ pub enum KernelBody {
     /// Writes the step's keys and values into layer `layer` of the paged cache: for row `r` of
     /// sequence `b` at position `p = cache_lengths[b] + r - input_row_offsets[b]`, page
     /// `kv_lookup_table[b, p / page_size]`, slot `p % page_size`.
-    /// Cache layout `[pages, num_layers, planes, page_size, kv_heads, head_dim]` f32.
-    /// Buffers: `k [T, kv_heads, head_dim]`, `v` (same; only with `planes` 2), `kv_cache`,
+    /// Cache layout [`KvView`]: rows of `head_dim` values in `kv_dtype`, rounded as
+    /// [`KvDtype::round_row`] says. Buffers: `k f32 [T, kv_heads, head_dim]`, `v` (same; only
+    /// with `planes` 2), `kv_cache`,
     /// `kv_lookup_table [B, P]`, `cache_lengths [B]`, `input_row_offsets [B+1]`. Parallel range:
     /// rows `0..T`.
     KvStore {
@@ -239,6 +240,8 @@ pub enum KernelBody {
         head_dim: u64,
         /// Tokens per page.
         page_size: u64,
+        /// What the cache stores.
+        kv_dtype: KvDtype,
     },
     /// Causal attention of each query row over its sequence's cached positions `0..=p` (the
     /// step's own keys must already be stored by [`KernelBody::KvStore`]). Query head `h` reads
@@ -271,6 +274,8 @@ pub enum KernelBody {
         /// Sliding window: a row at position `p` sees positions `p + 1 - window ..= p` only
         /// (`None`: every earlier position).
         window: Option<u64>,
+        /// What the cache stores.
+        kv_dtype: KvDtype,
     },
     /// Softmax over each row. Buffers: `x [rows, cols]`, `out`. Parallel range: rows.
     Softmax {
@@ -369,6 +374,8 @@ pub enum KernelBody {
         scale: f32,
         /// Element type of the up-projections.
         weight_dtype: DType,
+        /// What the cache stores.
+        kv_dtype: KvDtype,
     },
     /// `out[r, g, :] = [a[r, g, :] | b[r, g, :]]`. Buffers: `a f32 [rows, groups, a]`,
     /// `b f32 [rows, groups, b]`, `out f32 [rows, groups, a + b]`. Parallel range: rows.
@@ -429,9 +436,10 @@ pub enum KernelBody {
 }
 
 /// One layer's view of the paged KV cache `[pages, num_layers, planes, page_size, kv_heads,
-/// head_dim]` (f32): what a [`KernelBody::KvStore`] or [`KernelBody::Attention`] reads of its
-/// body ([`KernelBody::kv_view`]), the one definition of the cache's addressing that both
-/// backends, the validator and the executors use. Offsets are in elements.
+/// row]`, each row `head_dim` values in `dtype` ([`KvDtype::row_bytes`]): what a
+/// [`KernelBody::KvStore`] or [`KernelBody::Attention`] reads of its body
+/// ([`KernelBody::kv_view`]), the one definition of the cache's addressing that both backends,
+/// the validator and the executors use. Offsets and sizes are in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvView {
     /// The layer's slot in the cache.
@@ -446,6 +454,8 @@ pub struct KvView {
     pub page_size: u64,
     /// Planes of a layer slot: 2 (keys, then values) or 1 (a latent, its own value).
     pub planes: u64,
+    /// What a row's values are stored as.
+    pub dtype: KvDtype,
 }
 
 impl KvView {
@@ -459,19 +469,13 @@ impl KvView {
         Ok(view)
     }
 
-    /// The shape of one page, `[num_layers, planes, page_size, kv_heads, head_dim]`.
-    pub fn page_shape(&self) -> [u64; 5] {
-        [
-            self.num_layers,
-            self.planes,
-            self.page_size,
-            self.kv_heads,
-            self.head_dim,
-        ]
+    /// The shape of one page in rows, `[num_layers, planes, page_size, kv_heads]`.
+    pub fn page_rows(&self) -> [u64; 4] {
+        [self.num_layers, self.planes, self.page_size, self.kv_heads]
     }
 
-    /// Checks that every size is non-zero, the layer lies in the cache and a page's bytes fit
-    /// in a `u64`; the message names the field.
+    /// Checks that every size is non-zero, the layer lies in the cache, rows of `head_dim`
+    /// fit the dtype and a page's bytes fit in a `u64`; the message names the field.
     pub fn check(&self) -> Result<(), String> {
         for (name, v) in [
             ("num_layers", self.num_layers),
@@ -492,9 +496,10 @@ impl KvView {
                 self.layer, self.num_layers
             ));
         }
-        self.page_shape()
+        self.dtype.check_head_dim(self.head_dim)?;
+        self.page_rows()
             .iter()
-            .chain(&[4])
+            .chain(&[self.head_dim, 4])
             .try_fold(1u64, |acc, &v| acc.checked_mul(v))
             .map(|_| ())
             .ok_or_else(|| {
@@ -503,34 +508,39 @@ impl KvView {
             })
     }
 
-    /// Elements of one token's slot (every KV head).
-    pub fn slot_elems(&self) -> u64 {
-        self.kv_heads * self.head_dim
+    /// Bytes of one row (one token's keys or values of one KV head).
+    pub fn row_bytes(&self) -> u64 {
+        self.dtype.row_bytes(self.head_dim)
     }
 
-    /// Elements of one layer's keys (or values) in a page.
-    pub fn block_elems(&self) -> u64 {
-        self.page_size * self.slot_elems()
+    /// Bytes of one token's slot (every KV head).
+    pub fn slot_bytes(&self) -> u64 {
+        self.kv_heads * self.row_bytes()
     }
 
-    /// Elements of one page (every layer's planes).
-    pub fn page_elems(&self) -> u64 {
-        self.num_layers * self.planes * self.block_elems()
+    /// Bytes of one layer's keys (or values) in a page.
+    pub fn block_bytes(&self) -> u64 {
+        self.page_size * self.slot_bytes()
+    }
+
+    /// Bytes of one page (every layer's planes).
+    pub fn page_bytes(&self) -> u64 {
+        self.num_layers * self.planes * self.block_bytes()
     }
 
     /// Offset in a page of this layer's keys (`which = 0`) or values (`which = 1`); with one
     /// plane the values are read from the keys' block.
     pub fn block_offset(&self, which: u64) -> u64 {
-        (self.layer * self.planes + which.min(self.planes - 1)) * self.block_elems()
+        (self.layer * self.planes + which.min(self.planes - 1)) * self.block_bytes()
     }
 
     /// Offset in the cache of the keys (`which = 0`) or values (`which = 1`) of KV head `kvh`
     /// at token `pos` of `page` (`pos < page_size`).
     pub fn offset(&self, page: u64, which: u64, pos: u64, kvh: u64) -> u64 {
-        page * self.page_elems()
+        page * self.page_bytes()
             + self.block_offset(which)
-            + pos * self.slot_elems()
-            + kvh * self.head_dim
+            + pos * self.slot_bytes()
+            + kvh * self.row_bytes()
     }
 }
 
@@ -545,6 +555,7 @@ impl KernelBody {
                 head_dim,
                 page_size,
                 planes,
+                kv_dtype,
             }
             | KernelBody::Attention {
                 layer,
@@ -553,6 +564,7 @@ impl KernelBody {
                 head_dim,
                 page_size,
                 planes,
+                kv_dtype,
                 ..
             } => Some(KvView {
                 layer,
@@ -561,12 +573,14 @@ impl KernelBody {
                 head_dim,
                 page_size,
                 planes,
+                dtype: kv_dtype,
             }),
             KernelBody::DecompressedAttention {
                 layer,
                 num_layers,
                 head_dim,
                 page_size,
+                kv_dtype,
                 ..
             } => Some(KvView {
                 layer,
@@ -575,6 +589,7 @@ impl KernelBody {
                 head_dim,
                 page_size,
                 planes: 1,
+                dtype: kv_dtype,
             }),
             _ => None,
         }

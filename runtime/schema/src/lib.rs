@@ -13,7 +13,7 @@ pub mod step;
 pub mod target;
 pub mod validate;
 
-pub use dtype::DType;
+pub use dtype::{DType, KvDtype};
 pub use step::{StepError, StepInputs, StepLimits};
 pub use target::CpuTarget;
 pub use validate::{ProgramEnv, ValidationError, WeightInfo};
@@ -33,7 +33,7 @@ pub use manifest::{
 /// The artifact format this runtime reads and the exporter writes. Bumped on any change to a
 /// bincode type (bincode records no field names, so an older file cannot be read as a newer
 /// type); readers refuse every other version and ask for a recompile.
-pub const FORMAT_VERSION: u32 = 9;
+pub const FORMAT_VERSION: u32 = 10;
 
 /// Lowercase hex sha256 of `bytes`, as the manifest records files.
 pub fn sha256_hex(bytes: &[u8]) -> String {
@@ -193,7 +193,7 @@ impl RopeTable {
 }
 
 /// Layout of a role's paged KV cache, `[pages, num_layers, planes, page_size, kv_heads,
-/// head_dim]`: two planes (keys, then values), or one (multi-head latent attention's latent,
+/// row]` (a row `head_dim` values in `dtype`, [`KvDtype::row_bytes`]): two planes (keys, then values), or one (multi-head latent attention's latent,
 /// whose first elements are also its values).
 ///
 /// The decoder's layers are split into [`KvGroup`]s of `num_layers` layers each, every group's
@@ -212,8 +212,8 @@ pub struct KvLayout {
     pub head_dim: u64,
     /// Tokens per page.
     pub page_size: u64,
-    /// Element type.
-    pub dtype: DType,
+    /// What each row is stored as.
+    pub dtype: KvDtype,
     /// The page groups, in lookup-table order (at least one).
     pub groups: Vec<KvGroup>,
     /// Planes of a layer slot: 2 (keys and values) or 1 (a latent).
@@ -255,7 +255,7 @@ impl KvLayout {
     /// Bytes from one layer's slot to the next within a page (every plane of `page_size`
     /// tokens).
     pub fn layer_bytes(&self) -> u64 {
-        self.planes * self.page_size * self.kv_heads * self.head_dim * self.dtype.size() as u64
+        self.planes * self.page_size * self.kv_heads * self.dtype.row_bytes(self.head_dim)
     }
 
     /// Page groups (at least 1).
@@ -278,8 +278,7 @@ impl KvLayout {
             * self.planes
             * self.num_layers
             * self.kv_heads
-            * self.head_dim
-            * self.dtype.size() as u64
+            * self.dtype.row_bytes(self.head_dim)
     }
 
     /// Bytes of one page (one group's layers).

@@ -196,12 +196,9 @@ impl Program {
                 crate::ep_init::ROLE
             ));
         };
-        if kv.dtype != DType::F32 {
-            return err(format!(
-                "kv.dtype is {}, the kernels' cache is f32",
-                kv.dtype
-            ));
-        }
+        kv.dtype
+            .check_head_dim(kv.head_dim)
+            .map_err(|e| ValidationError(format!("kv: {e}")))?;
         if kv.page_size != env.page_size {
             return err(format!(
                 "kv.page_size is {}, the manifest's page size is {}",
@@ -947,8 +944,15 @@ fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(),
             head_dim,
             page_size,
             planes,
+            dtype,
             ..
         } = view;
+        if dtype != kv.dtype {
+            return err(format!(
+                "kv_dtype {dtype} differs from the KV layout's {}",
+                kv.dtype
+            ));
+        }
         if (num_layers, kv_heads, head_dim, page_size, planes)
             != (
                 kv.num_layers,

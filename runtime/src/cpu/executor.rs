@@ -797,7 +797,7 @@ impl CpuExecutor {
                 unsafe {
                     attention::attention(
                         args[0].cast::<f32>().cast_const(),
-                        args[1].cast::<f32>().cast_const(),
+                        args[1].cast::<u8>().cast_const(),
                         args[5].cast::<f32>(),
                         &seqs,
                         shape,
@@ -949,7 +949,7 @@ impl CpuExecutor {
                         args[0].cast::<f32>().cast_const(),
                         args[1].cast::<f32>().cast_const(),
                         (w_uk, w_uv),
-                        args[4].cast::<f32>().cast_const(),
+                        args[4].cast::<u8>().cast_const(),
                         args[9].cast::<f32>(),
                         &seqs,
                         shape,

@@ -815,9 +815,9 @@ extern "C" __global__ void __launch_bounds__(256) concat_26ead22b(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(96) kv_store_f02319b5(
+extern "C" __global__ void __launch_bounds__(96) kv_store_c5f8012f(
     const float* __restrict__ k,
-    float* __restrict__ kv_cache,
+    unsigned char* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,
     const int* __restrict__ cache_lengths,
     const int* __restrict__ input_row_offsets,
@@ -840,15 +840,15 @@ extern "C" __global__ void __launch_bounds__(96) kv_store_f02319b5(
     const int page_entry = kv_lookup_table[b * max_num_pages + page_index];
     if (page_entry < 0 || (maxc_u64)page_entry >= total_num_pages) return;
     const maxc_u64 page = (maxc_u64)page_entry;
-    float* k_dst = kv_cache + page * 5120ULL + 0ULL + slot * 80ULL;
+    unsigned char* k_dst = kv_cache + page * 20480ULL + 0ULL + slot * 320ULL;
     for (maxc_u64 c = threadIdx.x; c < 80ULL; c += blockDim.x) {
-        k_dst[c] = k[r * 80ULL + c];
+        ((float*)(k_dst))[c] = k[r * 80ULL + c];
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_304667d0(
+extern "C" __global__ void __launch_bounds__(128) attention_b21913aa(
     const float* __restrict__ q,
-    const float* __restrict__ kv_cache,
+    const unsigned char* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,
     const int* __restrict__ cache_lengths,
     const int* __restrict__ input_row_offsets,
@@ -889,13 +889,13 @@ extern "C" __global__ void __launch_bounds__(128) attention_304667d0(
         const int page_entry = kv_lookup_table[b * max_num_pages + page_index];
         if (page_entry < 0 || (maxc_u64)page_entry >= total_num_pages) continue;
         const maxc_u64 page = (maxc_u64)page_entry;
-        const float* k_ptr = kv_cache + page * 5120ULL + 0ULL + slot * 80ULL + kv_head * 80ULL;
-        const float* v_ptr = kv_cache + page * 5120ULL + 0ULL + slot * 80ULL + kv_head * 80ULL;
+        const unsigned char* k_ptr = kv_cache + page * 20480ULL + 0ULL + slot * 320ULL + kv_head * 320ULL;
+        const unsigned char* v_ptr = kv_cache + page * 20480ULL + 0ULL + slot * 320ULL + kv_head * 320ULL;
         float dot = 0.0f;
 #pragma unroll
         for (unsigned e = 0; e < 3; ++e) {
             const maxc_u64 d = lane + 32u * e;
-            if (d < 80ULL) dot += qv[e] * k_ptr[d];
+            if (d < 80ULL) dot += qv[e] * ((const float*)(k_ptr))[d];
         }
         const float s = maxc_warp_sum(dot) * 0.14433756f;
         const float m_new = fmaxf(m, s);
@@ -905,7 +905,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_304667d0(
 #pragma unroll
         for (unsigned e = 0; e < 3; ++e) {
             const maxc_u64 d = lane + 32u * e;
-            if (d < 64ULL) acc[e] = acc[e] * corr + w * v_ptr[d];
+            if (d < 64ULL) acc[e] = acc[e] * corr + w * ((const float*)(v_ptr))[d];
         }
         m = m_new;
     }

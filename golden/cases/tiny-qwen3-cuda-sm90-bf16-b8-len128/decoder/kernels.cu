@@ -459,10 +459,10 @@ extern "C" __global__ void __launch_bounds__(64) rope_bb0e105e(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) kv_store_c3d9c2e8(
+extern "C" __global__ void __launch_bounds__(128) kv_store_6124e0b1(
     const float* __restrict__ k,
     const float* __restrict__ v,
-    float* __restrict__ kv_cache,
+    unsigned char* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,
     const int* __restrict__ cache_lengths,
     const int* __restrict__ input_row_offsets,
@@ -485,17 +485,17 @@ extern "C" __global__ void __launch_bounds__(128) kv_store_c3d9c2e8(
     const int page_entry = kv_lookup_table[b * max_num_pages + page_index];
     if (page_entry < 0 || (maxc_u64)page_entry >= total_num_pages) return;
     const maxc_u64 page = (maxc_u64)page_entry;
-    float* k_dst = kv_cache + page * 16384ULL + 0ULL + slot * 128ULL;
-    float* v_dst = kv_cache + page * 16384ULL + 2048ULL + slot * 128ULL;
+    unsigned char* k_dst = kv_cache + page * 65536ULL + 0ULL + slot * 512ULL;
+    unsigned char* v_dst = kv_cache + page * 65536ULL + 8192ULL + slot * 512ULL;
     for (maxc_u64 c = threadIdx.x; c < 128ULL; c += blockDim.x) {
-        k_dst[c] = k[r * 128ULL + c];
-        v_dst[c] = v[r * 128ULL + c];
+        ((float*)(k_dst))[c] = k[r * 128ULL + c];
+        ((float*)(v_dst))[c] = v[r * 128ULL + c];
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_ac4877e7(
+extern "C" __global__ void __launch_bounds__(128) attention_b6343fd7(
     const float* __restrict__ q,
-    const float* __restrict__ kv_cache,
+    const unsigned char* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,
     const int* __restrict__ cache_lengths,
     const int* __restrict__ input_row_offsets,
@@ -536,13 +536,13 @@ extern "C" __global__ void __launch_bounds__(128) attention_ac4877e7(
         const int page_entry = kv_lookup_table[b * max_num_pages + page_index];
         if (page_entry < 0 || (maxc_u64)page_entry >= total_num_pages) continue;
         const maxc_u64 page = (maxc_u64)page_entry;
-        const float* k_ptr = kv_cache + page * 16384ULL + 0ULL + slot * 128ULL + kv_head * 64ULL;
-        const float* v_ptr = kv_cache + page * 16384ULL + 2048ULL + slot * 128ULL + kv_head * 64ULL;
+        const unsigned char* k_ptr = kv_cache + page * 65536ULL + 0ULL + slot * 512ULL + kv_head * 256ULL;
+        const unsigned char* v_ptr = kv_cache + page * 65536ULL + 8192ULL + slot * 512ULL + kv_head * 256ULL;
         float dot = 0.0f;
 #pragma unroll
         for (unsigned e = 0; e < 2; ++e) {
             const maxc_u64 d = lane + 32u * e;
-            if (d < 64ULL) dot += qv[e] * k_ptr[d];
+            if (d < 64ULL) dot += qv[e] * ((const float*)(k_ptr))[d];
         }
         const float s = maxc_warp_sum(dot) * 0.125f;
         const float m_new = fmaxf(m, s);
@@ -552,7 +552,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_ac4877e7(
 #pragma unroll
         for (unsigned e = 0; e < 2; ++e) {
             const maxc_u64 d = lane + 32u * e;
-            if (d < 64ULL) acc[e] = acc[e] * corr + w * v_ptr[d];
+            if (d < 64ULL) acc[e] = acc[e] * corr + w * ((const float*)(v_ptr))[d];
         }
         m = m_new;
     }

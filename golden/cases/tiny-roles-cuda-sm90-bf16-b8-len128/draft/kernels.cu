@@ -405,10 +405,10 @@ extern "C" __global__ void __launch_bounds__(32) rope_c4fe2b5e(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32) kv_store_ecfff9cf(
+extern "C" __global__ void __launch_bounds__(32) kv_store_f042433b(
     const float* __restrict__ k,
     const float* __restrict__ v,
-    float* __restrict__ kv_cache,
+    unsigned char* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,
     const int* __restrict__ cache_lengths,
     const int* __restrict__ input_row_offsets,
@@ -431,17 +431,17 @@ extern "C" __global__ void __launch_bounds__(32) kv_store_ecfff9cf(
     const int page_entry = kv_lookup_table[b * max_num_pages + page_index];
     if (page_entry < 0 || (maxc_u64)page_entry >= total_num_pages) return;
     const maxc_u64 page = (maxc_u64)page_entry;
-    float* k_dst = kv_cache + page * 1024ULL + 0ULL + slot * 32ULL;
-    float* v_dst = kv_cache + page * 1024ULL + 512ULL + slot * 32ULL;
+    unsigned char* k_dst = kv_cache + page * 4096ULL + 0ULL + slot * 128ULL;
+    unsigned char* v_dst = kv_cache + page * 4096ULL + 2048ULL + slot * 128ULL;
     for (maxc_u64 c = threadIdx.x; c < 32ULL; c += blockDim.x) {
-        k_dst[c] = k[r * 32ULL + c];
-        v_dst[c] = v[r * 32ULL + c];
+        ((float*)(k_dst))[c] = k[r * 32ULL + c];
+        ((float*)(v_dst))[c] = v[r * 32ULL + c];
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_676fd5e6(
+extern "C" __global__ void __launch_bounds__(128) attention_a9dbb97d(
     const float* __restrict__ q,
-    const float* __restrict__ kv_cache,
+    const unsigned char* __restrict__ kv_cache,
     const int* __restrict__ kv_lookup_table,
     const int* __restrict__ cache_lengths,
     const int* __restrict__ input_row_offsets,
@@ -482,13 +482,13 @@ extern "C" __global__ void __launch_bounds__(128) attention_676fd5e6(
         const int page_entry = kv_lookup_table[b * max_num_pages + page_index];
         if (page_entry < 0 || (maxc_u64)page_entry >= total_num_pages) continue;
         const maxc_u64 page = (maxc_u64)page_entry;
-        const float* k_ptr = kv_cache + page * 1024ULL + 0ULL + slot * 32ULL + kv_head * 32ULL;
-        const float* v_ptr = kv_cache + page * 1024ULL + 512ULL + slot * 32ULL + kv_head * 32ULL;
+        const unsigned char* k_ptr = kv_cache + page * 4096ULL + 0ULL + slot * 128ULL + kv_head * 128ULL;
+        const unsigned char* v_ptr = kv_cache + page * 4096ULL + 2048ULL + slot * 128ULL + kv_head * 128ULL;
         float dot = 0.0f;
 #pragma unroll
         for (unsigned e = 0; e < 1; ++e) {
             const maxc_u64 d = lane + 32u * e;
-            if (d < 32ULL) dot += qv[e] * k_ptr[d];
+            if (d < 32ULL) dot += qv[e] * ((const float*)(k_ptr))[d];
         }
         const float s = maxc_warp_sum(dot) * 0.17677669f;
         const float m_new = fmaxf(m, s);
@@ -498,7 +498,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_676fd5e6(
 #pragma unroll
         for (unsigned e = 0; e < 1; ++e) {
             const maxc_u64 d = lane + 32u * e;
-            if (d < 32ULL) acc[e] = acc[e] * corr + w * v_ptr[d];
+            if (d < 32ULL) acc[e] = acc[e] * corr + w * ((const float*)(v_ptr))[d];
         }
         m = m_new;
     }

@@ -17,7 +17,7 @@ mod kernels;
 
 use crate::matmul::tile::{self, F32Rows};
 use kernels::Kernels;
-use maxc_schema::KvView;
+use maxc_schema::{KvDtype, KvView};
 
 /// Query rows of one sequence per work item.
 const ROW_BLOCK: usize = 16;
@@ -79,7 +79,7 @@ struct Item {
 #[derive(Clone, Copy)]
 struct Ptrs {
     q: *const f32,
-    cache: *const f32,
+    cache: *const u8,
     out: *mut f32,
 }
 // SAFETY: items write disjoint (row, head) slices of `out`; `q` and the cache are only read.
@@ -97,6 +97,10 @@ struct Scratch {
     sums: Vec<f32>,
     /// Weighted values `[nq, head_dim]`.
     acc: Vec<f32>,
+    /// A bf16 or q8_0 cache: one page's rows widened to f32 `[page_size, head_dim]`.
+    rows: Vec<f32>,
+    /// A bf16 or q8_0 cache: one page's weighted values `[nq, value_dim]`.
+    page_acc: Vec<f32>,
 }
 
 thread_local! {
@@ -107,13 +111,16 @@ thread_local! {
 /// (position `p` in its sequence) and query head `h`, keys and values of KV head
 /// `h / (heads / kv_heads)` read from the paged cache.
 ///
+/// The cache holds rows in `shape.cache.dtype` ([`KvView`]); bf16 and q8_0 rows are widened
+/// to f32 a page at a time, into a tile of the thread's scratch that the f32 kernels then read.
+///
 /// # Safety
 /// [`tile::available`] holds; `q` and `out` hold `rows × heads × head_dim` values; `cache` is
 /// the whole cache, and every page the sequences use (checked by `StepInputs::checked_dims`)
 /// lies inside it.
 pub unsafe fn attention(
     q: *const f32,
-    cache: *const f32,
+    cache: *const u8,
     out: *mut f32,
     seqs: &Seqs,
     shape: Shape,
@@ -205,13 +212,61 @@ unsafe fn attend_avx2(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scratch: &mu
     unsafe { attend::<avx2::Avx2>(p, seqs, shape, it, scratch) }
 }
 
+/// `dst[r·width + d]` = value `d` of row `r` (`rows` rows, `stride` bytes apart from `src`,
+/// `head_dim` values each in `dtype`), widened to f32, for `d < width`.
+///
+/// # Safety
+/// The rows lie inside the cache; `dst` holds `rows × width` values.
+#[inline(always)]
+unsafe fn widen(
+    dtype: KvDtype,
+    src: *const u8,
+    stride: usize,
+    rows: usize,
+    head_dim: usize,
+    width: usize,
+    dst: &mut [f32],
+) {
+    for r in 0..rows {
+        let out = &mut dst[r * width..][..width];
+        // SAFETY: as the contract: row `r`'s bytes lie inside the cache.
+        unsafe {
+            let row = src.add(r * stride);
+            match dtype {
+                KvDtype::F32 => {
+                    std::ptr::copy_nonoverlapping(row.cast::<f32>(), out.as_mut_ptr(), width)
+                }
+                KvDtype::Bf16 => {
+                    let h = std::slice::from_raw_parts(row.cast::<[u8; 2]>(), width);
+                    for (o, h) in out.iter_mut().zip(h) {
+                        *o = f32::from_bits(u32::from(u16::from_le_bytes(*h)) << 16);
+                    }
+                }
+                KvDtype::Q8_0 => {
+                    let q = std::slice::from_raw_parts(row.cast::<i8>(), width);
+                    let scales = row.add(head_dim).cast::<[u8; 4]>();
+                    for (b, (o, q)) in out.chunks_mut(32).zip(q.chunks(32)).enumerate() {
+                        let d = f32::from_le_bytes(*scales.add(b));
+                        for (o, &q) in o.iter_mut().zip(q) {
+                            *o = d * f32::from(q);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[inline(always)]
 unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scratch: &mut Scratch) {
     let hd = shape.head_dim();
     let vd = shape.value_dim;
     let hstride = shape.heads * hd;
     let ostride = shape.heads * vd;
-    let slot = shape.cache.slot_elems() as usize;
+    let dtype = shape.cache.dtype;
+    let wide = dtype == KvDtype::F32;
+    // A slot's bytes: rows of one KV head at consecutive positions are this far apart.
+    let slot_bytes = shape.cache.slot_bytes() as usize;
     let kvh = it.head / (shape.heads / shape.kv_heads());
     let first_pos = seqs.cache_lengths[it.seq] as usize + it.row - seqs.offsets[it.seq] as usize;
     let keys = first_pos + it.rows;
@@ -222,10 +277,15 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
         scores,
         sums,
         acc,
+        rows,
+        page_acc,
     } = scratch;
     qs.resize(nq * hd, 0.0);
     scores.resize(nq * ld, 0.0);
     sums.resize(nq, 0.0);
+    if !wide {
+        rows.resize(shape.page_size() * hd, 0.0);
+    }
     let scores = &mut scores[..nq * ld];
     // SAFETY (pointer arithmetic below): rows, heads and pages in bounds as the caller
     // guarantees; a page's keys and values for this layer and KV head are `slot` apart.
@@ -243,9 +303,10 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
                 .add(shape.cache.offset(page as u64, which as u64, 0, kvh as u64) as usize)
         };
         let pages = keys.div_ceil(shape.page_size());
+        // An f32 cache's rows, read where they are.
         let rows_of = |pg: usize, which: usize| F32Rows {
-            ptr: page_ptr(pg, which),
-            stride: slot,
+            ptr: page_ptr(pg, which).cast::<f32>(),
+            stride: slot_bytes / 4,
         };
         // The first position row `r` sees; pages before the block's first are not read.
         let lo = |r: usize| {
@@ -258,17 +319,27 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
         for pg in first_page..pages {
             let t0 = pg * shape.page_size();
             let n = shape.page_size().min(keys - t0);
-            let next = if pg + 1 < pages {
-                let first = tile::STRIDED_AHEAD.min(keys - t0 - n);
-                (rows_of(pg + 1, 0), first)
+            let (k, next) = if wide {
+                let next = if pg + 1 < pages {
+                    let first = tile::STRIDED_AHEAD.min(keys - t0 - n);
+                    (rows_of(pg + 1, 0), first)
+                } else {
+                    (rows_of(pg, 0), 0)
+                };
+                (rows_of(pg, 0), next)
             } else {
-                (rows_of(pg, 0), 0)
+                widen(dtype, page_ptr(pg, 0), slot_bytes, n, hd, hd, rows);
+                let k = F32Rows {
+                    ptr: rows.as_ptr(),
+                    stride: hd,
+                };
+                (k, (k, 0))
             };
             K::scores(
                 qs.as_ptr(),
                 nq,
                 hd,
-                rows_of(pg, 0),
+                k,
                 n,
                 scores.as_mut_ptr().add(t0),
                 ld,
@@ -291,18 +362,34 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
         }
         // Values: out = (scores · V) / sum, from page `first_page` on (the scores and the
         // pages shifted by it). With one plane the value block is the key block.
-        let values = |pg: usize| page_ptr(pg + first_page, 1);
-        K::values(
-            &scores[from..],
-            ld,
-            nq,
-            vd,
-            keys - from,
-            shape.page_size(),
-            slot,
-            &values,
-            acc,
-        );
+        if wide {
+            let values = |pg: usize| page_ptr(pg + first_page, 1).cast::<f32>();
+            K::values(
+                &scores[from..],
+                ld,
+                nq,
+                vd,
+                keys - from,
+                shape.page_size(),
+                slot_bytes / 4,
+                &values,
+                acc,
+            );
+        } else {
+            // A page at a time: its value rows widened, their weighted sum added.
+            acc.clear();
+            acc.resize(nq * vd, 0.0);
+            for pg in first_page..pages {
+                let t0 = pg * shape.page_size();
+                let n = shape.page_size().min(keys - t0);
+                widen(dtype, page_ptr(pg, 1), slot_bytes, n, hd, vd, rows);
+                let v = rows.as_ptr();
+                K::values(&scores[t0..], ld, nq, vd, n, n, vd, &|_| v, page_acc);
+                for (a, b) in acc.iter_mut().zip(page_acc.iter()) {
+                    *a += b;
+                }
+            }
+        }
         for r in 0..it.rows {
             for g in 0..it.group {
                 let qi = r * it.group + g;
@@ -379,8 +466,11 @@ mod tests {
         let cases = [(64, 9, 3, 2, 64), (128, 4, 4, 2, 128), (24, 6, 2, 2, 24)]
             .into_iter()
             .flat_map(|c| [None, Some(1), Some(7), Some(21), Some(100)].map(|w| (c, w)))
-            .chain([((80, 4, 1, 1, 64), None), ((576, 3, 1, 1, 512), None)]);
-        for ((hd, heads, kv_heads, planes, vd), window) in cases {
+            .chain([((80, 4, 1, 1, 64), None), ((576, 3, 1, 1, 512), None)])
+            // Every case with each KV dtype (q8_0 where head_dim is whole groups of 32).
+            .flat_map(|c| KvDtype::ALL.map(|d| (c, d)))
+            .filter(|(((hd, ..), _), d)| d.check_head_dim(*hd as u64).is_ok());
+        for (((hd, heads, kv_heads, planes, vd), window), dtype) in cases {
             let shape = Shape {
                 value_dim: vd,
                 cache: KvView {
@@ -390,6 +480,7 @@ mod tests {
                     kv_heads: kv_heads as u64,
                     head_dim: hd as u64,
                     page_size: 16,
+                    dtype,
                 },
                 heads,
                 scale: 1.0 / (hd as f32).sqrt(),
@@ -413,9 +504,16 @@ mod tests {
                 * shape.page_size()
                 * kv_heads
                 * hd;
-            let cache: Vec<f32> = (0..10 * page_floats)
+            let mut cache: Vec<f32> = (0..10 * page_floats)
                 .map(|i| (((i * 2654435761usize) >> 7) % 2001) as f32 / 1000.0 - 1.0)
                 .collect();
+            // The cache's bytes, row by row in the dtype; the reference reads what they hold.
+            let row_bytes = dtype.row_bytes(hd as u64) as usize;
+            let mut bytes = vec![0u8; cache.len() / hd * row_bytes];
+            for (row, out) in cache.chunks_mut(hd).zip(bytes.chunks_mut(row_bytes)) {
+                dtype.encode_row(row, out);
+                dtype.round_row(row);
+            }
             let q: Vec<f32> = (0..rows * heads * hd)
                 .map(|i| (((i * 40503usize) >> 3) % 1999) as f32 / 400.0 - 2.5)
                 .collect();
@@ -426,7 +524,7 @@ mod tests {
                 unsafe {
                     attention(
                         q.as_ptr(),
-                        cache.as_ptr(),
+                        bytes.as_ptr(),
                         out.as_mut_ptr(),
                         &seqs,
                         shape,
@@ -436,7 +534,7 @@ mod tests {
                 for (i, (a, b)) in out.iter().zip(&want).enumerate() {
                     assert!(
                         (a - b).abs() <= 2e-5 * (1.0 + b.abs()),
-                        "head_dim {hd} window {window:?} threads {threads} at {i}: {a} vs {b}"
+                        "{dtype} head_dim {hd} window {window:?} threads {threads} at {i}: {a} vs {b}"
                     );
                 }
             }
