@@ -736,7 +736,7 @@ fn inspect_gives_the_kv_bytes_of_a_token_and_of_a_sequence() {
     );
     let text = String::from_utf8_lossy(&maxc(&["inspect", a.to_str().unwrap()]).stdout).to_string();
     assert!(
-        text.contains("kv cache 1 page groups of 4 layers (full; keys and values)")
+        text.contains("kv cache (f32) 1 page groups of 4 layers (full; keys and values)")
             && text.contains("2048 bytes per token"),
         "{text}"
     );

@@ -174,7 +174,7 @@ impl Kernels for Avx2 {
     }
 
     #[inline(always)]
-    unsafe fn softmax(row: &mut [f32], valid: usize, scale: f32) -> f32 {
+    unsafe fn softmax(row: &mut [f32], valid: usize, scale: f32) -> (f32, f32) {
         // SAFETY: the caller has AVX2 + FMA; every access is within `row` (whole vectors up to
         // `row.len()`, a multiple of 16; lanes past `valid` masked).
         unsafe {
@@ -190,7 +190,8 @@ impl Kernels for Avx2 {
             let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
             let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
             let m = _mm_max_ss(m, _mm_movehdup_ps(m));
-            let mx = _mm256_set1_ps(_mm_cvtss_f32(m));
+            let max = _mm_cvtss_f32(m);
+            let mx = _mm256_set1_ps(max);
             let mut sum = _mm256_setzero_ps();
             let mut i = 0;
             while i < row.len() {
@@ -205,7 +206,7 @@ impl Kernels for Avx2 {
                 sum = _mm256_add_ps(sum, e);
                 i += 8;
             }
-            hsum(sum)
+            (hsum(sum), max)
         }
     }
 

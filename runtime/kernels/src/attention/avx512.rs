@@ -32,7 +32,7 @@ impl Kernels for Avx512 {
         }
     }
     #[inline(always)]
-    unsafe fn softmax(row: &mut [f32], valid: usize, scale: f32) -> f32 {
+    unsafe fn softmax(row: &mut [f32], valid: usize, scale: f32) -> (f32, f32) {
         // SAFETY: as the trait's contract.
         unsafe { softmax_row(row, valid, scale) }
     }
@@ -54,9 +54,9 @@ impl Kernels for Avx512 {
 }
 
 /// Scales `row[..valid]`, replaces it with `exp(s - max)` and zeroes `row[valid..]`; returns
-/// the sum of the exponentials.
+/// the sum of the exponentials and the max.
 #[inline(always)]
-unsafe fn softmax_row(row: &mut [f32], valid: usize, scale: f32) -> f32 {
+unsafe fn softmax_row(row: &mut [f32], valid: usize, scale: f32) -> (f32, f32) {
     // SAFETY: the caller has AVX-512F; every access is within `row` (whole vectors up to
     // `row.len()`, a multiple of 16, masked past `valid`).
     unsafe {
@@ -69,7 +69,8 @@ unsafe fn softmax_row(row: &mut [f32], valid: usize, scale: f32) -> f32 {
             m = _mm512_mask_max_ps(m, mask, m, v);
             i += 16;
         }
-        let mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        let max = _mm512_reduce_max_ps(m);
+        let mx = _mm512_set1_ps(max);
         let mut sum = _mm512_setzero_ps();
         let mut i = 0;
         while i < row.len() {
@@ -80,7 +81,7 @@ unsafe fn softmax_row(row: &mut [f32], valid: usize, scale: f32) -> f32 {
             sum = _mm512_add_ps(sum, e);
             i += 16;
         }
-        _mm512_reduce_add_ps(sum)
+        (_mm512_reduce_add_ps(sum), max)
     }
 }
 

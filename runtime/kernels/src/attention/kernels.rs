@@ -23,11 +23,12 @@ pub(super) trait Kernels {
         ld: usize,
         next: (F32Rows, usize),
     );
-    /// As [`softmax_row`].
+    /// Scales `row[..valid]`, replaces it with `exp(s - max)` and zeroes `row[valid..]`;
+    /// returns the sum of the exponentials and the max.
     ///
     /// # Safety
     /// The instruction set is available; `row.len()` is a multiple of 16.
-    unsafe fn softmax(row: &mut [f32], valid: usize, scale: f32) -> f32;
+    unsafe fn softmax(row: &mut [f32], valid: usize, scale: f32) -> (f32, f32);
     /// As [`weighted_values`].
     ///
     /// # Safety

@@ -22,6 +22,10 @@ use maxc_schema::{KvDtype, KvView};
 /// Query rows of one sequence per work item.
 const ROW_BLOCK: usize = 16;
 
+/// The fewest keys a split decode row gives one thread: a few pages' worth, so that merging
+/// the partial results stays a small share of the work.
+const MIN_SPAN: usize = 512;
+
 /// The shape of one attention launch.
 #[derive(Clone, Copy, Debug)]
 pub struct Shape {
@@ -74,6 +78,9 @@ struct Item {
     /// Query heads `head..head + group`.
     head: usize,
     group: usize,
+    /// A decode row's keys split across threads: this item's positions `lo..hi` and its
+    /// slot in the partial results (`None`: every key, the output written whole).
+    span: Option<(usize, usize, usize)>,
 }
 
 #[derive(Clone, Copy)]
@@ -81,6 +88,9 @@ struct Ptrs {
     q: *const f32,
     cache: *const u8,
     out: *mut f32,
+    /// Split decode rows' partial results: per span, `group × (value_dim + 2)` values (each
+    /// query's unnormalised weighted values, then its max and sum).
+    parts: *mut f32,
 }
 // SAFETY: items write disjoint (row, head) slices of `out`; `q` and the cache are only read.
 unsafe impl Send for Ptrs {}
@@ -95,6 +105,8 @@ struct Scratch {
     scores: Vec<f32>,
     /// Each query's sum of weights.
     sums: Vec<f32>,
+    /// Each query's largest scaled score.
+    maxes: Vec<f32>,
     /// Weighted values `[nq, head_dim]`.
     acc: Vec<f32>,
     /// A bf16 or q8_0 cache: one page's rows widened to f32 `[page_size, head_dim]`.
@@ -140,31 +152,69 @@ pub unsafe fn attention(
                     rows,
                     head: kvh * group,
                     group,
+                    span: None,
                 });
             }
             r += rows;
         }
     }
     let threads = threads.max(1);
-    if items.len() < 2 * threads && group > 1 {
-        items = items
-            .iter()
-            .flat_map(|it| {
-                (0..it.group).map(move |g| Item {
-                    head: it.head + g,
-                    group: 1,
-                    ..*it
+    let single_rows = items.iter().all(|it| it.rows == 1);
+    // Too few items for the threads. Decode rows over long contexts split their keys (each
+    // KV head's keys and values then read once, by one thread, for every query head of its
+    // group); short ones split their groups into single query heads.
+    let mut parts = Vec::new();
+    if items.len() < 2 * threads {
+        let keys = |it: &Item| seqs.cache_lengths[it.seq] as usize + 1;
+        let long = single_rows && items.iter().any(|it| keys(it) >= 2 * MIN_SPAN);
+        if long {
+            let want = (2 * threads).div_ceil(items.len());
+            let ps = shape.page_size();
+            let mut split = Vec::new();
+            let mut slot = 0;
+            for it in &items {
+                let n = keys(it);
+                let lo = shape.window.map_or(0, |w| n.saturating_sub(w));
+                let spans = want.min((n - lo) / MIN_SPAN).max(1);
+                // Span edges on page boundaries (each span reads whole pages of its own).
+                let step = (n - lo).div_ceil(spans).next_multiple_of(ps);
+                let mut a = lo;
+                while a < n {
+                    let b = (a / ps * ps + step).min(n);
+                    split.push(Item {
+                        span: Some((a, b, slot)),
+                        ..*it
+                    });
+                    slot += 1;
+                    a = b;
+                }
+            }
+            items = split;
+            parts = vec![0f32; items.len() * group * (shape.value_dim + 2)];
+        } else if group > 1 {
+            items = items
+                .iter()
+                .flat_map(|it| {
+                    (0..it.group).map(move |g| Item {
+                        head: it.head + g,
+                        group: 1,
+                        ..*it
+                    })
                 })
-            })
-            .collect();
+                .collect();
+        }
     }
     // Later blocks of a sequence see more keys: dealing items round-robin balances them. A
     // step of single rows (decode) instead gives each thread consecutive items, a sequence's
     // KV heads together: their keys and values interleave in the same pages, so the lines the
     // hardware fetches beside one head's are the next head's.
     let chunks = threads.min(items.len());
-    let single_rows = items.iter().all(|it| it.rows == 1);
-    let p = &Ptrs { q, cache, out };
+    let p = &Ptrs {
+        q,
+        cache,
+        out,
+        parts: parts.as_mut_ptr(),
+    };
     let items = &items;
     crate::pool::run(chunks, &|c| {
         SCRATCH.with(|s| {
@@ -190,6 +240,48 @@ pub unsafe fn attention(
             }
         });
     });
+    if !parts.is_empty() {
+        merge(items, &parts, out, shape);
+    }
+}
+
+/// Combines the spans of each split decode row: `out = Σ acc·e^(m - M) / Σ l·e^(m - M)` over
+/// its spans' partial results, `M` their largest max.
+fn merge(items: &[Item], parts: &[f32], out: *mut f32, shape: Shape) {
+    let vd = shape.value_dim;
+    let width = vd + 2;
+    let mut i = 0;
+    while i < items.len() {
+        let it = items[i];
+        let n = items[i..]
+            .iter()
+            .take_while(|x| x.row == it.row && x.head == it.head)
+            .count();
+        let part = |k: usize, g: usize| {
+            let slot = items[i + k].span.map_or(0, |s| s.2);
+            &parts[(slot * it.group + g) * width..][..width]
+        };
+        for g in 0..it.group {
+            let m = (0..n)
+                .map(|k| part(k, g)[vd])
+                .fold(f32::NEG_INFINITY, f32::max);
+            let scales: Vec<f32> = (0..n).map(|k| (part(k, g)[vd] - m).exp()).collect();
+            let l: f32 = (0..n).map(|k| part(k, g)[vd + 1] * scales[k]).sum();
+            let inv = 1.0 / l;
+            // SAFETY: row `it.row`, head `it.head + g` lies in `out` (the caller's contract).
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(
+                    out.add(it.row * shape.heads * vd + (it.head + g) * vd),
+                    vd,
+                )
+            };
+            for (d, o) in dst.iter_mut().enumerate() {
+                let a: f32 = (0..n).map(|k| part(k, g)[d] * scales[k]).sum();
+                *o = a * inv;
+            }
+        }
+        i += n;
+    }
 }
 
 /// Whether [`attention`] runs on this CPU (AVX-512, or AVX2 + FMA).
@@ -269,13 +361,15 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
     let slot_bytes = shape.cache.slot_bytes() as usize;
     let kvh = it.head / (shape.heads / shape.kv_heads());
     let first_pos = seqs.cache_lengths[it.seq] as usize + it.row - seqs.offsets[it.seq] as usize;
-    let keys = first_pos + it.rows;
+    // The keys read: every one up to the last row's position, or a split row's span.
+    let (k0, keys) = it.span.map_or((0, first_pos + it.rows), |(a, b, _)| (a, b));
     let nq = it.rows * it.group;
     let ld = keys.next_multiple_of(16);
     let Scratch {
         qs,
         scores,
         sums,
+        maxes,
         acc,
         rows,
         page_acc,
@@ -313,6 +407,7 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
             shape
                 .window
                 .map_or(0, |w| (first_pos + r + 1).saturating_sub(w))
+                .max(k0)
         };
         let first_page = lo(0) / shape.page_size();
         let from = first_page * shape.page_size();
@@ -349,14 +444,15 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
         // Softmax: each query sees keys lo(r)..=its position. Inside a window it runs from the
         // 16-aligned start of those keys, the ones before them masked; every weight before
         // them is then 0.
+        maxes.resize(nq, 0.0);
         for r in 0..it.rows {
-            let valid = first_pos + r + 1;
+            let valid = (first_pos + r + 1).min(keys);
             let (lo, start) = (lo(r), lo(r) / 16 * 16);
             for g in 0..it.group {
                 let qi = r * it.group + g;
                 let row = &mut scores[qi * ld..][..ld];
                 row[start..lo].fill(f32::NEG_INFINITY);
-                sums[qi] = K::softmax(&mut row[start..], valid - start, shape.scale);
+                (sums[qi], maxes[qi]) = K::softmax(&mut row[start..], valid - start, shape.scale);
                 row[start.min(from)..lo].fill(0.0);
             }
         }
@@ -390,6 +486,16 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
                 }
             }
         }
+        if let Some((_, _, slot)) = it.span {
+            // A span of a split row: its unnormalised values, max and sum, merged later.
+            for g in 0..it.group {
+                let dst = p.parts.add((slot * it.group + g) * (vd + 2));
+                std::ptr::copy_nonoverlapping(acc.as_ptr().add(g * vd), dst, vd);
+                *dst.add(vd) = maxes[g];
+                *dst.add(vd + 1) = sums[g];
+            }
+            return;
+        }
         for r in 0..it.rows {
             for g in 0..it.group {
                 let qi = r * it.group + g;
@@ -404,11 +510,17 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
 }
 
 #[cfg(test)]
-mod tests {
+mod tests_support {
     use super::*;
 
     /// Plain attention over the same paged cache, in f64.
-    fn reference(q: &[f32], cache: &[f32], seqs: &Seqs, shape: Shape, rows: usize) -> Vec<f32> {
+    pub(super) fn reference(
+        q: &[f32],
+        cache: &[f32],
+        seqs: &Seqs,
+        shape: Shape,
+        rows: usize,
+    ) -> Vec<f32> {
         let (hd, h, vd) = (shape.head_dim(), shape.heads, shape.value_dim);
         let planes = shape.cache.planes as usize;
         let slot = shape.kv_heads() * hd;
@@ -452,6 +564,34 @@ mod tests {
         }
         out
     }
+
+    /// A cache of `pages` pages of made-up values: the f32 values each row holds (rounded as
+    /// the dtype stores them) and the cache's bytes.
+    pub(super) fn filled_cache(shape: Shape, pages: usize) -> (Vec<f32>, Vec<u8>) {
+        let hd = shape.head_dim();
+        let page_floats = (shape.cache.num_layers as usize)
+            * shape.cache.planes as usize
+            * shape.page_size()
+            * shape.kv_heads()
+            * hd;
+        let mut cache: Vec<f32> = (0..pages * page_floats)
+            .map(|i| (((i * 2654435761usize) >> 7) % 2001) as f32 / 1000.0 - 1.0)
+            .collect();
+        let dtype = shape.cache.dtype;
+        let row_bytes = dtype.row_bytes(hd as u64) as usize;
+        let mut bytes = vec![0u8; cache.len() / hd * row_bytes];
+        for (row, out) in cache.chunks_mut(hd).zip(bytes.chunks_mut(row_bytes)) {
+            dtype.encode_row(row, out);
+            dtype.round_row(row);
+        }
+        (cache, bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tests_support::*;
+    use super::*;
 
     #[test]
     fn blocked_attention_matches_plain_attention_over_pages_and_sequences() {
@@ -536,6 +676,80 @@ mod tests {
                         (a - b).abs() <= 2e-5 * (1.0 + b.abs()),
                         "{dtype} head_dim {hd} window {window:?} threads {threads} at {i}: {a} vs {b}"
                     );
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod split_tests {
+    use super::tests_support::*;
+    use super::*;
+
+    /// Decode rows over long contexts split their keys across threads: the merged spans give
+    /// plain attention, with and without a window, for every KV dtype.
+    #[test]
+    fn split_decode_rows_match_plain_attention() {
+        if !available() {
+            eprintln!("skipped: neither AVX-512 nor AVX2 on this CPU");
+            return;
+        }
+        let (hd, heads, kv_heads) = (64, 6, 2);
+        for dtype in KvDtype::ALL {
+            for window in [None, Some(700), Some(5000)] {
+                let shape = Shape {
+                    value_dim: hd,
+                    cache: KvView {
+                        planes: 2,
+                        layer: 0,
+                        num_layers: 1,
+                        kv_heads: kv_heads as u64,
+                        head_dim: hd as u64,
+                        page_size: 16,
+                        dtype,
+                    },
+                    heads,
+                    scale: 1.0 / (hd as f32).sqrt(),
+                    window,
+                };
+                // Two decode rows: after 1500 and after 2100 cached tokens, pages shuffled.
+                let cache_lengths = [1500, 2100];
+                let offsets = [0, 1, 2];
+                let pages_per_seq = 132;
+                let lookup: Vec<i32> = (0..2 * pages_per_seq as i32)
+                    .map(|i| (i * 97) % (2 * pages_per_seq as i32))
+                    .collect();
+                let seqs = Seqs {
+                    offsets: &offsets,
+                    cache_lengths: &cache_lengths,
+                    lookup: &lookup,
+                    pages_per_seq,
+                };
+                let (cache, bytes) = filled_cache(shape, 2 * pages_per_seq);
+                let q: Vec<f32> = (0..2 * heads * hd)
+                    .map(|i| (((i * 40503usize) >> 3) % 1999) as f32 / 400.0 - 2.5)
+                    .collect();
+                let want = reference(&q, &cache, &seqs, shape, 2);
+                for threads in [1, 2, 3, 8] {
+                    let mut out = vec![f32::NAN; 2 * heads * hd];
+                    // SAFETY: available() checked; buffers sized as the contract says.
+                    unsafe {
+                        attention(
+                            q.as_ptr(),
+                            bytes.as_ptr(),
+                            out.as_mut_ptr(),
+                            &seqs,
+                            shape,
+                            threads,
+                        )
+                    };
+                    for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+                        assert!(
+                            (a - b).abs() <= 2e-5 * (1.0 + b.abs()),
+                            "{dtype} window {window:?} threads {threads} at {i}: {a} vs {b}"
+                        );
+                    }
                 }
             }
         }
