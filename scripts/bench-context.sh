@@ -24,11 +24,15 @@ rounds=${ROUNDS:-2}
 mkdir -p "$peers"
 
 gguf=${1:-}
-bin=$(THREADS=$threads bash scripts/llama-cpp.sh "${gguf:-}")
+# llama.cpp's tools, built once (scripts/llama-cpp.sh), tried on a file (a build that crashes
+# on this CPU is swapped for one without AMX).
 if [ -z "$gguf" ]; then
   base=$(bash scripts/fetch-smollm2.sh)
+  bin=$(THREADS=$threads bash scripts/llama-cpp.sh "$base")
   gguf="$peers/$(basename "$base" .gguf).Q4_K_M.gguf"
   [ -f "$gguf" ] || "$bin/llama-quantize" --allow-requantize "$base" "$gguf" Q4_K_M >/dev/null 2>&1
+else
+  bin=$(THREADS=$threads bash scripts/llama-cpp.sh "$gguf")
 fi
 
 cargo build --release --locked -p maxc-cli >&2
