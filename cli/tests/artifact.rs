@@ -786,3 +786,71 @@ fn inspect_gives_the_latent_kv_bytes_of_a_deepseek_model() {
         "{text}"
     );
 }
+
+/// Staged weights (the CPU's default where huge pages exist): the first steps read the mapped
+/// file, and once the huge-page copy made behind them is whole every later step reads the
+/// copy. The logits are the same bits as an artifact whose weights stay mapped, before and
+/// after the move.
+#[test]
+fn staged_weights_move_to_their_huge_page_copy_between_steps() {
+    use maxc_runtime::artifact::{Artifact, WeightMemory};
+    use maxc_runtime::engine::{Device, Engine};
+    use maxc_runtime::Session;
+    use std::sync::Arc;
+    if !maxc_runtime::hugemem::available() {
+        eprintln!("skipped: no transparent huge pages here");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let a = fresh(tmp.path(), "staged.maxc");
+    let open = |memory| {
+        let artifact = Arc::new(Artifact::open_verified(&a, None, memory).unwrap());
+        let engine = Engine::new(Arc::clone(&artifact), "decoder", Device::Cpu).unwrap();
+        (artifact, Session::new(engine))
+    };
+    let (staged, mut s) = open(WeightMemory::Staged);
+    let (_, mut m) = open(WeightMemory::Mapped);
+    assert!(
+        staged.staged_weights().is_none(),
+        "no copy before the first step"
+    );
+    let prompt = [1i64, 17, 43, 99, 5, 250, 7];
+    let same = |s: &mut Session, m: &mut Session, chunk: &[i64]| {
+        let (a, b) = (
+            s.step(&[(1, chunk)]).unwrap(),
+            m.step(&[(1, chunk)]).unwrap(),
+        );
+        assert!(a
+            .data
+            .iter()
+            .zip(&b.data)
+            .all(|(x, y)| x.to_bits() == y.to_bits()));
+        a.data
+    };
+    same(&mut s, &mut m, &prompt);
+    // The copy started behind the first step; wait for it (bounded).
+    let t = std::time::Instant::now();
+    while staged.staged_weights().is_none() {
+        assert!(
+            t.elapsed().as_secs() < 60,
+            "the huge-page copy never finished"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let copy = staged.staged_weights().unwrap();
+    assert_eq!(
+        copy,
+        staged.weights_bytes(),
+        "the copy holds the checked bytes"
+    );
+    assert_ne!(copy.as_ptr(), staged.weights_bytes().as_ptr());
+    assert!(
+        !s.engine().on_staged_weights(),
+        "moved at a step boundary only"
+    );
+    for t in [3i64, 8, 13, 21] {
+        same(&mut s, &mut m, &[t]);
+        assert!(s.engine().on_staged_weights());
+        assert!(!m.engine().on_staged_weights());
+    }
+}

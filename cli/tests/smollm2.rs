@@ -400,7 +400,7 @@ fn a_corrupt_piece_of_the_weights_is_named() {
         .expect("refused")
         .to_string();
     assert!(
-        err.contains("bytes 16777216..33554432 (piece 1)") && err.contains("chunk_sha256[1]"),
+        err.contains("bytes 16777216..33554432 (piece 1)") && err.contains("chunk_blake3[1]"),
         "{err}"
     );
     // The file restored, its manifest's piece list cut short.
@@ -409,7 +409,7 @@ fn a_corrupt_piece_of_the_weights_is_named() {
     let manifest = dir.join("manifest.json");
     let mut m: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&manifest).unwrap()).unwrap();
-    let pieces = m["files"]["weights.safetensors"]["chunk_sha256"]
+    let pieces = m["files"]["weights.safetensors"]["chunk_blake3"]
         .as_array_mut()
         .unwrap();
     assert_eq!(pieces.len(), 33);
@@ -420,7 +420,7 @@ fn a_corrupt_piece_of_the_weights_is_named() {
         .expect("refused")
         .to_string();
     assert!(
-        err.contains("chunk_sha256 lists 32 sums") && err.contains("33 pieces"),
+        err.contains("chunk_blake3 lists 32 sums") && err.contains("33 pieces"),
         "{err}"
     );
 }

@@ -392,7 +392,7 @@ fn token_ids(config: &serde_json::Value, key: &str) -> Vec<i64> {
 struct Hashing<W> {
     inner: W,
     sha: sha2::Sha256,
-    chunk: sha2::Sha256,
+    chunk: maxc_schema::manifest::PieceHasher,
     /// Bytes in `chunk` so far.
     in_chunk: u64,
     chunks: Vec<String>,
@@ -406,13 +406,12 @@ impl<W: Write> Write for Hashing<W> {
         let mut rest = &buf[..n];
         while !rest.is_empty() {
             let take = rest.len().min((CHECKSUM_CHUNK - self.in_chunk) as usize);
-            sha2::Digest::update(&mut self.chunk, &rest[..take]);
+            self.chunk.update(&rest[..take]);
             self.in_chunk += take as u64;
             rest = &rest[take..];
             if self.in_chunk == CHECKSUM_CHUNK {
                 let done = std::mem::take(&mut self.chunk);
-                self.chunks
-                    .push(maxc_schema::hex(&sha2::Digest::finalize(done)));
+                self.chunks.push(done.finish());
                 self.in_chunk = 0;
             }
         }
@@ -423,15 +422,15 @@ impl<W: Write> Write for Hashing<W> {
     }
 }
 
-/// The sha256 of each [`maxc_schema::manifest::CHECKSUM_CHUNK`] bytes of `bytes`, where it
-/// is more than one piece.
+/// The checksum ([`maxc_schema::manifest::piece_digest`]) of each
+/// [`maxc_schema::manifest::CHECKSUM_CHUNK`] bytes of `bytes`, where it is more than one piece.
 fn chunk_sums(bytes: &[u8]) -> Vec<String> {
     if FileEntry::chunks_for(bytes.len() as u64) == 0 {
         return Vec::new();
     }
     bytes
         .chunks(maxc_schema::manifest::CHECKSUM_CHUNK as usize)
-        .map(sha256_hex)
+        .map(maxc_schema::manifest::piece_digest)
         .collect()
 }
 
@@ -441,7 +440,7 @@ fn write_weights(path: &Path, weights: &StateDict) -> Result<FileEntry, ExportEr
     let mut out = Hashing {
         inner: std::io::BufWriter::new(file),
         sha: sha2::Digest::new(),
-        chunk: sha2::Digest::new(),
+        chunk: Default::default(),
         in_chunk: 0,
         chunks: Vec::new(),
     };
@@ -450,7 +449,7 @@ fn write_weights(path: &Path, weights: &StateDict) -> Result<FileEntry, ExportEr
     out.flush().map_err(io(path))?;
     let mut chunks = out.chunks;
     if out.in_chunk > 0 {
-        chunks.push(maxc_schema::hex(&sha2::Digest::finalize(out.chunk)));
+        chunks.push(out.chunk.finish());
     }
     if FileEntry::chunks_for(bytes) == 0 {
         chunks.clear();
@@ -458,7 +457,7 @@ fn write_weights(path: &Path, weights: &StateDict) -> Result<FileEntry, ExportEr
     Ok(FileEntry {
         bytes,
         sha256: maxc_schema::hex(&sha2::Digest::finalize(out.sha)),
-        chunk_sha256: chunks,
+        chunk_blake3: chunks,
     })
 }
 
@@ -497,7 +496,7 @@ fn write_dir(
             FileEntry {
                 bytes: bytes.len() as u64,
                 sha256: sha256_hex(bytes),
-                chunk_sha256: chunk_sums(bytes),
+                chunk_blake3: chunk_sums(bytes),
             },
         );
         total += bytes.len() as u64;
@@ -521,7 +520,7 @@ fn write_dir(
             FileEntry {
                 bytes: bytes.len() as u64,
                 sha256: sha256_hex(bytes),
-                chunk_sha256: chunk_sums(bytes),
+                chunk_blake3: chunk_sums(bytes),
             },
         );
         total += bytes.len() as u64;

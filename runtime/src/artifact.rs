@@ -34,19 +34,37 @@ pub enum WeightMemory {
     /// Read into anonymous memory on transparent huge pages ([`crate::hugemem`]): the CPU
     /// executor streams every weight byte each decode step, about 1.4x as fast from 2 MiB pages.
     HugePages,
+    /// Mapped and checked at open, as [`WeightMemory::Mapped`]; then, once the first step has
+    /// run ([`Artifact::stage_weights`]), copied into huge pages by a thread of their own, and
+    /// each executor moves its weight pointers there at its next step boundary. The first token
+    /// waits for no copy (nor for the kernel zeroing the fresh huge pages), and decode gets
+    /// the huge pages' speed a few steps later.
+    Staged,
 }
 
 impl WeightMemory {
-    /// For the CPU executor: huge pages where the kernel offers them, unless `MAXC_MAP_WEIGHTS`
-    /// is set (to keep the page-cache mapping, e.g. for many processes serving one artifact).
+    /// For the CPU executor: staged into huge pages where the kernel offers them
+    /// ([`WeightMemory::Staged`]), unless `MAXC_MAP_WEIGHTS` is set (to keep the page-cache
+    /// mapping, e.g. for many processes serving one artifact); `MAXC_WEIGHTS=huge` reads them
+    /// into huge pages before the first step instead.
     pub fn for_cpu() -> WeightMemory {
         let mapped = std::env::var_os("MAXC_MAP_WEIGHTS").is_some_and(|v| !v.is_empty());
-        if !mapped && crate::hugemem::available() {
+        if mapped || !crate::hugemem::available() {
+            WeightMemory::Mapped
+        } else if std::env::var("MAXC_WEIGHTS").as_deref() == Ok("huge") {
             WeightMemory::HugePages
         } else {
-            WeightMemory::Mapped
+            WeightMemory::Staged
         }
     }
+}
+
+/// The huge-page copy of [`WeightMemory::Staged`] weights.
+#[derive(Default)]
+struct Staging {
+    started: std::sync::atomic::AtomicBool,
+    /// The copy once whole (`None`: it could not be made; the mapping stays).
+    copy: std::sync::OnceLock<Option<crate::hugemem::HugeBuf>>,
 }
 
 /// A file's bytes, mapped or read.
@@ -79,6 +97,8 @@ pub struct Artifact {
     pub cuda: BTreeMap<String, CudaModule>,
     weights: Arc<FileBytes>,
     index: BTreeMap<String, WeightView>,
+    /// Where the weights are staged into huge pages.
+    staging: Option<Staging>,
 }
 
 fn weight_infos(index: &BTreeMap<String, WeightView>) -> BTreeMap<String, WeightInfo> {
@@ -127,7 +147,7 @@ fn load_file(
     let piece = CHECKSUM_CHUNK as usize;
     match memory {
         // SAFETY: read-only map of an artifact file; artifacts are not modified while served.
-        WeightMemory::Mapped => {
+        WeightMemory::Mapped | WeightMemory::Staged => {
             let map = unsafe { Mmap::map(&file) }.map_err(io)?;
             let sums = if pieces {
                 let bytes: &[u8] = &map;
@@ -232,12 +252,12 @@ impl Artifact {
                 WeightMemory::Mapped
             };
             let want_pieces = FileEntry::chunks_for(entry.bytes);
-            if entry.chunk_sha256.len() != want_pieces {
+            if entry.chunk_blake3.len() != want_pieces {
                 return Err(RuntimeError::artifact(
                     &manifest_path,
                     format!(
-                        "file `{name}`: chunk_sha256 lists {} sums; a file of {} bytes has {want_pieces} pieces of {} bytes",
-                        entry.chunk_sha256.len(),
+                        "file `{name}`: chunk_blake3 lists {} sums; a file of {} bytes has {want_pieces} pieces of {} bytes",
+                        entry.chunk_blake3.len(),
                         entry.bytes,
                         crate::schema::manifest::CHECKSUM_CHUNK
                     ),
@@ -255,14 +275,14 @@ impl Artifact {
                     let piece = crate::schema::manifest::CHECKSUM_CHUNK;
                     if let Some((i, (got, want))) = sums
                         .iter()
-                        .zip(&entry.chunk_sha256)
+                        .zip(&entry.chunk_blake3)
                         .enumerate()
                         .find(|(_, (g, w))| g != w)
                     {
                         return Err(RuntimeError::artifact(
                             &path,
                             format!(
-                                "bytes {}..{} (piece {i}) have sha256 {got}, the manifest's chunk_sha256[{i}] is {want}",
+                                "bytes {}..{} (piece {i}) have BLAKE3 {got}, the manifest's chunk_blake3[{i}] is {want}",
                                 i as u64 * piece,
                                 ((i as u64 + 1) * piece).min(entry.bytes)
                             ),
@@ -379,7 +399,70 @@ impl Artifact {
             cuda,
             weights,
             index,
+            staging: (memory == WeightMemory::Staged).then(Staging::default),
         })
+    }
+
+    /// Starts copying [`WeightMemory::Staged`] weights into huge pages, on a thread of their
+    /// own, unless that has started (or the weights are kept otherwise). Executors call it
+    /// after a step; [`Artifact::staged_weights`] gives the copy once it is whole.
+    pub fn stage_weights(self: &Arc<Self>) {
+        use std::sync::atomic::Ordering;
+        let Some(staging) = &self.staging else {
+            return;
+        };
+        if staging.started.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let artifact = Arc::clone(self);
+        let spawned = std::thread::Builder::new()
+            .name("maxc-weights".into())
+            .spawn(move || {
+                let src: &[u8] = &artifact.weights;
+                let copy = crate::hugemem::HugeBuf::zeroed(src.len()).map(|mut b| {
+                    b.as_mut_slice().copy_from_slice(src);
+                    b
+                });
+                if let Err(e) = &copy {
+                    // The mapping stays: slower decode, nothing lost.
+                    tracing::warn!("weights stay mapped: no memory for their huge-page copy ({e})");
+                }
+                if let Some(s) = &artifact.staging {
+                    let _ = s.copy.set(copy.ok());
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("weights stay mapped: cannot start the copy ({e})");
+            let _ = staging.copy.set(None);
+        }
+    }
+
+    /// Blocks while a started huge-page copy of staged weights is being made (benchmarks
+    /// measure after it).
+    pub fn wait_for_staged_weights(&self) {
+        use std::sync::atomic::Ordering;
+        if let Some(s) = &self.staging {
+            while s.started.load(Ordering::Acquire) && s.copy.get().is_none() {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+    }
+
+    /// The weights file's bytes where the executors first bind them (the mapping, or the
+    /// huge pages they were read into).
+    pub fn weights_bytes(&self) -> &[u8] {
+        &self.weights
+    }
+
+    /// The huge-page copy of [`WeightMemory::Staged`] weights, once whole: the same bytes as
+    /// [`Artifact::weights_bytes`], at another address.
+    pub fn staged_weights(&self) -> Option<&[u8]> {
+        self.staging
+            .as_ref()?
+            .copy
+            .get()?
+            .as_ref()
+            .map(|b| b.as_slice())
     }
 
     /// The bound of each step dim of `role` (0 where the role does not use the dim; `logit_rows`

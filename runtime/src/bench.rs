@@ -76,7 +76,9 @@ pub fn bandwidth() -> f64 {
     let bytes = llc_bytes().map_or(256 << 20, |c| (2 * c).clamp(256 << 20, 4 << 30));
     let len = bytes as usize / 4;
     let mut huge = match crate::artifact::WeightMemory::for_cpu() {
-        crate::artifact::WeightMemory::HugePages => crate::hugemem::HugeBuf::zeroed(len * 4).ok(),
+        crate::artifact::WeightMemory::HugePages | crate::artifact::WeightMemory::Staged => {
+            crate::hugemem::HugeBuf::zeroed(len * 4).ok()
+        }
         crate::artifact::WeightMemory::Mapped => None,
     };
     let mut plain = Vec::new();

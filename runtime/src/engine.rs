@@ -381,6 +381,16 @@ impl Engine {
         }
     }
 
+    /// Whether the CPU executor's weight pointers have moved to the artifact's huge-page copy
+    /// of [`crate::artifact::WeightMemory::Staged`] weights (false before, elsewhere, and on
+    /// another device).
+    pub fn on_staged_weights(&self) -> bool {
+        match &self.exec {
+            Executor::Cpu(e) => e.on_staged_weights(),
+            Executor::Cuda(_) => false,
+        }
+    }
+
     /// The per-launch timings of the last step, while profiling.
     pub fn last_profile(&self) -> Option<&StepProfile> {
         match &self.exec {

@@ -193,7 +193,8 @@ pub fn piece_threads() -> usize {
         .clamp(1, 8)
 }
 
-/// The sha256 (hex) of each `piece` bytes of `len` (the last shorter), `fetch(from, to)`
+/// The checksum ([`maxc_schema::manifest::piece_digest`], hex) of each `piece` bytes of `len`
+/// (the last shorter), `fetch(from, to)`
 /// giving the bytes of each (reading them where they are not in memory yet), on
 /// [`piece_threads`] threads, the caller one of them, each taking the next piece. The first
 /// error stops the others at their next piece.
@@ -202,7 +203,6 @@ pub fn hash_pieces<'a>(
     piece: usize,
     fetch: &(dyn Fn(usize, usize) -> std::io::Result<&'a [u8]> + Sync),
 ) -> std::io::Result<Vec<String>> {
-    use sha2::Digest;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Mutex;
     let pieces = len.div_ceil(piece.max(1));
@@ -217,7 +217,7 @@ pub fn hash_pieces<'a>(
         let (from, to) = (c * piece, ((c + 1) * piece).min(len));
         match fetch(from, to) {
             Ok(bytes) => {
-                let sum = maxc_schema::hex(&sha2::Sha256::digest(bytes));
+                let sum = maxc_schema::manifest::piece_digest(bytes);
                 sums.lock().unwrap_or_else(|p| p.into_inner())[c] = sum;
             }
             Err(e) => {
@@ -243,11 +243,10 @@ pub fn hash_pieces<'a>(
 mod tests {
     use super::*;
 
-    /// Every byte and the sha256 of each piece of a file of several pieces and a partial
+    /// Every byte and the checksum of each piece of a file of several pieces and a partial
     /// one; a file shorter than asked is an error.
     #[test]
-    fn a_piece_hashed_read_keeps_every_byte_and_gives_each_pieces_sha256() {
-        use sha2::Digest;
+    fn a_piece_hashed_read_keeps_every_byte_and_gives_each_pieces_checksum() {
         let (len, piece) = (3 * 65536 + 777, 65536);
         let data: Vec<u8> = (0..len).map(|i| (i * 7919 % 251) as u8).collect();
         let dir = tempfile::tempdir().unwrap();
@@ -258,7 +257,7 @@ mod tests {
         assert_eq!(&buf[..], &data[..]);
         let want: Vec<String> = data
             .chunks(piece)
-            .map(|c| maxc_schema::hex(&sha2::Sha256::digest(c)))
+            .map(maxc_schema::manifest::piece_digest)
             .collect();
         assert_eq!(sums, want);
         assert!(HugeBuf::read_file_piece_hashed(&file, len + 1, piece).is_err());

@@ -109,6 +109,10 @@ pub fn run(args: Args) -> Result<()> {
     }
     loads.remove(0);
     let mut engine = args.activations.open_cpu(&args.artifact, &args.role)?;
+    // Staged weights move to huge pages behind the first step: measure after they have.
+    engine.step(&[(u64::MAX, &[1])])?;
+    engine.release(u64::MAX);
+    engine.engine().artifact().wait_for_staged_weights();
     engine.engine_mut().set_profiling(true)?;
     let vocab = engine.engine().vocab_size() as i64;
     let rounds = args.rounds as usize;

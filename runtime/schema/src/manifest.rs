@@ -18,18 +18,42 @@ pub struct FileEntry {
     pub bytes: u64,
     /// Lowercase hex sha256 of the content.
     pub sha256: String,
-    /// For files of more than one [`CHECKSUM_CHUNK`]: the sha256 of each consecutive piece of
-    /// that many bytes (the last one shorter), which a reader checks on every CPU at once
-    /// instead of the whole file's on one.
+    /// For files of more than one [`CHECKSUM_CHUNK`]: the BLAKE3 ([`piece_digest`]) of each
+    /// consecutive piece of that many bytes (the last one shorter), which a reader checks on
+    /// every CPU at once instead of the whole file's sha256 on one. BLAKE3, not sha256: it
+    /// hashes about three times as fast here (vector code, no SHA extensions needed), and
+    /// these sums stand between a large model and its first token on every load.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub chunk_sha256: Vec<String>,
+    pub chunk_blake3: Vec<String>,
 }
 
-/// The bytes of each piece [`FileEntry::chunk_sha256`] hashes.
+/// The bytes of each piece [`FileEntry::chunk_blake3`] hashes.
 pub const CHECKSUM_CHUNK: u64 = 16 << 20;
 
+/// The checksum of one piece of a file ([`FileEntry::chunk_blake3`]): its BLAKE3, lowercase
+/// hex.
+pub fn piece_digest(bytes: &[u8]) -> String {
+    blake3::hash(bytes).to_hex().to_string()
+}
+
+/// [`piece_digest`] of bytes that come in parts (a writer's).
+#[derive(Clone, Default)]
+pub struct PieceHasher(blake3::Hasher);
+
+impl PieceHasher {
+    /// Adds `bytes`.
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    /// The digest of every byte added, as [`piece_digest`] gives it.
+    pub fn finish(&self) -> String {
+        self.0.finalize().to_hex().to_string()
+    }
+}
+
 impl FileEntry {
-    /// The pieces `chunk_sha256` should list for a file of `bytes` bytes (0 where the file
+    /// The pieces `chunk_blake3` should list for a file of `bytes` bytes (0 where the file
     /// is one piece or less, and is checked whole).
     pub fn chunks_for(bytes: u64) -> usize {
         if bytes > CHECKSUM_CHUNK {
@@ -128,4 +152,24 @@ pub struct Manifest {
     pub chat_template: Option<String>,
     /// Every other file of the artifact, by relative path.
     pub files: BTreeMap<String, FileEntry>,
+}
+
+#[cfg(test)]
+mod tests {
+    /// BLAKE3's published test vectors (the empty input and "abc").
+    #[test]
+    fn piece_digest_is_blake3() {
+        assert_eq!(
+            super::piece_digest(b""),
+            "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+        );
+        assert_eq!(
+            super::piece_digest(b"abc"),
+            "6437b3ac38465133ffb63b75273a8db548c558465d79db03fd359c6cd5bd9d85"
+        );
+        let mut h = super::PieceHasher::default();
+        h.update(b"a");
+        h.update(b"bc");
+        assert_eq!(h.finish(), super::piece_digest(b"abc"));
+    }
 }

@@ -157,10 +157,14 @@ pub struct CpuExecutor {
     profile: Option<StepProfile>,
     /// Expert parallelism over in-process ranks, where the artifact records a degree above 1.
     ep: Option<std::sync::Mutex<Box<dyn super::ep::Exchange>>>,
+    /// Whether the weight pointers have moved to the artifact's huge-page copy (or there is
+    /// none to move to).
+    weights_settled: bool,
 }
 
 // SAFETY: the raw pointers a `CpuExecutor` holds point into its own allocations and into the
-// weights map of the `Arc<Artifact>` it owns (read-only, `Send + Sync`); nothing is tied to the
+// weights of the `Arc<Artifact>` it owns (its map or its huge-page copy, both read-only and
+// `Send + Sync`, both living as long as the artifact); nothing is tied to the
 // thread that built it, and `&mut self` serializes steps.
 unsafe impl Send for CpuExecutor {}
 
@@ -352,6 +356,7 @@ impl CpuExecutor {
             _ => None,
         };
         Ok(CpuExecutor {
+            weights_settled: false,
             ep,
             artifact,
             program,
@@ -420,6 +425,7 @@ impl CpuExecutor {
     /// Runs one step and returns the `logits` output.
     pub fn execute(&mut self, s: &StepInputs) -> Result<Logits> {
         let dims = s.checked_dims(&self.limits)?;
+        self.settle_weights();
         let step_start = std::time::Instant::now();
         fill(&mut self.tokens, &s.tokens);
         let context = s.context_lengths();
@@ -462,7 +468,35 @@ impl CpuExecutor {
                 launches,
             };
         }
+        if !self.weights_settled {
+            // Behind the first step: the weights' huge-page copy (once per artifact).
+            self.artifact.stage_weights();
+        }
         Ok(Logits { rows, vocab, data })
+    }
+
+    /// Whether the weight pointers have moved to the artifact's huge-page copy.
+    pub fn on_staged_weights(&self) -> bool {
+        self.weights_settled && self.artifact.staged_weights().is_some()
+    }
+
+    /// At a step boundary: where the artifact's huge-page copy of staged weights is whole,
+    /// every weight pointer moves to the same offset in it.
+    fn settle_weights(&mut self) {
+        if self.weights_settled {
+            return;
+        }
+        let Some(copy) = self.artifact.staged_weights() else {
+            return;
+        };
+        let mapped = self.artifact.weights_bytes().as_ptr_range();
+        for p in self.params.values_mut() {
+            if mapped.contains(&p.ptr) {
+                // SAFETY: `p.ptr` lies in the mapped file, and the copy has its length.
+                p.ptr = unsafe { copy.as_ptr().add(p.ptr.offset_from(mapped.start) as usize) };
+            }
+        }
+        self.weights_settled = true;
     }
 
     /// Each buffer's address, in buffer order.
