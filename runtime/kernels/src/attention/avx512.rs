@@ -6,7 +6,7 @@ use std::arch::x86_64::*;
 
 use super::kernels::{values_scalar, Kernels};
 use crate::math::exp16;
-use crate::matmul::tile::{self, lane_mask, F32Rows};
+use crate::matmul::tile::{self, lane_mask, Bf16, Bf16Rows, Elem, F32Rows};
 
 pub(super) struct Avx512;
 
@@ -30,6 +30,50 @@ impl Kernels for Avx512 {
             }
             tile::matmul(q, nq, hd, k, n, out, ld)
         }
+    }
+    #[inline(always)]
+    unsafe fn scores_bf16(
+        q: *const f32,
+        nq: usize,
+        hd: usize,
+        k: Bf16Rows,
+        n: usize,
+        out: *mut f32,
+        ld: usize,
+    ) -> bool {
+        // SAFETY: as the trait's contract; the register tiles widen bf16 as they load it.
+        unsafe { tile::matmul(q, nq, hd, k, n, out, ld) };
+        true
+    }
+    #[inline(always)]
+    unsafe fn values_bf16(
+        scores: &[f32],
+        ld: usize,
+        nq: usize,
+        hd: usize,
+        keys: usize,
+        page_size: usize,
+        slot: usize,
+        values: &dyn Fn(usize) -> *const u16,
+        acc: &mut Vec<f32>,
+    ) -> bool {
+        let values = |pg: usize| values(pg).cast::<Bf16>();
+        let args = (scores, ld, nq, keys, page_size, slot);
+        acc.clear();
+        acc.resize(nq * hd, 0.0);
+        // SAFETY: as the trait's contract; the loads widen bf16 in registers.
+        unsafe {
+            match hd {
+                64 => values_in_registers::<Bf16, 4, 6>(
+                    args.0, args.1, args.2, args.3, args.4, args.5, &values, acc,
+                ),
+                128 => values_in_registers::<Bf16, 8, 3>(
+                    args.0, args.1, args.2, args.3, args.4, args.5, &values, acc,
+                ),
+                _ => return false,
+            }
+        }
+        true
     }
     #[inline(always)]
     unsafe fn softmax(row: &mut [f32], valid: usize, scale: f32) -> (f32, f32) {
@@ -105,8 +149,12 @@ unsafe fn weighted_values(
     // SAFETY: the caller has AVX-512F; value rows hold `hd` values.
     unsafe {
         match hd {
-            64 => values_in_registers::<4, 6>(scores, ld, nq, keys, page_size, slot, values, acc),
-            128 => values_in_registers::<8, 3>(scores, ld, nq, keys, page_size, slot, values, acc),
+            64 => {
+                values_in_registers::<f32, 4, 6>(scores, ld, nq, keys, page_size, slot, values, acc)
+            }
+            128 => {
+                values_in_registers::<f32, 8, 3>(scores, ld, nq, keys, page_size, slot, values, acc)
+            }
             _ => values_scalar(scores, ld, nq, hd, keys, page_size, slot, values, acc),
         }
     }
@@ -115,14 +163,14 @@ unsafe fn weighted_values(
 /// [`weighted_values`] for `head_dim = 16·D`, up to `Q` queries' accumulators in registers.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn values_in_registers<const D: usize, const Q: usize>(
+unsafe fn values_in_registers<E: Elem, const D: usize, const Q: usize>(
     scores: &[f32],
     ld: usize,
     nq: usize,
     keys: usize,
     page_size: usize,
     slot: usize,
-    values: &dyn Fn(usize) -> *const f32,
+    values: &dyn Fn(usize) -> *const E,
     acc: &mut [f32],
 ) {
     let mut q0 = 0;
@@ -134,12 +182,12 @@ unsafe fn values_in_registers<const D: usize, const Q: usize>(
         // SAFETY: the caller's contract; rows `q0..q0 + qn` exist.
         unsafe {
             match qn {
-                1 => values_block::<D, 1>(args, acc),
-                2 => values_block::<D, 2>(args, acc),
-                3 => values_block::<D, 3>(args, acc),
-                4 => values_block::<D, 4>(args, acc),
-                5 => values_block::<D, 5>(args, acc),
-                _ => values_block::<D, 6>(args, acc),
+                1 => values_block::<E, D, 1>(args, acc),
+                2 => values_block::<E, D, 2>(args, acc),
+                3 => values_block::<E, D, 3>(args, acc),
+                4 => values_block::<E, D, 4>(args, acc),
+                5 => values_block::<E, D, 5>(args, acc),
+                _ => values_block::<E, D, 6>(args, acc),
             }
         }
         q0 += qn;
@@ -147,19 +195,22 @@ unsafe fn values_in_registers<const D: usize, const Q: usize>(
 }
 
 /// Scores, their row length, the first query, keys, page size, value row stride, pages.
-type ValuesArgs<'a> = (
+type ValuesArgs<'a, E> = (
     &'a [f32],
     usize,
     usize,
     usize,
     usize,
     usize,
-    &'a dyn Fn(usize) -> *const f32,
+    &'a dyn Fn(usize) -> *const E,
 );
 
 /// Queries `q0..q0 + Q` of [`values_in_registers`].
 #[inline(always)]
-unsafe fn values_block<const D: usize, const Q: usize>(args: ValuesArgs, acc: &mut [f32]) {
+unsafe fn values_block<E: Elem, const D: usize, const Q: usize>(
+    args: ValuesArgs<E>,
+    acc: &mut [f32],
+) {
     let (scores, ld, q0, keys, page_size, slot, values) = args;
     let hd = 16 * D;
     // SAFETY: the caller has AVX-512F; rows `q0..q0 + Q` and keys `..keys` in bounds.
@@ -191,7 +242,7 @@ unsafe fn values_block<const D: usize, const Q: usize>(args: ValuesArgs, acc: &m
                 }
                 let mut vv = [_mm512_setzero_ps(); D];
                 for d in 0..D {
-                    vv[d] = _mm512_loadu_ps(v.add(16 * d));
+                    vv[d] = E::load16(v.add(16 * d));
                 }
                 for q in 0..Q {
                     let w = _mm512_set1_ps(*scores.get_unchecked((q0 + q) * ld + t0 + s));

@@ -2,7 +2,7 @@
 //! versions fall back on for head sizes they do not cover.
 #![allow(clippy::needless_range_loop)]
 
-use crate::matmul::tile::F32Rows;
+use crate::matmul::tile::{Bf16Rows, F32Rows};
 
 /// What an instruction set gives [`super::attention`]'s loop: the scores matmul, the softmax of a row and the
 /// weighted sum of the values.
@@ -23,6 +23,43 @@ pub(super) trait Kernels {
         ld: usize,
         next: (F32Rows, usize),
     );
+    /// As [`Kernels::scores`] over bf16 key rows read where they are; false (nothing written)
+    /// where this instruction set widens them first instead.
+    ///
+    /// # Safety
+    /// As [`Kernels::scores`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn scores_bf16(
+        _q: *const f32,
+        _nq: usize,
+        _hd: usize,
+        _k: Bf16Rows,
+        _n: usize,
+        _out: *mut f32,
+        _ld: usize,
+    ) -> bool {
+        false
+    }
+    /// As [`Kernels::values`] over bf16 value rows read where they are (`slot` in bf16
+    /// values, `values(pg)` the page's first row); false (nothing written) where this
+    /// instruction set or head size widens them first instead.
+    ///
+    /// # Safety
+    /// As [`Kernels::values`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn values_bf16(
+        _scores: &[f32],
+        _ld: usize,
+        _nq: usize,
+        _hd: usize,
+        _keys: usize,
+        _page_size: usize,
+        _slot: usize,
+        _values: &dyn Fn(usize) -> *const u16,
+        _acc: &mut Vec<f32>,
+    ) -> bool {
+        false
+    }
     /// Scales `row[..valid]`, replaces it with `exp(s - max)` and zeroes `row[valid..]`;
     /// returns the sum of the exponentials and the max.
     ///

@@ -164,12 +164,15 @@ pub unsafe fn attention(
     // KV head's keys and values then read once, by one thread, for every query head of its
     // group); short ones split their groups into single query heads.
     let mut parts = Vec::new();
+    // Each split row: the item it was, and its spans' partial-result slots.
+    let mut whole: Vec<(Item, std::ops::Range<usize>)> = Vec::new();
     if items.len() < 2 * threads {
         let keys = |it: &Item| seqs.cache_lengths[it.seq] as usize + 1;
         let long = single_rows && items.iter().any(|it| keys(it) >= 2 * MIN_SPAN);
         if long {
             let want = (2 * threads).div_ceil(items.len());
             let ps = shape.page_size();
+            // (sequence, span index, item) of each span, to order them by.
             let mut split = Vec::new();
             let mut slot = 0;
             for it in &items {
@@ -178,18 +181,25 @@ pub unsafe fn attention(
                 let spans = want.min((n - lo) / MIN_SPAN).max(1);
                 // Span edges on page boundaries (each span reads whole pages of its own).
                 let step = (n - lo).div_ceil(spans).next_multiple_of(ps);
-                let mut a = lo;
+                let (first, mut a, mut s) = (slot, lo, 0);
                 while a < n {
                     let b = (a / ps * ps + step).min(n);
-                    split.push(Item {
+                    let span = Item {
                         span: Some((a, b, slot)),
                         ..*it
-                    });
+                    };
+                    split.push(((it.seq, s), span));
                     slot += 1;
+                    s += 1;
                     a = b;
                 }
+                whole.push((*it, first..slot));
             }
-            items = split;
+            // A sequence's spans at the same keys next to each other, every KV head's: a
+            // thread's consecutive items then read one stretch of the cache's pages, each
+            // token's slot (all KV heads' rows) whole, rather than one head's rows of it.
+            split.sort_by_key(|(key, _)| *key);
+            items = split.into_iter().map(|(_, it)| it).collect();
             parts = vec![0f32; items.len() * group * (shape.value_dim + 2)];
         } else if group > 1 {
             items = items
@@ -241,32 +251,29 @@ pub unsafe fn attention(
         });
     });
     if !parts.is_empty() {
-        merge(items, &parts, out, shape);
+        merge(&whole, &parts, out, shape);
     }
 }
 
-/// Combines the spans of each split decode row: `out = Σ acc·e^(m - M) / Σ l·e^(m - M)` over
-/// its spans' partial results, `M` their largest max.
-fn merge(items: &[Item], parts: &[f32], out: *mut f32, shape: Shape) {
+/// Combines the spans of each split decode row (`whole`: the row's item and its spans'
+/// slots): `out = Σ acc·e^(m - M) / Σ l·e^(m - M)` over its spans' partial results, `M` their
+/// largest max.
+fn merge(whole: &[(Item, std::ops::Range<usize>)], parts: &[f32], out: *mut f32, shape: Shape) {
     let vd = shape.value_dim;
     let width = vd + 2;
-    let mut i = 0;
-    while i < items.len() {
-        let it = items[i];
-        let n = items[i..]
-            .iter()
-            .take_while(|x| x.row == it.row && x.head == it.head)
-            .count();
-        let part = |k: usize, g: usize| {
-            let slot = items[i + k].span.map_or(0, |s| s.2);
-            &parts[(slot * it.group + g) * width..][..width]
-        };
+    for (it, slots) in whole {
+        let part = |slot: usize, g: usize| &parts[(slot * it.group + g) * width..][..width];
         for g in 0..it.group {
-            let m = (0..n)
+            let m = slots
+                .clone()
                 .map(|k| part(k, g)[vd])
                 .fold(f32::NEG_INFINITY, f32::max);
-            let scales: Vec<f32> = (0..n).map(|k| (part(k, g)[vd] - m).exp()).collect();
-            let l: f32 = (0..n).map(|k| part(k, g)[vd + 1] * scales[k]).sum();
+            let scales: Vec<f32> = slots.clone().map(|k| (part(k, g)[vd] - m).exp()).collect();
+            let l: f32 = slots
+                .clone()
+                .zip(&scales)
+                .map(|(k, sc)| part(k, g)[vd + 1] * sc)
+                .sum();
             let inv = 1.0 / l;
             // SAFETY: row `it.row`, head `it.head + g` lies in `out` (the caller's contract).
             let dst = unsafe {
@@ -276,11 +283,14 @@ fn merge(items: &[Item], parts: &[f32], out: *mut f32, shape: Shape) {
                 )
             };
             for (d, o) in dst.iter_mut().enumerate() {
-                let a: f32 = (0..n).map(|k| part(k, g)[d] * scales[k]).sum();
+                let a: f32 = slots
+                    .clone()
+                    .zip(&scales)
+                    .map(|(k, sc)| part(k, g)[d] * sc)
+                    .sum();
                 *o = a * inv;
             }
         }
-        i += n;
     }
 }
 
@@ -423,6 +433,15 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
                 };
                 (rows_of(pg, 0), next)
             } else {
+                // bf16 keys read where they are, where the instruction set can.
+                let bf16 = tile::Bf16Rows {
+                    ptr: page_ptr(pg, 0).cast(),
+                    stride: slot_bytes / 2,
+                };
+                let out = scores.as_mut_ptr().add(t0);
+                if dtype == KvDtype::Bf16 && K::scores_bf16(qs.as_ptr(), nq, hd, bf16, n, out, ld) {
+                    continue;
+                }
                 widen(dtype, page_ptr(pg, 0), slot_bytes, n, hd, hd, rows);
                 let k = F32Rows {
                     ptr: rows.as_ptr(),
@@ -471,6 +490,20 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
                 &values,
                 acc,
             );
+        } else if dtype == KvDtype::Bf16
+            && K::values_bf16(
+                &scores[from..],
+                ld,
+                nq,
+                vd,
+                keys - from,
+                shape.page_size(),
+                slot_bytes / 2,
+                &|pg: usize| page_ptr(pg + first_page, 1).cast::<u16>(),
+                acc,
+            )
+        {
+            // bf16 values read where they are.
         } else {
             // A page at a time: its value rows widened, their weighted sum added.
             acc.clear();
