@@ -222,6 +222,20 @@ impl Case {
     }
 }
 
+/// The CPU artifact's options at `runtime`: f32 weights, every row's logits.
+fn f32_all_logits(runtime: ModuleRuntime) -> CompileOptions {
+    CompileOptions {
+        runtime,
+        weights: DType::F32.into(),
+        all_logits: true,
+        cpu_matmul: CpuMatmul::Auto,
+        force: false,
+        cpu: true,
+        cuda_arch: None,
+        stop_after_rewrites: None,
+    }
+}
+
 /// The f32 artifact compiled with `--mla-attention decompressed`, once per test run.
 fn decompressed_artifact(model: &str) -> PathBuf {
     static ROOT: OnceLock<tempfile::TempDir> = OnceLock::new();
@@ -230,19 +244,10 @@ fn decompressed_artifact(model: &str) -> PathBuf {
     let out = root.path().join(format!("{model}-decompressed.maxc"));
     let _guard = LOCK.lock().unwrap();
     if !out.exists() {
-        let opts = CompileOptions {
-            runtime: ModuleRuntime {
-                mla_attention: maxc_graph::MlaAttention::Decompressed,
-                ..runtime()
-            },
-            weights: DType::F32.into(),
-            all_logits: true,
-            cpu_matmul: CpuMatmul::Auto,
-            force: false,
-            cpu: true,
-            cuda_arch: None,
-            stop_after_rewrites: None,
-        };
+        let opts = f32_all_logits(ModuleRuntime {
+            mla_attention: maxc_graph::MlaAttention::Decompressed,
+            ..runtime()
+        });
         compile(&fixtures().join(model), &out, &opts, &mut |_| {}).expect("compiles");
     }
     out
@@ -1072,17 +1077,7 @@ fn kv_cache_dtypes_give_the_interpreters_logits_with_the_same_cache() {
         let interp = Interpreter::new(rg.graph, &rg.weights).unwrap();
         let mut session = Session::new(&interp, 48, MAX_LEN.div_ceil(PAGE));
         let out = root.path().join(format!("{model}-{dtype}.maxc"));
-        let copts = CompileOptions {
-            runtime: rt,
-            weights: DType::F32.into(),
-            all_logits: true,
-            cpu_matmul: CpuMatmul::Auto,
-            force: false,
-            cpu: true,
-            cuda_arch: None,
-            stop_after_rewrites: None,
-        };
-        compile(&dir, &out, &copts, &mut |_| {}).expect("compiles");
+        compile(&dir, &out, &f32_all_logits(rt), &mut |_| {}).expect("compiles");
         let mut engine = RuntimeSession::open(&out, "decoder").expect("artifact opens");
 
         let prompts: Vec<Vec<i64>> = case
@@ -1134,16 +1129,7 @@ fn kv_cache_dtypes_give_the_interpreters_logits_with_the_same_cache() {
     // q8_0 scales groups of 32: DeepSeek-V3's 80-wide latent is refused, naming head_dim.
     let mut rt = runtime();
     rt.kv.dtype = KvDtype::Q8_0;
-    let copts = CompileOptions {
-        runtime: rt,
-        weights: DType::F32.into(),
-        all_logits: true,
-        cpu_matmul: CpuMatmul::Auto,
-        force: false,
-        cpu: true,
-        cuda_arch: None,
-        stop_after_rewrites: None,
-    };
+    let copts = f32_all_logits(rt);
     let out = root.path().join("deepseek-q8.maxc");
     let err = compile(
         &fixtures().join("tiny-deepseek-v3"),

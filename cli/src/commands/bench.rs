@@ -66,6 +66,83 @@ fn step_cost(engine: &Session) -> (u64, u64) {
     })
 }
 
+/// What [`timed_decode`] measured.
+struct Decode {
+    /// The median step, seconds.
+    step_s: f64,
+    /// Bytes and FLOPs of a step.
+    bytes: u64,
+    flops: u64,
+    /// The median of each round's achieved bandwidth over the probe just before it.
+    ratio: f64,
+    /// The bandwidth probes' median, bytes/s.
+    probe: f64,
+}
+
+impl Decode {
+    /// A measurement row of `batch` sequences: speed, bytes and FLOPs against the bandwidth
+    /// probe.
+    fn row(&self, name: String, batch: usize) -> Value {
+        let s = self.step_s;
+        json!({
+            "name": name,
+            "tokens_per_s": batch as f64 / s,
+            "step_ms": s * 1e3,
+            "bytes_per_step": self.bytes,
+            "achieved_gbs": self.bytes as f64 / s / 1e9,
+            "roofline": "bandwidth_probe",
+            "probe_gbs": self.probe / 1e9,
+            "roofline_ratio": self.ratio,
+            "flop_per_step": self.flops,
+            "achieved_gflops": self.flops as f64 / s / 1e9,
+        })
+    }
+}
+
+/// `rounds` rounds of `steps` decode steps of the sequences `seqs` (already prefilled), each
+/// round after a bandwidth probe; each step feeds back its argmax (flipped every other step,
+/// so that no sequence settles into a loop).
+fn timed_decode(
+    engine: &mut Session,
+    probes: &mut Probes,
+    seqs: &[u64],
+    steps: usize,
+    rounds: usize,
+    vocab: i64,
+) -> Result<Decode> {
+    let mut next: Vec<[i64; 1]> = (0..seqs.len())
+        .map(|b| [(b as i64 * 17 + 5) % vocab])
+        .collect();
+    let (mut times, mut ratios, mut bws) = (vec![], vec![], vec![]);
+    let (mut bytes, mut flops) = (0u64, 0u64);
+    for round in 0..rounds {
+        let bw = probes.bandwidth();
+        let mut round_times = Vec::new();
+        for step in 0..steps {
+            let chunks: Vec<(u64, &[i64])> =
+                seqs.iter().zip(&next).map(|(&s, t)| (s, &t[..])).collect();
+            let t = Instant::now();
+            let l = engine.step(&chunks)?;
+            round_times.push(t.elapsed().as_secs_f64());
+            (bytes, flops) = step_cost(engine);
+            for (b, n) in next.iter_mut().enumerate() {
+                n[0] = maxc_runtime::sampling::argmax(l.row(b)) as i64
+                    ^ ((round * steps + step) as i64 & 1);
+            }
+        }
+        ratios.push(bytes as f64 / median(round_times.clone()) / bw);
+        bws.push(bw);
+        times.extend(round_times);
+    }
+    Ok(Decode {
+        step_s: median(times),
+        bytes,
+        flops,
+        ratio: median(ratios),
+        probe: median(bws),
+    })
+}
+
 /// The probes of one run: every value each probe read, and the model's own peak resident
 /// memory (the bandwidth probe's buffer, freed, is taken out of the peak after each probe).
 #[derive(Default)]
@@ -179,32 +256,10 @@ pub fn run(args: Args) -> Result<()> {
         for (s, p) in seqs.iter().zip(&prompts) {
             engine.step(&[(*s, p)])?;
         }
-        let mut next: Vec<[i64; 1]> = (0..batch).map(|b| [(b as i64 * 17 + 5) % vocab]).collect();
-        let (mut times, mut ratios, mut bws) = (vec![], vec![], vec![]);
-        let (mut bytes, mut flops) = (0u64, 0u64);
-        for round in 0..rounds {
-            let bw = probes.bandwidth();
-            let mut round_times = Vec::new();
-            for step in 0..args.steps {
-                let chunks: Vec<(u64, &[i64])> =
-                    seqs.iter().zip(&next).map(|(&s, t)| (s, &t[..])).collect();
-                let t = Instant::now();
-                let l = engine.step(&chunks)?;
-                round_times.push(t.elapsed().as_secs_f64());
-                (bytes, flops) = step_cost(&engine);
-                for (b, n) in next.iter_mut().enumerate() {
-                    n[0] = maxc_runtime::sampling::argmax(l.row(b)) as i64
-                        ^ ((round * args.steps + step) as i64 & 1);
-                }
-            }
-            ratios.push(bytes as f64 / median(round_times.clone()) / bw);
-            bws.push(bw);
-            times.extend(round_times);
-        }
+        let d = timed_decode(&mut engine, &mut probes, &seqs, args.steps, rounds, vocab)?;
         for s in &seqs {
             engine.release(*s);
         }
-        let s = median(times);
         // The compute ceiling of the kernels most matmuls take at this batch: the 16-bit dot
         // product's where they run on 16-bit activations, else the f32 FMA's.
         let plans = engine.engine().cpu_matmul_plans().unwrap_or_default();
@@ -217,21 +272,11 @@ pub fn run(args: Args) -> Result<()> {
         } else {
             ("fma_peak", peak)
         };
-        rows.push(json!({
-            "name": format!("decode_b{batch}"),
-            "tokens_per_s": batch as f64 / s,
-            "step_ms": s * 1e3,
-            "bytes_per_step": bytes,
-            "achieved_gbs": bytes as f64 / s / 1e9,
-            "roofline": "bandwidth_probe",
-            "probe_gbs": median(bws) / 1e9,
-            "roofline_ratio": median(ratios),
-            "flop_per_step": flops,
-            "achieved_gflops": flops as f64 / s / 1e9,
-            "compute_ceiling": ceiling,
-            "compute_ceiling_gops": ceiling_ops.map(|p| p / 1e9),
-            "compute_ratio": ceiling_ops.map(|p| flops as f64 / s / p),
-        }));
+        let mut row = d.row(format!("decode_b{batch}"), batch);
+        row["compute_ceiling"] = json!(ceiling);
+        row["compute_ceiling_gops"] = json!(ceiling_ops.map(|p| p / 1e9));
+        row["compute_ratio"] = json!(ceiling_ops.map(|p| d.flops as f64 / d.step_s / p));
+        rows.push(row);
     }
     for &ctx in &args.context {
         let need = ctx + args.steps * rounds;
@@ -247,39 +292,11 @@ pub fn run(args: Args) -> Result<()> {
         for chunk in p.chunks(engine.engine().max_step_tokens().max(1)) {
             engine.step(&[(seq, chunk)])?;
         }
-        let mut next = [5i64];
-        let (mut times, mut ratios, mut bws) = (vec![], vec![], vec![]);
-        let (mut bytes, mut flops) = (0u64, 0u64);
-        for round in 0..rounds {
-            let bw = probes.bandwidth();
-            let mut round_times = Vec::new();
-            for step in 0..args.steps {
-                let t = Instant::now();
-                let l = engine.step(&[(seq, &next[..])])?;
-                round_times.push(t.elapsed().as_secs_f64());
-                (bytes, flops) = step_cost(&engine);
-                next[0] = maxc_runtime::sampling::argmax(l.row(0)) as i64
-                    ^ ((round * args.steps + step) as i64 & 1);
-            }
-            ratios.push(bytes as f64 / median(round_times.clone()) / bw);
-            bws.push(bw);
-            times.extend(round_times);
-        }
+        let d = timed_decode(&mut engine, &mut probes, &[seq], args.steps, rounds, vocab)?;
         engine.release(seq);
-        let s = median(times);
-        rows.push(json!({
-            "name": format!("decode_b1_ctx{ctx}"),
-            "context": ctx,
-            "tokens_per_s": 1.0 / s,
-            "step_ms": s * 1e3,
-            "bytes_per_step": bytes,
-            "achieved_gbs": bytes as f64 / s / 1e9,
-            "roofline": "bandwidth_probe",
-            "probe_gbs": median(bws) / 1e9,
-            "roofline_ratio": median(ratios),
-            "flop_per_step": flops,
-            "achieved_gflops": flops as f64 / s / 1e9,
-        }));
+        let mut row = d.row(format!("decode_b1_ctx{ctx}"), 1);
+        row["context"] = json!(ctx);
+        rows.push(row);
     }
     // Every measurement ran; the probes' medians are the machine's.
     let bw = if probes.bandwidth.is_empty() {
