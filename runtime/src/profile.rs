@@ -53,12 +53,31 @@ pub struct StepProfile {
     pub total_ns: u64,
     /// The launches in order.
     pub launches: Vec<LaunchTiming>,
+    /// Each sequence's tokens cached before the step and its new rows: what attention reads.
+    pub seqs: Vec<(u64, u64)>,
 }
 
-/// Bytes a kernel moves and floating-point operations it does at `dims`, estimated from its
+impl StepProfile {
+    /// Keys the step's rows attend, summed over rows (`window`: a row sees at most that many
+    /// positions), and keys read from the cache, each sequence's context once.
+    pub fn attention_keys(&self, window: Option<u64>) -> (u64, u64) {
+        let w = window.unwrap_or(u64::MAX);
+        self.seqs
+            .iter()
+            .fold((0, 0), |(rows, ctx), &(cached, new)| {
+                // Row j (position cached + j) sees min(cached + j + 1, w) keys.
+                let seen: u64 = (0..new).map(|j| (cached + j + 1).min(w)).sum();
+                (rows + seen, ctx + (cached + new).min(w.saturating_add(new)))
+            })
+    }
+}
+
+/// Bytes a kernel moves and floating-point operations it does in `step`, estimated from its
 /// body: every operand read once and every output written once (weights at their dtype's size,
-/// activations as f32), multiply-adds counted as two operations.
-pub fn kernel_cost(body: &KernelBody, dims: &[u64; StepDim::COUNT]) -> (u64, u64) {
+/// activations as f32), multiply-adds counted as two operations; attention by the keys its
+/// sequences hold (each context read once, each row's scores and values over the keys it sees).
+pub fn kernel_cost(body: &KernelBody, step: &StepProfile) -> (u64, u64) {
+    let dims = &step.dims;
     let rows = |r: &Rows| match r {
         Rows::Step(d) => dims[*d as usize],
         Rows::Fixed(n) => *n,
@@ -93,17 +112,17 @@ pub fn kernel_cost(body: &KernelBody, dims: &[u64; StepDim::COUNT]) -> (u64, u64
             heads,
             kv_heads,
             head_dim,
-            page_size,
+            value_dim,
+            planes,
+            window,
             kv_dtype,
             ..
         } => {
-            // Each row reads its context's keys and values: half the lookup table's span on
-            // average.
-            let ctx = (dims[StepDim::MaxNumPages as usize] * page_size).max(2) / 2;
-            let kv = 2 * ctx * kv_heads * kv_dtype.row_bytes(*head_dim);
+            let (attended, ctx) = step.attention_keys(*window);
+            let kv = planes * ctx * kv_heads * kv_dtype.row_bytes(*head_dim);
             (
-                t * (kv + 8 * heads * head_dim),
-                4 * t * heads * head_dim * ctx,
+                kv + 4 * t * heads * (head_dim + value_dim),
+                2 * attended * heads * (head_dim + value_dim),
             )
         }
         other => {
@@ -144,7 +163,7 @@ pub fn summarize(program: &Program, steps: &[StepProfile]) -> Vec<KernelSummary>
     for s in steps {
         for l in &s.launches {
             let k = program.launches[l.launch].kernel as usize;
-            let (bytes, flops) = kernel_cost(&program.kernels[k].body, &s.dims);
+            let (bytes, flops) = kernel_cost(&program.kernels[k].body, s);
             let e = &mut by[k];
             e.launches += 1;
             e.total_ns += l.dur_ns;
@@ -180,4 +199,50 @@ pub fn trace_json(program: &Program, steps: &[(String, StepProfile)]) -> serde_j
         t0 += s.total_ns;
     }
     serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms"})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(seqs: Vec<(u64, u64)>) -> StepProfile {
+        let mut dims = [0; StepDim::COUNT];
+        dims[StepDim::TotalSeqLen as usize] = seqs.iter().map(|s| s.1).sum();
+        // A page table as wide as the artifact allows: attention's cost must not follow it.
+        dims[StepDim::MaxNumPages as usize] = 128;
+        StepProfile {
+            dims,
+            total_ns: 0,
+            launches: Vec::new(),
+            seqs,
+        }
+    }
+
+    #[test]
+    fn attention_is_costed_by_the_keys_its_rows_see() {
+        // A decode row after 9 cached tokens sees 10 keys; a 3-row prefill from empty sees
+        // 1 + 2 + 3.
+        let s = step(vec![(9, 1), (0, 3)]);
+        assert_eq!(s.attention_keys(None), (16, 13));
+        // A window of 4: the decode row sees 4 keys, the prefill rows 1 + 2 + 3.
+        assert_eq!(s.attention_keys(Some(4)), (10, 5 + 3));
+        let body = KernelBody::Attention {
+            planes: 2,
+            value_dim: 64,
+            layer: 0,
+            num_layers: 1,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            page_size: 16,
+            scale: 0.125,
+            window: None,
+            kv_dtype: crate::schema::KvDtype::F32,
+        };
+        let (bytes, flops) = kernel_cost(&body, &s);
+        // Scores and values: 2 · (64 + 64) per head per key seen.
+        assert_eq!(flops, 2 * 16 * 4 * 128);
+        // Every context's keys and values once, plus each row's query and output.
+        assert_eq!(bytes, 2 * 13 * 2 * 64 * 4 + 4 * 4 * 4 * 128);
+    }
 }

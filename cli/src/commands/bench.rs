@@ -61,7 +61,7 @@ fn step_cost(engine: &Session) -> (u64, u64) {
     };
     let program = engine.engine().program();
     program.launches.iter().fold((0, 0), |(b, f), l| {
-        let (lb, lf) = kernel_cost(&program.kernels[l.kernel as usize].body, &p.dims);
+        let (lb, lf) = kernel_cost(&program.kernels[l.kernel as usize].body, p);
         (b + lb, f + lf)
     })
 }

@@ -466,6 +466,12 @@ impl CpuExecutor {
                 dims,
                 total_ns: step_start.elapsed().as_nanos() as u64,
                 launches,
+                seqs: s
+                    .cache_lengths
+                    .iter()
+                    .zip(s.input_row_offsets.windows(2))
+                    .map(|(&c, w)| (c as u64, (w[1] - w[0]) as u64))
+                    .collect(),
             };
         }
         if !self.weights_settled {
@@ -620,6 +626,7 @@ impl CpuExecutor {
             dims: [0; StepDim::COUNT],
             total_ns: 0,
             launches: Vec::new(),
+            seqs: Vec::new(),
         });
     }
 
