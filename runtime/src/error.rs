@@ -28,6 +28,10 @@ pub enum RuntimeError {
     /// A request does not fit the artifact's bounds or vocabulary.
     #[error("invalid input: {0}")]
     Input(String),
+    /// A collective among parallel ranks failed: a rank died, hung, or called another
+    /// collective (the message names the rank and the collective).
+    #[error("{0}")]
+    Collective(String),
     /// The page table refused a step or an operation (out of pages, a sequence too long, ...).
     #[error("{0}")]
     Pages(#[from] maxc_kv::PageError),

@@ -1,5 +1,5 @@
 //! maxc's runtime: the artifact reader and its validation, the CPU and CUDA executors, the
-//! expert-parallel exchange, and the engine that runs steps of one role on them, with
+//! expert-parallel exchange, the communicators of parallel ranks, and the engine that runs steps of one role on them, with
 //! sampling. It holds no compiler (artifacts are compiled ahead of time by `maxc compile`)
 //! and no HTTP, metrics or scheduler (the `maxc-serve` crate, above it). The contract with
 //! the compiler is the schema crate, re-exported as [`schema`]; the KV cache's bookkeeping is
@@ -7,6 +7,7 @@
 
 pub mod artifact;
 pub mod bench;
+pub mod comm;
 pub mod cpu;
 pub mod cuda;
 pub mod diff;
