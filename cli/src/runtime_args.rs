@@ -63,6 +63,12 @@ pub struct RuntimeArgs {
     /// divide the expert count.
     #[arg(long, default_value = "1", value_parser = positive, allow_negative_numbers = true)]
     pub expert_parallel_degree: usize,
+    /// Tensor-parallel ranks a decoder's attention heads and MLP width are split over
+    /// (Megatron's layout; heads, KV heads and intermediate size must divide by it): the
+    /// artifact holds every rank's program and weights (`decoder`, `decoder@tp1`, ...), and
+    /// the CPU runs them as in-process ranks.
+    #[arg(long, default_value = "1", value_parser = positive, allow_negative_numbers = true)]
+    pub tensor_parallel_degree: usize,
     /// How a multi-head latent attention model (DeepSeek) computes attention over its latent
     /// cache: `absorbed` (the up-projections folded into the query and applied after
     /// attention: the decode form) or `decompressed` (each step expands the cached latents
@@ -109,6 +115,7 @@ impl RuntimeArgs {
                 dtype: self.kv_cache_dtype,
             },
             expert_parallel_degree: self.expert_parallel_degree,
+            tensor_parallel_degree: self.tensor_parallel_degree,
             mla_attention: match self.mla_attention {
                 MlaAttentionArg::Absorbed => MlaAttention::Absorbed,
                 MlaAttentionArg::Decompressed => MlaAttention::Decompressed,

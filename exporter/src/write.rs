@@ -146,7 +146,17 @@ pub fn compile(
     let mut kernels = BTreeMap::new();
     let mut programs = BTreeMap::new();
     let mut reports = BTreeMap::new();
-    for (role, rg) in &loaded.roles {
+    // Each tensor-parallel rank is a role of its own (`decoder@tp1`, ...): the same graph,
+    // its own share of the weights under its name.
+    let ranks = loaded.roles.iter().flat_map(|(role, rg)| {
+        std::iter::once((role.to_string(), rg, &rg.weights)).chain(
+            rg.rank_weights
+                .iter()
+                .enumerate()
+                .map(move |(i, w)| (format!("{role}@tp{}", i + 1), rg, w)),
+        )
+    });
+    for (role, rg, role_weights) in ranks {
         let kv_windows = rg
             .graph
             .kv_layout()
@@ -161,15 +171,22 @@ pub fn compile(
             bounds: dims.clone(),
             max_seq_len: opts.runtime.batch.max_seq_len,
             stop_after_rewrites: opts.stop_after_rewrites,
+            weights_role: Some(role.clone()),
         };
-        let Lowered { program, passes } = lower_graph(&rg.graph, &lower)?;
+        let Lowered {
+            mut program,
+            passes,
+        } = lower_graph(&rg.graph, &lower)?;
+        // A tensor-parallel rank's replicated weights (embeddings, norms, the vocabulary
+        // projection) are rank 0's bytes: its program reads rank 0's copy, stored once.
+        let shared = share_replicated(&mut program, &role, rg);
         reports.insert(role.to_string(), passes);
         let program_file = format!("{role}/program.bin");
         files.insert(program_file.clone(), encode(&program)?);
         let cpu_code = match opts.cpu {
             false => None,
             true => {
-                let module = cpu_module(role.name(), &program, &target, opts.cpu_matmul, progress)?;
+                let module = cpu_module(&role, &program, &target, opts.cpu_matmul, progress)?;
                 let file = format!("{role}/cpu.bin");
                 files.insert(file.clone(), encode(&module)?);
                 Some(file)
@@ -206,7 +223,7 @@ pub fn compile(
         );
         kernels.insert(role.to_string(), program.kernels.len());
         programs.insert(role.to_string(), program);
-        for (key, w) in rg.weights.iter() {
+        for (key, w) in role_weights.iter().filter(|(k, _)| !shared.contains(*k)) {
             weights.insert(format!("{role}/{key}"), w.clone());
         }
     }
@@ -331,6 +348,46 @@ fn remove_stale_partials(parent: &Path, name: &str) {
 }
 
 /// A role's native CPU code: every kernel that runs generated on the CPU, in one blob.
+/// Points the parameters of tensor-parallel rank `role` (not rank 0) whose weight is the same
+/// as rank 0's at rank 0's key, and returns those weights' keys (which the rank then does not
+/// store).
+fn share_replicated(
+    program: &mut maxc_schema::Program,
+    role: &str,
+    rg: &maxc_graph::pipeline::RoleGraph,
+) -> std::collections::BTreeSet<String> {
+    let mut shared = std::collections::BTreeSet::new();
+    let Some((base, _)) = role.split_once("@tp") else {
+        return shared;
+    };
+    let rank: usize = role
+        .rsplit_once("@tp")
+        .and_then(|(_, r)| r.parse().ok())
+        .unwrap_or(0);
+    let Some(mine) = rank.checked_sub(1).and_then(|i| rg.rank_weights.get(i)) else {
+        return shared;
+    };
+    for b in &mut program.buffers {
+        let maxc_schema::Storage::Param { key } = &mut b.storage else {
+            continue;
+        };
+        let Some(k) = key.strip_prefix(&format!("{role}/")).map(str::to_string) else {
+            continue;
+        };
+        let same = match (mine.get(&k), rg.weights.get(&k)) {
+            (Some(a), Some(b)) => {
+                a.dtype == b.dtype && a.shape == b.shape && a.bytes() == b.bytes()
+            }
+            _ => false,
+        };
+        if same {
+            *key = format!("{base}/{k}");
+            shared.insert(k);
+        }
+    }
+    shared
+}
+
 fn cpu_module(
     role: &str,
     program: &maxc_schema::Program,

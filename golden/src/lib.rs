@@ -59,10 +59,30 @@ fn for_model(model: &str, rt: &ModuleRuntime) -> ModuleRuntime {
     rt
 }
 
+/// A case's compile options: `rt`, weights stored as `weights`, CPU code where `cpu`, CUDA
+/// code for `cuda_arch` where given.
+fn options(
+    runtime: ModuleRuntime,
+    weights: maxc_graph::pipeline::WeightFormat,
+    cpu: bool,
+    cuda_arch: Option<String>,
+) -> CompileOptions {
+    CompileOptions {
+        runtime,
+        weights,
+        all_logits: false,
+        cpu_matmul: CpuMatmul::Auto,
+        force: true,
+        cpu,
+        cuda_arch,
+        stop_after_rewrites: None,
+    }
+}
+
 /// Every golden case: each tiny model at two runtime settings on the CPU, and once for CUDA
 /// (sm_90, bf16 weights, so the tensor-core matmuls are covered); tiny-mixtral also at
 /// expert-parallel degree 2, on both; tiny-deepseek-v3 (latent attention) at degree 2 on the
-/// CPU.
+/// CPU; tiny-llama at tensor-parallel degree 2 on the CPU.
 pub fn cases() -> Vec<Case> {
     let settings = [
         ("b8-len128", runtime(8, 128, 256, true)),
@@ -82,16 +102,7 @@ pub fn cases() -> Vec<Case> {
             out.push(Case {
                 name: format!("{model}-cpu-{label}"),
                 model,
-                options: CompileOptions {
-                    runtime: for_model(model, rt),
-                    weights: DType::F32.into(),
-                    all_logits: false,
-                    cpu_matmul: CpuMatmul::Auto,
-                    force: true,
-                    cpu: true,
-                    cuda_arch: None,
-                    stop_after_rewrites: None,
-                },
+                options: options(for_model(model, rt), DType::F32.into(), true, None),
             });
         }
     }
@@ -107,16 +118,12 @@ pub fn cases() -> Vec<Case> {
         out.push(Case {
             name: format!("{model}-cuda-sm90-bf16-b8-len128"),
             model,
-            options: CompileOptions {
-                runtime: for_model(model, &settings[0].1),
-                weights: DType::BF16.into(),
-                all_logits: false,
-                cpu_matmul: CpuMatmul::Auto,
-                force: true,
-                cpu: false,
-                cuda_arch: Some("sm_90".into()),
-                stop_after_rewrites: None,
-            },
+            options: options(
+                for_model(model, &settings[0].1),
+                DType::BF16.into(),
+                false,
+                Some("sm_90".into()),
+            ),
         });
     }
     // tiny-mixtral's experts over 2 ranks: the export records and the EP init program, on the
@@ -129,32 +136,34 @@ pub fn cases() -> Vec<Case> {
         out.push(Case {
             name: format!("tiny-mixtral-{target}-b8-len128-ep2"),
             model: "tiny-mixtral",
-            options: CompileOptions {
-                runtime: ep2.clone(),
-                weights: if cuda { DType::BF16 } else { DType::F32 }.into(),
-                all_logits: false,
-                cpu_matmul: CpuMatmul::Auto,
-                force: true,
-                cpu: !cuda,
-                cuda_arch: cuda.then(|| "sm_90".into()),
-                stop_after_rewrites: None,
-            },
+            options: options(
+                ep2.clone(),
+                if cuda { DType::BF16 } else { DType::F32 }.into(),
+                !cuda,
+                cuda.then(|| "sm_90".into()),
+            ),
         });
     }
+    // tiny-llama over 2 tensor-parallel ranks: each rank's role, its all-reduces and its share
+    // of the weights (the replicated ones stored once, under rank 0).
+    out.push(Case {
+        name: "tiny-llama-cpu-b8-len128-tp2".into(),
+        model: "tiny-llama",
+        options: options(
+            ModuleRuntime {
+                tensor_parallel_degree: 2,
+                ..settings[0].1.clone()
+            },
+            DType::F32.into(),
+            true,
+            None,
+        ),
+    });
     // tiny-deepseek-v3's routed experts over 2 ranks (the shared expert on each).
     out.push(Case {
         name: "tiny-deepseek-v3-cpu-b8-len128-ep2".into(),
         model: "tiny-deepseek-v3",
-        options: CompileOptions {
-            runtime: ep2,
-            weights: DType::F32.into(),
-            all_logits: false,
-            cpu_matmul: CpuMatmul::Auto,
-            force: true,
-            cpu: true,
-            cuda_arch: None,
-            stop_after_rewrites: None,
-        },
+        options: options(ep2, DType::F32.into(), true, None),
     });
     out
 }

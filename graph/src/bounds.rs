@@ -202,6 +202,10 @@ pub struct ModuleRuntime {
     /// expert on one rank).
     #[serde(default = "one")]
     pub expert_parallel_degree: usize,
+    /// Tensor-parallel ranks a decoder's heads and MLP width are split over (Megatron's
+    /// layout; 1: one rank holds the whole model).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub tensor_parallel_degree: usize,
     /// How multi-head latent attention (DeepSeek) is computed; other models ignore it.
     #[serde(default, skip_serializing_if = "MlaAttention::is_absorbed")]
     pub mla_attention: MlaAttention,
@@ -232,12 +236,17 @@ fn one() -> usize {
     1
 }
 
+fn is_one(n: &usize) -> bool {
+    *n == 1
+}
+
 impl Default for ModuleRuntime {
     fn default() -> Self {
         ModuleRuntime {
             batch: BatchProcessorRuntime::default(),
             kv: KvCacheParams::default(),
             expert_parallel_degree: 1,
+            tensor_parallel_degree: 1,
             mla_attention: MlaAttention::Absorbed,
         }
     }
@@ -247,6 +256,13 @@ impl ModuleRuntime {
     /// Checks every setting; the error names the setting.
     pub fn validate(&self) -> Result<()> {
         self.batch.validate()?;
+        if self.tensor_parallel_degree == 0 {
+            return Err(Error::Setting {
+                field: "tensor_parallel_degree".into(),
+                value: "0".into(),
+                message: "must be at least 1".into(),
+            });
+        }
         if self.expert_parallel_degree == 0 {
             return Err(Error::Setting {
                 field: "expert_parallel_degree".into(),

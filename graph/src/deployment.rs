@@ -165,8 +165,30 @@ impl DeploymentConfig {
     }
 
     /// See [`DeploymentHooks::export_records`].
+    /// Above tensor-parallel degree 1, also `tp.degree`, `tp.layout` and `tp.roles` (each
+    /// rank's role: `decoder`, then `decoder@tp1`, ...).
     pub fn export_records(&self, runtime: &ModuleRuntime) -> BTreeMap<String, Value> {
-        self.hooks.export_records(runtime)
+        let mut records = self.hooks.export_records(runtime);
+        let degree = runtime.tensor_parallel_degree;
+        if degree > 1 {
+            records.insert("tp.degree".into(), Value::from(degree));
+            records.insert(
+                "tp.layout".into(),
+                Value::from(
+                    "megatron: q/k/v and gate/up split by rows (heads, MLP width), o_proj and \
+                     down_proj by columns and summed over the ranks; embeddings, norms and the \
+                     vocabulary projection replicated",
+                ),
+            );
+            let roles: Vec<String> = (0..degree)
+                .map(|r| match r {
+                    0 => "decoder".to_string(),
+                    r => format!("decoder@tp{r}"),
+                })
+                .collect();
+            records.insert("tp.roles".into(), Value::from(roles));
+        }
+        records
     }
 
     /// The weights of `role`: those under its prefix, with the prefix stripped; every weight where

@@ -108,8 +108,12 @@ impl Default for LoadOptions {
 pub struct RoleGraph {
     /// The graph.
     pub graph: Graph,
-    /// Exactly the graph's parameters, converted to their dtype.
+    /// Exactly the graph's parameters, converted to their dtype (tensor-parallel rank 0's share
+    /// where the deployment has several ranks).
     pub weights: StateDict,
+    /// Tensor-parallel ranks 1.. of the same graph: each one's share of the weights (empty at
+    /// degree 1).
+    pub rank_weights: Vec<StateDict>,
 }
 
 /// A checkpoint turned into graphs.
@@ -278,6 +282,18 @@ pub fn load_model(dir: &Path, registry: &Registry, opts: &LoadOptions) -> Result
         roles.retain(|r| *r != GraphRole::EpInit);
     }
 
+    if opts.runtime.tensor_parallel_degree > 1 {
+        if let Some(r) = roles.iter().find(|r| **r != GraphRole::Decoder) {
+            return Err(Error::Setting {
+                field: "tensor_parallel_degree".into(),
+                value: opts.runtime.tensor_parallel_degree.to_string(),
+                message: format!(
+                    "{} has a {r} role, which tensor parallelism does not split yet (the decoder alone can be)",
+                    spec.architecture()
+                ),
+            });
+        }
+    }
     let raw = read_weights(dir)?;
     let checkpoint_dtype = stored_float_dtype(&raw);
     if deployment.preserve_checkpoint_keys {
@@ -307,14 +323,50 @@ pub fn load_model(dir: &Path, registry: &Registry, opts: &LoadOptions) -> Result
                 RoleGraph {
                     graph,
                     weights: StateDict::new(),
+                    rank_weights: Vec::new(),
                 },
             );
             continue;
         }
         let selected = deployment.role_weights(role, &prepared);
         let prefix = deployment.weight_prefixes.get(&role).map(String::as_str);
-        let weights = bind_weights(role, &mut graph, selected, prefix, opts.weights)?;
-        built.insert(role, RoleGraph { graph, weights });
+        let degree = opts.runtime.tensor_parallel_degree;
+        if degree <= 1 {
+            let weights = bind_weights(role, &mut graph, selected, prefix, opts.weights)?;
+            built.insert(
+                role,
+                RoleGraph {
+                    graph,
+                    weights,
+                    rank_weights: Vec::new(),
+                },
+            );
+            continue;
+        }
+        // Every rank builds the same graph (its share of the heads and width); the weights are
+        // each rank's rows and columns of the whole model's.
+        let cfg = spec.decoder(role).ok_or_else(|| Error::Setting {
+            field: "tensor_parallel_degree".into(),
+            value: degree.to_string(),
+            message: format!(
+                "{} role {role} has no decoder to split",
+                spec.architecture()
+            ),
+        })?;
+        let mut shares = Vec::with_capacity(degree);
+        for rank in 0..degree {
+            let share = cfg.shard_weights(&selected, rank, degree)?;
+            shares.push(bind_weights(role, &mut graph, share, prefix, opts.weights)?);
+        }
+        let weights = shares.remove(0);
+        built.insert(
+            role,
+            RoleGraph {
+                graph,
+                weights,
+                rank_weights: shares,
+            },
+        );
     }
     Ok(LoadedModel {
         dir: dir.to_path_buf(),

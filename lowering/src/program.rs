@@ -19,6 +19,9 @@ pub struct LowerOptions {
     /// Make no more than this many fusion rewrites (`None`: all of them), to bisect a wrong
     /// lowering to the rewrite that broke it.
     pub stop_after_rewrites: Option<usize>,
+    /// The program's role, which its weight keys start with (before `/`): the graph's where
+    /// `None`; a tensor-parallel rank's (`decoder@tp1`), whose weights are that rank's share.
+    pub weights_role: Option<String>,
 }
 
 /// A role's lowered program and what the fusion passes did to it.
@@ -30,9 +33,15 @@ pub struct Lowered {
     pub passes: PassReport,
 }
 
-/// Lowers `graph` to a program. Weight keys in the program are `{role}/{parameter}`.
+/// Lowers `graph` to a program of the role [`LowerOptions::weights_role`] names, else the
+/// graph's. Weight keys in the program are `{role}/{parameter}`.
 pub fn lower_graph(graph: &Graph, opts: &LowerOptions) -> Result<Lowered> {
-    let mut k = select_kernels(graph, &format!("{}/", graph.role))?;
+    let role = match &opts.weights_role {
+        Some(r) => r.clone(),
+        None => graph.role.to_string(),
+    };
+    let mut k = select_kernels(graph, &format!("{role}/"))?;
+    k.role = role;
     let passes = run_passes(&mut k, &default_passes(), opts.stop_after_rewrites)?;
     let mut bounds = BTreeMap::new();
     for d in StepDim::ALL {

@@ -462,6 +462,13 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                     dtype: *dtype,
                 }
             }
+            Op::AllReduceSum => {
+                let shape = shape_of(&k, ops[0]);
+                KernelBody::AllReduce {
+                    rows: rows_of(&shape),
+                    cols: cols_of(&shape),
+                }
+            }
             Op::RankExperts { experts_per_rank } => KernelBody::RankExperts {
                 experts_per_rank: *experts_per_rank as u64,
             },

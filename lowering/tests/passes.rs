@@ -212,6 +212,7 @@ fn programs_dedupe_kernels_and_reference_weights_by_role_key() {
             bounds: dims,
             max_seq_len: 256,
             stop_after_rewrites: None,
+            weights_role: None,
         },
     )
     .unwrap()

@@ -170,6 +170,9 @@ pub trait StepExecutor: Send {
 /// can own it.
 pub struct Engine {
     exec: Executor,
+    /// Tensor-parallel ranks 1.. of the role, where the artifact has several (rank 0 is
+    /// `exec`): each runs its program beside rank 0's on a thread of its own, every step.
+    peers: Vec<CpuExecutor>,
     info: RoleInfo,
     kernels: KernelOptions,
 }
@@ -232,8 +235,33 @@ impl Engine {
                 )));
             }
         }
+        let tp = tensor_parallel_degree(&artifact)?;
+        if tp > 1 && role.contains("@tp") {
+            return Err(RuntimeError::Input(format!(
+                "role `{role}` is one rank of a tensor-parallel group of {tp}; open `decoder`, which runs every rank"
+            )));
+        }
+        let mut peers = Vec::new();
         let exec = match device {
+            Device::Cpu if tp > 1 && role == "decoder" => {
+                let mut comms = crate::comm::LocalGroup::ranks(tp).into_iter();
+                let mut rank0 = CpuExecutor::new(artifact.clone(), role, kernels)?;
+                rank0.set_communicator(Box::new(comms.next().expect("rank 0")));
+                for (r, comm) in (1..tp).zip(comms) {
+                    let mut e =
+                        CpuExecutor::new(artifact.clone(), &format!("{role}@tp{r}"), kernels)?;
+                    e.set_communicator(Box::new(comm));
+                    peers.push(e);
+                }
+                Executor::Cpu(rank0)
+            }
             Device::Cpu => Executor::Cpu(CpuExecutor::new(artifact.clone(), role, kernels)?),
+            Device::Cuda if tp > 1 => {
+                return Err(RuntimeError::Target(format!(
+                    "{}: compiled for tensor-parallel degree {tp}; the CUDA executor has no collectives between GPUs yet (NCCL); run it with --device cpu",
+                    artifact.dir.display()
+                )))
+            }
             Device::Cuda => Executor::Cuda(CudaExecutor::new(artifact.clone(), role)?),
         };
         let bounds = *exec.bounds();
@@ -264,6 +292,7 @@ impl Engine {
         };
         Ok(Engine {
             exec,
+            peers,
             info,
             kernels,
         })
@@ -406,7 +435,61 @@ impl Engine {
 
     /// Runs one step (see [`StepExecutor::execute`]).
     pub fn execute(&mut self, inputs: &StepInputs) -> Result<Logits> {
-        self.exec.execute(inputs)
+        self.run_step(inputs)
+    }
+
+    /// Tensor-parallel ranks of the role (1 without tensor parallelism).
+    pub fn tensor_parallel_degree(&self) -> usize {
+        1 + self.peers.len()
+    }
+
+    /// One step on every rank: rank 0 here, the others on threads of their own, their
+    /// all-reduces meeting in the ranks' communicators. Rank 0's logits (the ranks' are the
+    /// same). A rank that fails ends the group's collectives, so that the others fail at
+    /// once rather than wait for it; the error names the rank.
+    fn run_step(&mut self, inputs: &StepInputs) -> Result<Logits> {
+        if self.peers.is_empty() {
+            return self.exec.execute(inputs);
+        }
+        let Executor::Cpu(rank0) = &mut self.exec else {
+            unreachable!("tensor-parallel ranks run on the CPU")
+        };
+        let peers = &mut self.peers;
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = peers
+                .iter_mut()
+                .map(|p| {
+                    scope.spawn(move || {
+                        let r = p.execute(inputs);
+                        if let Err(e) = &r {
+                            p.abort_collectives(&e.to_string());
+                        }
+                        r
+                    })
+                })
+                .collect();
+            let mine = rank0.execute(inputs);
+            if let Err(e) = &mine {
+                rank0.abort_collectives(&e.to_string());
+            }
+            let mut first_err = mine.as_ref().err().map(|e| e.to_string());
+            for (i, h) in handles.into_iter().enumerate() {
+                let r = h.join().unwrap_or_else(|_| {
+                    Err(RuntimeError::Collective(format!(
+                        "tensor-parallel rank {} panicked",
+                        i + 1
+                    )))
+                });
+                if let (Err(e), None) = (r, &first_err) {
+                    first_err = Some(format!("tensor-parallel rank {}: {e}", i + 1));
+                }
+            }
+            match first_err {
+                None => mine,
+                Some(_) if mine.is_err() => mine,
+                Some(e) => Err(RuntimeError::Collective(e)),
+            }
+        })
     }
 }
 
@@ -415,7 +498,7 @@ impl StepExecutor for Engine {
         &self.info
     }
     fn execute(&mut self, inputs: &StepInputs) -> Result<Logits> {
-        self.exec.execute(inputs)
+        self.run_step(inputs)
     }
     fn hidden_states(&mut self, rows: std::ops::Range<usize>) -> Option<Vec<f32>> {
         match &mut self.exec {
@@ -434,6 +517,23 @@ impl StepExecutor for Engine {
     }
     fn program(&self) -> Option<&Program> {
         Some(self.exec.program())
+    }
+}
+
+/// The tensor-parallel degree an artifact records (`tp.degree`; 1 without).
+fn tensor_parallel_degree(artifact: &Artifact) -> Result<usize> {
+    match artifact.manifest.export_records.get("tp.degree") {
+        None => Ok(1),
+        Some(v) => v
+            .as_u64()
+            .filter(|&d| d >= 1)
+            .map(|d| d as usize)
+            .ok_or_else(|| {
+                RuntimeError::artifact(
+                    &artifact.dir,
+                    format!("the export record `tp.degree` is {v}; expected a whole number from 1"),
+                )
+            }),
     }
 }
 

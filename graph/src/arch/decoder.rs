@@ -5,6 +5,7 @@ use super::config::ConfigReader;
 use super::rope::RopeConfig;
 use super::BuildOptions;
 use crate::ir::{names, Dim, GraphBuilder, KvLayout, Op, TensorType};
+use crate::weights::StateDict;
 use crate::{DType, Graph, GraphRole, Result};
 use petgraph::graph::NodeIndex;
 use serde::{Deserialize, Serialize};
@@ -217,6 +218,99 @@ pub struct DecoderConfig {
 }
 
 impl DecoderConfig {
+    /// The config one of `degree` tensor-parallel ranks builds: its share of the query and KV
+    /// heads and of the MLP width (Megatron's layout: q/k/v and gate/up split by rows, o and
+    /// down by columns and summed over the ranks). Counts that do not divide, and layers not
+    /// split yet (mixture of experts, latent attention), are errors naming the field.
+    pub fn shard(&self, degree: usize) -> Result<DecoderConfig> {
+        let refuse = |field: &str, value: String, message: String| crate::Error::Setting {
+            field: field.into(),
+            value,
+            message,
+        };
+        if self.moe.is_some() {
+            return Err(refuse(
+                "tensor_parallel_degree",
+                degree.to_string(),
+                "mixture-of-experts layers are not split over tensor-parallel ranks yet; spread their experts with --expert-parallel-degree".into(),
+            ));
+        }
+        if self.mla.is_some() {
+            return Err(refuse(
+                "tensor_parallel_degree",
+                degree.to_string(),
+                "multi-head latent attention is not split over tensor-parallel ranks yet".into(),
+            ));
+        }
+        for (field, n) in [
+            ("num_attention_heads", self.num_heads),
+            ("intermediate_size", self.intermediate_size),
+        ] {
+            if !n.is_multiple_of(degree) {
+                return Err(refuse(
+                    field,
+                    n.to_string(),
+                    format!("must divide evenly over tensor_parallel_degree {degree}"),
+                ));
+            }
+        }
+        // Fewer KV heads than ranks: each rank holds the one its query heads read (ranks
+        // share it, as Megatron and vLLM replicate them).
+        let kv = self.num_kv_heads;
+        if !(kv.is_multiple_of(degree) || (kv < degree && degree.is_multiple_of(kv))) {
+            return Err(refuse(
+                "num_key_value_heads",
+                kv.to_string(),
+                format!(
+                    "must divide evenly over tensor_parallel_degree {degree}, or divide it (each rank then holds a copy of one)"
+                ),
+            ));
+        }
+        Ok(DecoderConfig {
+            num_heads: self.num_heads / degree,
+            num_kv_heads: (self.num_kv_heads / degree).max(1),
+            intermediate_size: self.intermediate_size / degree,
+            ..self.clone()
+        })
+    }
+
+    /// Rank `rank`'s share of the (prepared) weights of this whole-model config, for the graph
+    /// of [`DecoderConfig::shard`]: the rows of its query and KV heads and of its MLP width, the
+    /// same columns of the attention output and MLP down projections; every other weight
+    /// (embeddings, norms, the vocabulary projection) whole.
+    pub fn shard_weights(
+        &self,
+        weights: &StateDict,
+        rank: usize,
+        degree: usize,
+    ) -> Result<StateDict> {
+        let local = self.shard(degree)?;
+        let d = self.head_dim;
+        let q = local.num_heads * d;
+        let kv = local.num_kv_heads * d;
+        // The first KV head this rank holds (a shared one where there are fewer than ranks).
+        let kv0 = rank * self.num_kv_heads / degree * d;
+        let f = local.intermediate_size;
+        let mut out = StateDict::new();
+        for (key, w) in weights.iter() {
+            let split = |rows: usize| rank * rows..(rank + 1) * rows;
+            let (module, param) = key.rsplit_once('.').unwrap_or((key.as_str(), ""));
+            let shard = match (module.rsplit('.').next().unwrap_or(""), param) {
+                ("q_proj", "weight") => w.rows(split(q), key)?,
+                ("k_proj" | "v_proj", "weight") => w.rows(kv0..kv0 + kv, key)?,
+                ("q_proj", "bias") => w.span(split(q), key)?,
+                ("k_proj" | "v_proj", "bias") => w.span(kv0..kv0 + kv, key)?,
+                ("o_proj", "weight") => w.cols(split(q), key)?,
+                ("gate_proj" | "up_proj", "weight") => w.rows(split(f), key)?,
+                ("gate_proj" | "up_proj", "bias") => w.span(split(f), key)?,
+                ("down_proj", "weight") => w.cols(split(f), key)?,
+                _ => w.clone(),
+            };
+            out.insert(key.clone(), shard);
+        }
+        Ok(out)
+    }
+
     /// Reads the fields every Llama-family config has. `biases` and `moe` are the
     /// architecture's to set.
     pub fn read(cfg: &ConfigReader<'_>) -> Result<Self> {
@@ -468,6 +562,14 @@ pub(super) struct StepInputs {
 /// KV cache, then a dense SwiGLU or MoE MLP, each with a residual add), the final norm and the
 /// LM head. Weight keys are those of the Hugging Face checkpoint, without any role prefix.
 pub fn build_decoder(cfg: &DecoderConfig, role: GraphRole, opts: &BuildOptions) -> Result<Graph> {
+    let degree = opts.runtime.tensor_parallel_degree;
+    let sharded;
+    let cfg = if degree > 1 {
+        sharded = cfg.shard(degree)?;
+        &sharded
+    } else {
+        cfg
+    };
     let max_seq_len = opts.runtime.batch.max_seq_len;
     let local = cfg.gemma.as_ref().map(|g| &g.local_rope);
     for rope in std::iter::once(&cfg.rope).chain(local) {
@@ -509,6 +611,28 @@ impl DecoderBuilder<'_> {
     ) -> Result<NodeIndex> {
         let w = self.weight(path.key("weight"), &[out, inp])?;
         let y = self.b.op(&path.0, Op::Linear, &[x, w])?;
+        if !bias {
+            return Ok(y);
+        }
+        let bw = self.weight(path.key("bias"), &[out])?;
+        self.b.op(&path.key("add_bias"), Op::Add, &[y, bw])
+    }
+
+    /// [`Self::linear`] of a weight whose input columns are split over the tensor-parallel
+    /// ranks: each rank's partial product summed over the ranks, then the (replicated) bias.
+    fn row_split_linear(
+        &mut self,
+        path: &KeyPath,
+        x: NodeIndex,
+        out: usize,
+        inp: usize,
+        bias: bool,
+    ) -> Result<NodeIndex> {
+        if self.opts.runtime.tensor_parallel_degree <= 1 {
+            return self.linear(path, x, out, inp, bias);
+        }
+        let y = self.linear(path, x, out, inp, false)?;
+        let y = self.b.op(&path.key("all_reduce"), Op::AllReduceSum, &[y])?;
         if !bias {
             return Ok(y);
         }
@@ -726,7 +850,7 @@ impl DecoderBuilder<'_> {
             ],
         )?;
         let a = self.reshape(p.key("merge_heads"), a, vec![t(), (hq * d).into()])?;
-        self.linear(&p.pp("o_proj"), a, hid, hq * d, c.biases.o)
+        self.row_split_linear(&p.pp("o_proj"), a, hid, hq * d, c.biases.o)
     }
 
     /// The SwiGLU MLP of width `f` at `p` (`gate_proj`, `up_proj`, `down_proj`).
@@ -740,7 +864,7 @@ impl DecoderBuilder<'_> {
         };
         let act = self.b.op(&p.key("act"), act, &[gate])?;
         let prod = self.b.op(&p.key("gate_up"), Op::Mul, &[act, up])?;
-        self.linear(&p.pp("down_proj"), prod, h, f, bias)
+        self.row_split_linear(&p.pp("down_proj"), prod, h, f, bias)
     }
 
     /// The sparse MoE block of Mixtral and Qwen3-MoE: softmax router, top-k (renormalized

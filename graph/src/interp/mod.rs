@@ -386,6 +386,12 @@ impl Interpreter {
                     }
                     Val::F(out)
                 }
+                Op::AllReduceSum => {
+                    return Err(Error::Eval(format!(
+                        "`{}` (all_reduce_sum) sums over the tensor-parallel ranks; the interpreter runs the whole model at degree 1",
+                        node.name
+                    )))
+                }
                 Op::Zeros { .. } | Op::RankExperts { .. } => {
                     return Err(Error::Eval(format!(
                         "`{}` ({}) belongs in an init graph; run it with `run_init_graph`",

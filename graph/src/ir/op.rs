@@ -277,6 +277,10 @@ pub enum Op {
         /// Experts per rank.
         experts_per_rank: usize,
     },
+    /// `(x f32 [..]) -> f32 [..]`: every tensor-parallel rank's `x` summed element-wise (ranks
+    /// added in rank order), the same on every rank: where a layer's row-split matmul (attention
+    /// output, MLP down) joins its ranks' partial sums.
+    AllReduceSum,
     /// `(x [T, H], logit_indices i32 [logit_rows]) -> [logit_rows, H]`: the rows whose logits
     /// the step returns, row `logit_indices[i]` of `x` (zeros where it is -1).
     LogitRows,
@@ -366,6 +370,7 @@ impl Op {
             Op::LogitRows => "logit_rows",
             Op::Zeros { .. } => "zeros",
             Op::RankExperts { .. } => "rank_experts",
+            Op::AllReduceSum => "all_reduce_sum",
             Op::Concat => "concat",
             Op::HeadLinear => "head_linear",
             Op::LatentAttention { .. } => "latent_attention",
@@ -605,6 +610,13 @@ impl Op {
                     ));
                 }
                 Ok(TensorType::new(*dtype, shape.clone()))
+            }
+            Op::AllReduceSum => {
+                arity(xs, 1)?;
+                if xs[0].dtype != DType::F32 {
+                    return Err(format!("all_reduce_sum of {}, expected f32", xs[0]));
+                }
+                Ok(xs[0].clone())
             }
             Op::RankExperts { experts_per_rank } => {
                 arity(xs, 1)?;

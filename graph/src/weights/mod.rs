@@ -124,6 +124,61 @@ impl WeightTensor {
         WeightTensor::from_bytes(self.dtype, shape, self.bytes()[from..to].to_vec())
     }
 
+    /// Columns `cols` of every row of a 2-D tensor (its last dim split). Block types split at
+    /// whole blocks only: a split inside a block is an error naming the key.
+    pub fn cols(&self, cols: std::ops::Range<usize>, key: &str) -> Result<WeightTensor> {
+        let bad = |message: String| Error::WeightDtype {
+            key: key.into(),
+            message,
+        };
+        let [n, k] = self.shape[..] else {
+            return Err(bad(format!(
+                "cannot split the columns of a tensor of shape {:?}",
+                self.shape
+            )));
+        };
+        let block = self.dtype.block().0;
+        if cols.end > k || cols.start > cols.end {
+            return Err(bad(format!(
+                "cannot take columns {}..{} of a tensor of shape {:?}",
+                cols.start, cols.end, self.shape
+            )));
+        }
+        if !cols.start.is_multiple_of(block) || !cols.end.is_multiple_of(block) {
+            return Err(bad(format!(
+                "is {}, whose blocks of {block} values cannot split at columns {}..{} of {k}",
+                self.dtype.name(),
+                cols.start,
+                cols.end
+            )));
+        }
+        let bytes_for = |c: usize| self.dtype.bytes_for(c as u64).unwrap_or(0) as usize;
+        let (row, from, len) = (bytes_for(k), bytes_for(cols.start), bytes_for(cols.len()));
+        let src = self.bytes();
+        let mut out = Vec::with_capacity(n * len);
+        for r in 0..n {
+            out.extend_from_slice(&src[r * row + from..][..len]);
+        }
+        WeightTensor::from_bytes(self.dtype, vec![n, cols.len()], out)
+            .map_err(|e| bad(e.to_string()))
+    }
+
+    /// Elements `range` of a 1-D tensor (a bias).
+    pub fn span(&self, range: std::ops::Range<usize>, key: &str) -> Result<WeightTensor> {
+        if self.shape.len() != 1 || range.end > self.shape[0] || range.start > range.end {
+            return Err(Error::WeightDtype {
+                key: key.into(),
+                message: format!(
+                    "cannot take elements {}..{} of a tensor of shape {:?}",
+                    range.start, range.end, self.shape
+                ),
+            });
+        }
+        let size = self.dtype.size();
+        let b = &self.bytes()[range.start * size..range.end * size];
+        WeightTensor::from_bytes(self.dtype, vec![range.len()], b.to_vec())
+    }
+
     /// Elements.
     pub fn numel(&self) -> usize {
         self.shape.iter().product()

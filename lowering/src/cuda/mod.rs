@@ -186,6 +186,13 @@ pub fn emit_kernel(
         KernelBody::RankExperts { experts_per_rank } => {
             init::emit_rank_experts(cx, *experts_per_rank)?
         }
+        KernelBody::AllReduce { .. } => {
+            return Err(CudaError::Invalid {
+                name: name.to_string(),
+                kind: body.kind(),
+                what: "tensor parallelism on GPUs needs NCCL collectives, which the CUDA backend does not have yet; compile with --target cpu".into(),
+            })
+        }
     };
     Ok(CudaKernel {
         name: name.to_string(),

@@ -433,6 +433,18 @@ pub enum KernelBody {
         /// Element type of `bias`.
         bias_dtype: DType,
     },
+    // (Last, so that the other bodies' encodings, and the kernel names hashed from them,
+    // stay as they were.)
+    /// Every tensor-parallel rank's `x` summed element-wise, ranks added in rank order:
+    /// `out[r, c] = Σ_rank x_rank[r, c]`, the same bits on every rank. Buffers: `x f32 [rows,
+    /// cols]`, `out f32 [rows, cols]`. Parallel range: none (the executor's communicator runs
+    /// it).
+    AllReduce {
+        /// Rows.
+        rows: Rows,
+        /// Values per row.
+        cols: u64,
+    },
 }
 
 /// One layer's view of the paged KV cache `[pages, num_layers, planes, page_size, kv_heads,
@@ -611,6 +623,7 @@ impl KernelBody {
             KernelBody::MoeExperts { .. } => "moe_experts",
             KernelBody::Zeros { .. } => "zeros",
             KernelBody::RankExperts { .. } => "rank_experts",
+            KernelBody::AllReduce { .. } => "all_reduce",
             KernelBody::Concat { .. } => "concat",
             KernelBody::DecompressedAttention { .. } => "decompressed_attention",
             KernelBody::HeadMatmul { .. } => "head_matmul",
@@ -632,6 +645,7 @@ impl KernelBody {
             | KernelBody::Softmax { rows: r, .. }
             | KernelBody::TopK { rows: r, .. }
             | KernelBody::Concat { rows: r, .. }
+            | KernelBody::AllReduce { rows: r, .. }
             | KernelBody::MoeRouter { rows: r, .. } => rows(r),
             KernelBody::HeadMatmul { heads, .. }
             | KernelBody::DecompressedAttention { heads, .. } => *heads,
@@ -654,7 +668,8 @@ impl KernelBody {
             | KernelBody::RmsNorm { cols, .. }
             | KernelBody::Elementwise { cols, .. }
             | KernelBody::Softmax { cols, .. }
-            | KernelBody::TopK { cols, .. } => *cols,
+            | KernelBody::TopK { cols, .. }
+            | KernelBody::AllReduce { cols, .. } => *cols,
             KernelBody::Concat { groups, a, b, .. } => groups * (a + b),
             KernelBody::DecompressedAttention {
                 head_dim,
@@ -738,6 +753,7 @@ impl KernelBody {
                 | KernelBody::HeadMatmul { .. }
                 | KernelBody::MoeRouter { .. }
                 | KernelBody::DecompressedAttention { .. }
+                | KernelBody::AllReduce { .. }
         ) && !self.reads_blocks()
     }
 }

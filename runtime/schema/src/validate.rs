@@ -921,6 +921,10 @@ fn operand_uses(body: &KernelBody, cx: &Ctx, what: &str) -> Result<Vec<Use>, Val
             elements: *elements,
             write: true,
         }],
+        KernelBody::AllReduce { rows, cols } => {
+            let n = mul(&[cx.rows(rows, what)?, *cols], what)?;
+            vec![f32s(n, false), f32s(n, true)]
+        }
         KernelBody::RankExperts { experts_per_rank } => vec![
             vals(DType::I32, 1),
             Use::Values {
@@ -1097,6 +1101,12 @@ fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(),
                 return err(format!(
                     "zeros of {dtype}, expected a 1-, 2-, 4- or 8-byte type"
                 ));
+            }
+            Ok(())
+        }
+        KernelBody::AllReduce { cols, .. } => {
+            if *cols == 0 {
+                return err("an all-reduce of rows of 0 values".to_string());
             }
             Ok(())
         }

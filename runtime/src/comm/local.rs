@@ -281,6 +281,14 @@ impl Communicator for LocalComm {
         })
         .map(drop)
     }
+
+    fn abort(&mut self, why: &str) {
+        let mut st = self.shared.lock();
+        if st.broken.is_none() {
+            st.broken = Some(format!("rank {} failed: {why}", self.rank));
+        }
+        self.shared.ready.notify_all();
+    }
 }
 
 #[cfg(test)]
@@ -357,6 +365,29 @@ mod tests {
         assert!(
             matches!(&e, RuntimeError::Collective(m) if m.contains("rank 1 left the group before joining all_reduce_sum")),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn an_aborting_rank_fails_its_waiting_peers_at_once_naming_itself() {
+        let t = Instant::now();
+        let errs = on_ranks(
+            LocalGroup::ranks_with_timeout(3, Duration::from_secs(60)),
+            |c| {
+                if c.rank() == 2 {
+                    std::thread::sleep(Duration::from_millis(50));
+                    c.abort("out of memory");
+                    return String::new();
+                }
+                c.barrier().unwrap_err().to_string()
+            },
+        );
+        assert!(t.elapsed() < Duration::from_secs(10));
+        assert!(
+            errs[..2]
+                .iter()
+                .all(|e| e.contains("rank 2 failed: out of memory")),
+            "{errs:?}"
         );
     }
 

@@ -55,6 +55,10 @@ pub trait Communicator: Send + std::fmt::Debug {
     fn broadcast(&mut self, data: &mut Vec<u8>, root: usize) -> Result<()>;
     /// Returns once every rank has called it.
     fn barrier(&mut self) -> Result<()>;
+    /// Ends the group's collectives after a rank failed on its own (`why`): the peers waiting
+    /// in one fail at once, naming this rank, rather than after the timeout. Under MPI this
+    /// ends the job.
+    fn abort(&mut self, why: &str);
 }
 
 /// An error of collective `op` on `rank`.

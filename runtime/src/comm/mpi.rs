@@ -254,4 +254,9 @@ impl Communicator for MpiComm {
         self.world.barrier();
         Ok(())
     }
+
+    fn abort(&mut self, why: &str) {
+        eprintln!("maxc: rank {} failed: {why}; ending the job", self.rank);
+        self.world.abort(70)
+    }
 }

@@ -157,6 +157,9 @@ pub struct CpuExecutor {
     profile: Option<StepProfile>,
     /// Expert parallelism over in-process ranks, where the artifact records a degree above 1.
     ep: Option<std::sync::Mutex<Box<dyn super::ep::Exchange>>>,
+    /// This rank's communicator, where the program is one rank of a tensor-parallel group
+    /// (its all-reduce launches run on it).
+    comm: Option<std::sync::Mutex<Box<dyn crate::comm::Communicator>>>,
     /// Whether the weight pointers have moved to the artifact's huge-page copy (or there is
     /// none to move to).
     weights_settled: bool,
@@ -358,6 +361,7 @@ impl CpuExecutor {
         Ok(CpuExecutor {
             weights_settled: false,
             ep,
+            comm: None,
             artifact,
             program,
             _code: code,
@@ -376,6 +380,20 @@ impl CpuExecutor {
             kernels,
             profile: None,
         })
+    }
+
+    /// Makes this executor rank `comm.rank()` of a tensor-parallel group: its all-reduce
+    /// launches sum over the group's ranks.
+    pub fn set_communicator(&mut self, comm: Box<dyn crate::comm::Communicator>) {
+        self.comm = Some(std::sync::Mutex::new(comm));
+    }
+
+    /// Ends its group's collectives after this rank failed on its own, so that the other
+    /// ranks' steps fail at once (see [`crate::comm::Communicator::abort`]).
+    pub fn abort_collectives(&self, why: &str) {
+        if let Some(c) = &self.comm {
+            c.lock().unwrap_or_else(|e| e.into_inner()).abort(why);
+        }
     }
 
     /// The expert-parallel plan, where the artifact has one.
@@ -996,6 +1014,23 @@ impl CpuExecutor {
                         shape,
                     )
                 };
+            }
+            KernelBody::AllReduce { rows, cols } => {
+                let n = rows_of(rows) * *cols as usize;
+                let comm = self.comm.as_ref().ok_or_else(|| {
+                    RuntimeError::Input(
+                        "this program is one rank of a tensor-parallel group: open the artifact's `decoder` role, which runs every rank".into(),
+                    )
+                })?;
+                // SAFETY: x and out hold rows × cols f32 (they may be the same bytes: copy
+                // handles overlap).
+                let out = unsafe {
+                    std::ptr::copy(args[0].cast::<f32>().cast_const(), args[1].cast::<f32>(), n);
+                    std::slice::from_raw_parts_mut(args[1].cast::<f32>(), n)
+                };
+                comm.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .all_reduce_sum(out)?;
             }
             other => unreachable!("{} is generated on the CPU", other.kind()),
         }
