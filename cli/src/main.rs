@@ -84,6 +84,14 @@ fn main() -> ExitCode {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
+    match mpi_rank(&cli.command) {
+        Ok(None) => {}
+        Ok(Some(code)) => return code,
+        Err(e) => {
+            eprintln!("error: {}", report(&e));
+            return ExitCode::FAILURE;
+        }
+    }
     if let Command::Diff(a) = cli.command {
         return match commands::diff::run(a) {
             Ok(code) => ExitCode::from(code),
@@ -135,4 +143,50 @@ fn report(e: &anyhow::Error) -> String {
         }
     }
     out
+}
+
+/// Under `mpirun`: joins the launcher's group. Rank 0 goes on to run the command, its
+/// tensor-parallel engine taking the group; every other rank follows rank 0's steps for the
+/// artifact the command names, and its exit code is returned. `None` where the process was not
+/// launched so, or is rank 0.
+#[cfg(feature = "mpi")]
+fn mpi_rank(command: &Command) -> anyhow::Result<Option<ExitCode>> {
+    use maxc_runtime::comm::{Communicator, MpiComm};
+    if !MpiComm::launched() {
+        return Ok(None);
+    }
+    let world = MpiComm::init_default()?;
+    if world.size() == 1 {
+        return Ok(None);
+    }
+    let (artifact, role, kernels) = match command {
+        Command::Run(a) => (&a.artifact, &a.role, a.activations.kernels()),
+        Command::Generate(a) => (&a.artifact, &a.role, a.activations.kernels()),
+        _ => anyhow::bail!(
+            "launched as {} ranks by mpirun: tensor-parallel ranks across processes run `run` and `generate` so far",
+            world.size()
+        ),
+    };
+    if world.rank() == 0 {
+        maxc_runtime::comm::set_world(Box::new(world));
+        return Ok(None);
+    }
+    let artifact = std::sync::Arc::new(maxc_runtime::Artifact::open(artifact)?);
+    maxc_runtime::engine::follow(artifact, role, kernels, Box::new(world))?;
+    Ok(Some(ExitCode::SUCCESS))
+}
+
+/// Without the `mpi` feature, several ranks under `mpirun` would each run the whole command:
+/// refused, naming the feature.
+#[cfg(not(feature = "mpi"))]
+fn mpi_rank(_: &Command) -> anyhow::Result<Option<ExitCode>> {
+    let ranks = std::env::var("OMPI_COMM_WORLD_SIZE")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok());
+    match ranks {
+        Some(n) if n > 1 => anyhow::bail!(
+            "launched as {n} ranks by mpirun, but this maxc was built without MPI: build it with `--features mpi` (scripts/install-mpi.sh installs Open MPI)"
+        ),
+        _ => Ok(None),
+    }
 }

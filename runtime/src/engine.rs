@@ -173,6 +173,9 @@ pub struct Engine {
     /// Tensor-parallel ranks 1.. of the role, where the artifact has several (rank 0 is
     /// `exec`): each runs its program beside rank 0's on a thread of its own, every step.
     peers: Vec<CpuExecutor>,
+    /// Whether ranks 1.. run in other processes (started by `mpirun`), which [`follow`] this
+    /// engine's steps: each step's inputs are broadcast to them first.
+    remote: bool,
     info: RoleInfo,
     kernels: KernelOptions,
 }
@@ -242,7 +245,27 @@ impl Engine {
             )));
         }
         let mut peers = Vec::new();
+        let world = if tp > 1 && device == Device::Cpu && role == "decoder" {
+            crate::comm::take_world()
+        } else {
+            None
+        };
+        let remote = world.is_some();
         let exec = match device {
+            Device::Cpu if world.is_some() => {
+                let world = world.expect("checked");
+                if world.size() != tp || world.rank() != 0 {
+                    return Err(RuntimeError::Input(format!(
+                        "{}: compiled for tensor-parallel degree {tp}, launched as rank {} of {} (mpirun -np {tp} runs it)",
+                        artifact.dir.display(),
+                        world.rank(),
+                        world.size()
+                    )));
+                }
+                let mut rank0 = CpuExecutor::new(artifact.clone(), role, kernels)?;
+                rank0.set_communicator(world);
+                Executor::Cpu(rank0)
+            }
             Device::Cpu if tp > 1 && role == "decoder" => {
                 let mut comms = crate::comm::LocalGroup::ranks(tp).into_iter();
                 let mut rank0 = CpuExecutor::new(artifact.clone(), role, kernels)?;
@@ -293,6 +316,7 @@ impl Engine {
         Ok(Engine {
             exec,
             peers,
+            remote,
             info,
             kernels,
         })
@@ -440,7 +464,10 @@ impl Engine {
 
     /// Tensor-parallel ranks of the role (1 without tensor parallelism).
     pub fn tensor_parallel_degree(&self) -> usize {
-        1 + self.peers.len()
+        match &self.exec {
+            Executor::Cpu(e) if self.remote => e.with_communicator(|c| c.size()).unwrap_or(1),
+            _ => 1 + self.peers.len(),
+        }
     }
 
     /// One step on every rank: rank 0 here, the others on threads of their own, their
@@ -448,6 +475,16 @@ impl Engine {
     /// same). A rank that fails ends the group's collectives, so that the others fail at
     /// once rather than wait for it; the error names the rank.
     fn run_step(&mut self, inputs: &StepInputs) -> Result<Logits> {
+        if self.remote {
+            let Executor::Cpu(rank0) = &mut self.exec else {
+                unreachable!("tensor-parallel ranks run on the CPU")
+            };
+            let mut bytes = inputs.to_bytes();
+            rank0
+                .with_communicator(|c| c.broadcast(&mut bytes, 0))
+                .expect("rank 0 has its communicator")?;
+            return rank0.execute(inputs);
+        }
         if self.peers.is_empty() {
             return self.exec.execute(inputs);
         }
@@ -517,6 +554,56 @@ impl StepExecutor for Engine {
     }
     fn program(&self) -> Option<&Program> {
         Some(self.exec.program())
+    }
+}
+
+impl Drop for Engine {
+    /// Ranks in other processes stop following: an empty step.
+    fn drop(&mut self) {
+        if let (true, Executor::Cpu(rank0)) = (self.remote, &self.exec) {
+            let _ = rank0.with_communicator(|c| c.broadcast(&mut Vec::new(), 0));
+        }
+    }
+}
+
+/// Runs rank `comm.rank()` (above 0) of a tensor-parallel artifact's `role` in this process:
+/// each step's inputs come from rank 0's engine by broadcast, and the rank runs its program on
+/// them, its all-reduces meeting rank 0's and the others'. Returns when rank 0's engine goes.
+/// A step every rank refuses (its inputs) is skipped as rank 0 skips it; any other failure ends
+/// the group.
+pub fn follow(
+    artifact: Arc<Artifact>,
+    role: &str,
+    kernels: KernelOptions,
+    comm: Box<dyn crate::comm::Communicator>,
+) -> Result<()> {
+    let tp = tensor_parallel_degree(&artifact)?;
+    let (rank, size) = (comm.rank(), comm.size());
+    if size != tp || rank == 0 {
+        return Err(RuntimeError::Input(format!(
+            "{}: compiled for tensor-parallel degree {tp}, launched as rank {rank} of {size} (mpirun -np {tp} runs it)",
+            artifact.dir.display()
+        )));
+    }
+    let mut exec = CpuExecutor::new(artifact, &format!("{role}@tp{rank}"), kernels)?;
+    exec.set_communicator(comm);
+    loop {
+        let mut bytes = Vec::new();
+        exec.with_communicator(|c| c.broadcast(&mut bytes, 0))
+            .expect("set above")?;
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let inputs = StepInputs::from_bytes(&bytes)?;
+        match exec.execute(&inputs) {
+            Ok(_) => {}
+            // Refused before any collective, as rank 0 refuses it.
+            Err(RuntimeError::Input(e)) => tracing::debug!("rank {rank}: step refused: {e}"),
+            Err(e) => {
+                exec.abort_collectives(&e.to_string());
+                return Err(e);
+            }
+        }
     }
 }
 

@@ -16,7 +16,7 @@ use std::time::Instant;
 #[command(group(clap::ArgGroup::new("input").required(true).args(["tokens", "prompt", "chat"])))]
 pub struct Args {
     /// The artifact directory.
-    artifact: PathBuf,
+    pub(crate) artifact: PathBuf,
     /// The prompt's token ids, comma separated.
     #[arg(long)]
     tokens: Option<String>,
@@ -46,7 +46,7 @@ pub struct Args {
     ignore_eos: bool,
     /// The role to run.
     #[arg(long, default_value = "decoder")]
-    role: String,
+    pub(crate) role: String,
     /// Where to run: `cpu`, or `cuda` (GPU 0; the artifact needs --target cuda or all).
     #[arg(long, default_value = "cpu")]
     device: maxc_runtime::engine::Device,
@@ -58,7 +58,7 @@ pub struct Args {
     #[command(flatten)]
     expert_parallel: crate::args::ExpertParallelArgs,
     #[command(flatten)]
-    activations: crate::args::ActivationArgs,
+    pub(crate) activations: crate::args::ActivationArgs,
     #[command(flatten)]
     speculative: crate::args::SpeculativeArgs,
 }

@@ -9,13 +9,13 @@ use std::path::PathBuf;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// The artifact directory.
-    artifact: PathBuf,
+    pub(crate) artifact: PathBuf,
     /// The prompt's token ids, comma separated.
     #[arg(long)]
     tokens: String,
     /// The role to run.
     #[arg(long, default_value = "decoder")]
-    role: String,
+    pub(crate) role: String,
     /// Prompt tokens per step [default: as many as a step returns logits for]; 1 runs the
     /// prompt as decode steps, through the kernels decoding takes.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
@@ -31,7 +31,7 @@ pub struct Args {
     #[command(flatten)]
     expert_parallel: crate::args::ExpertParallelArgs,
     #[command(flatten)]
-    activations: crate::args::ActivationArgs,
+    pub(crate) activations: crate::args::ActivationArgs,
 }
 
 /// Every position's logits of `tokens`, in steps of `step` tokens at most, or of as many rows

@@ -74,6 +74,78 @@ impl StepInputs {
     }
 }
 
+impl StepInputs {
+    /// The inputs as bytes, for the ranks that run the step beside the one that scheduled it
+    /// ([`StepInputs::from_bytes`] reads them back): little-endian counts and values.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::new();
+        let mut put = |v: u64| b.extend_from_slice(&v.to_le_bytes());
+        put(self.pages_per_seq as u64);
+        put(self.kv_groups as u64);
+        put(self.tokens.len() as u64);
+        for &t in &self.tokens {
+            put(t as u64);
+        }
+        for list in [
+            &self.input_row_offsets,
+            &self.cache_lengths,
+            &self.kv_lookup_table,
+            &self.logit_indices,
+        ] {
+            b.extend_from_slice(&(list.len() as u64).to_le_bytes());
+            for &v in list {
+                b.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        b
+    }
+
+    /// Reads [`StepInputs::to_bytes`]; bytes of another shape are an error (the inputs are
+    /// then checked as any step's are).
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, StepError> {
+        let bad = || StepError("step inputs: truncated or malformed bytes".into());
+        let mut rest = bytes;
+        let mut take = |n: usize| -> Result<&[u8], StepError> {
+            if n > rest.len() {
+                return Err(bad());
+            }
+            let (head, tail) = rest.split_at(n);
+            rest = tail;
+            Ok(head)
+        };
+        let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
+        let pages_per_seq = word(take(8)?) as usize;
+        let kv_groups = word(take(8)?) as usize;
+        let n = word(take(8)?) as usize;
+        let raw = take(n.checked_mul(8).ok_or_else(bad)?)?;
+        let tokens = raw.chunks_exact(8).map(|c| word(c) as i64).collect();
+        let mut lists: Vec<Vec<i32>> = Vec::with_capacity(4);
+        for _ in 0..4 {
+            let n = word(take(8)?) as usize;
+            let raw = take(n.checked_mul(4).ok_or_else(bad)?)?;
+            lists.push(
+                raw.chunks_exact(4)
+                    .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            );
+        }
+        if !rest.is_empty() {
+            return Err(bad());
+        }
+        let [input_row_offsets, cache_lengths, kv_lookup_table, logit_indices]: [Vec<i32>; 4] =
+            lists.try_into().map_err(|_| bad())?;
+        Ok(StepInputs {
+            tokens,
+            input_row_offsets,
+            cache_lengths,
+            kv_lookup_table,
+            pages_per_seq,
+            kv_groups,
+            logit_indices,
+        })
+    }
+}
+
 /// A step whose inputs do not fit the program or contradict themselves.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
@@ -256,6 +328,23 @@ mod tests {
             kv_groups: 1,
             logit_indices: vec![1, 2],
         }
+    }
+
+    #[test]
+    fn inputs_cross_to_other_ranks_as_bytes_and_bad_bytes_are_refused() {
+        let s = good();
+        let b = s.to_bytes();
+        assert_eq!(StepInputs::from_bytes(&b), Ok(s));
+        for cut in [0, 7, 24, b.len() - 1] {
+            assert!(StepInputs::from_bytes(&b[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut long = b.clone();
+        long.push(0);
+        assert!(StepInputs::from_bytes(&long).is_err());
+        // A count far past the bytes is refused, not allocated.
+        let mut huge = b;
+        huge[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(StepInputs::from_bytes(&huge).is_err());
     }
 
     #[test]

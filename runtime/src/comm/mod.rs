@@ -23,6 +23,21 @@ pub use mpi::MpiComm;
 use crate::error::{Result, RuntimeError};
 use std::time::Duration;
 
+/// This process's rank of a group a launcher started (`mpirun`), until an engine takes it.
+static WORLD: std::sync::Mutex<Option<Box<dyn Communicator>>> = std::sync::Mutex::new(None);
+
+/// Sets this process's rank of the group a launcher started: the engine of a tensor-parallel
+/// artifact takes it (rank 0; the other ranks follow rank 0's steps with
+/// [`crate::engine::follow`]).
+pub fn set_world(comm: Box<dyn Communicator>) {
+    *WORLD.lock().unwrap_or_else(|e| e.into_inner()) = Some(comm);
+}
+
+/// Takes the communicator [`set_world`] set, if any.
+pub fn take_world() -> Option<Box<dyn Communicator>> {
+    WORLD.lock().unwrap_or_else(|e| e.into_inner()).take()
+}
+
 /// How long a collective waits for its peers by default before it fails.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -185,6 +200,12 @@ pub fn self_check(comm: &mut dyn Communicator) -> Result<String> {
     comm.broadcast(&mut bytes, root)?;
     if bytes != b"step inputs" {
         return fail(format!("broadcast from rank {root} gave {bytes:?}"));
+    }
+    // An empty broadcast (how a step loop is told to stop).
+    let mut empty = if r == 0 { Vec::new() } else { vec![1, 2] };
+    comm.broadcast(&mut empty, 0)?;
+    if !empty.is_empty() {
+        return fail(format!("an empty broadcast gave {empty:?}"));
     }
     comm.barrier()?;
     Ok(format!(

@@ -245,7 +245,10 @@ impl Communicator for MpiComm {
         let mut len = data.len() as u64;
         at.broadcast_into(&mut len);
         data.resize(len as usize, 0);
-        at.broadcast_into(&mut data[..]);
+        // (An empty buffer's dangling pointer is an invalid argument to MPI_Bcast.)
+        if len > 0 {
+            at.broadcast_into(&mut data[..]);
+        }
         Ok(())
     }
 

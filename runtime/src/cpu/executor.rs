@@ -388,6 +388,16 @@ impl CpuExecutor {
         self.comm = Some(std::sync::Mutex::new(comm));
     }
 
+    /// Runs `f` on this rank's communicator, where it has one.
+    pub fn with_communicator<T>(
+        &self,
+        f: impl FnOnce(&mut dyn crate::comm::Communicator) -> T,
+    ) -> Option<T> {
+        let c = self.comm.as_ref()?;
+        let mut guard = c.lock().unwrap_or_else(|e| e.into_inner());
+        Some(f(guard.as_mut()))
+    }
+
     /// Ends its group's collectives after this rank failed on its own, so that the other
     /// ranks' steps fail at once (see [`crate::comm::Communicator::abort`]).
     pub fn abort_collectives(&self, why: &str) {
