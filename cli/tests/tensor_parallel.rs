@@ -3,84 +3,14 @@
 //! prompt position (within 1e-4) and its greedy tokens; replicated weights are stored once;
 //! what cannot be split yet, or run, is refused naming why.
 
+mod tp;
+
 use maxc_golden::fixtures;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use tp::{compile, greedy, logits, ok, worst};
 
-fn maxc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_maxc"))
-        .args(args)
-        .output()
-        .expect("maxc runs")
-}
-
-fn ok(o: Output) -> Output {
-    assert!(
-        o.status.success(),
-        "{}\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    o
-}
-
-fn compile(model: &str, degree: usize, dir: &Path) -> PathBuf {
-    let out = dir.join(format!("{model}-tp{degree}.maxc"));
-    ok(maxc(&[
-        "compile",
-        fixtures().join(model).to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-        "--quiet",
-        "--max-seq-len",
-        "64",
-        "--page-size",
-        "16",
-        "--max-batch-input-tokens",
-        "64",
-        "--tensor-parallel-degree",
-        &degree.to_string(),
-    ]));
-    out
-}
-
-const PROMPT: &str = "1,5,9,200,31,7,77,3,12,40";
-
-/// The logits of every prompt position, `[positions][vocab]`.
-fn logits(artifact: &Path) -> Vec<Vec<f32>> {
-    let file = artifact.with_extension("logits");
-    ok(maxc(&[
-        "run",
-        artifact.to_str().unwrap(),
-        "--tokens",
-        PROMPT,
-        "--dump-logits",
-        file.to_str().unwrap(),
-    ]));
-    let bytes = std::fs::read(&file).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let t = st.tensor("logits").unwrap();
-    let vocab = t.shape()[1];
-    let values: Vec<f32> = t
-        .data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
-    values.chunks(vocab).map(<[f32]>::to_vec).collect()
-}
-
-fn greedy(artifact: &Path) -> serde_json::Value {
-    let o = ok(maxc(&[
-        "generate",
-        artifact.to_str().unwrap(),
-        "--tokens",
-        PROMPT,
-        "--max-new-tokens",
-        "8",
-        "--ignore-eos",
-        "--json",
-    ]));
-    serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["generated"].clone()
+/// `maxc args..` in this process's group (no launcher).
+fn maxc(args: &[&str]) -> std::process::Output {
+    tp::maxc(None, args)
 }
 
 #[test]
@@ -98,22 +28,12 @@ fn every_dense_fixture_at_degrees_2_and_4_gives_degree_1s_logits_and_tokens() {
         "tiny-phi3",
     ] {
         let one = compile(model, 1, tmp.path());
-        let (want, tokens) = (logits(&one), greedy(&one));
+        let (want, tokens) = (logits(None, &one, model), greedy(None, &one));
         for degree in [2, 4] {
             let a = compile(model, degree, tmp.path());
-            let got = logits(&a);
-            assert_eq!(got.len(), want.len(), "{model} at {degree}");
-            let mut worst = 0f32;
-            for (g, w) in got.iter().zip(&want) {
-                for (x, y) in g.iter().zip(w) {
-                    worst = worst.max((x - y).abs());
-                }
-            }
-            assert!(
-                worst <= 1e-4,
-                "{model} at degree {degree}: max |diff| {worst}"
-            );
-            assert_eq!(greedy(&a), tokens, "{model} at degree {degree}");
+            let d = worst(&logits(None, &a, &format!("{model}-{degree}")), &want);
+            assert!(d <= 1e-4, "{model} at degree {degree}: max |diff| {d}");
+            assert_eq!(greedy(None, &a), tokens, "{model} at degree {degree}");
         }
     }
 }

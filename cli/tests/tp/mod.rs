@@ -1,0 +1,119 @@
+//! What the tensor-parallel tests share: `maxc` (under `mpirun` where asked), compiling a
+//! fixture at a degree, and a prompt's logits and greedy tokens.
+#![allow(dead_code)]
+
+use maxc_golden::fixtures;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The prompt every test runs.
+pub const PROMPT: &str = "1,5,9,200,31,7,77,3,12,40";
+
+/// `o`, failing the test with its output unless it succeeded.
+pub fn ok(o: Output) -> Output {
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+/// `maxc args..`, under `mpirun -np ranks` where given.
+pub fn maxc(ranks: Option<usize>, args: &[&str]) -> Output {
+    let exe = env!("CARGO_BIN_EXE_maxc");
+    let mut cmd = match ranks {
+        None => Command::new(exe),
+        Some(n) => {
+            let mut c = Command::new("mpirun");
+            // Root in CI containers; more ranks than the 2 cores here.
+            c.args([
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "-np",
+                &n.to_string(),
+                exe,
+            ]);
+            c
+        }
+    };
+    cmd.args(args)
+        .output()
+        .expect("maxc runs (mpirun: scripts/install-mpi.sh installs Open MPI)")
+}
+
+/// Fixture `model` compiled at tensor-parallel degree `degree` into `dir`.
+pub fn compile(model: &str, degree: usize, dir: &Path) -> PathBuf {
+    let out = dir.join(format!("{model}-tp{degree}.maxc"));
+    ok(maxc(
+        None,
+        &[
+            "compile",
+            fixtures().join(model).to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--quiet",
+            "--max-seq-len",
+            "64",
+            "--page-size",
+            "16",
+            "--max-batch-input-tokens",
+            "64",
+            "--tensor-parallel-degree",
+            &degree.to_string(),
+        ],
+    ));
+    out
+}
+
+/// The logits of every prompt position, `[positions × vocab]`, through `maxc run`.
+pub fn logits(ranks: Option<usize>, artifact: &Path, name: &str) -> Vec<f32> {
+    let file = artifact.with_file_name(format!("{name}.logits"));
+    ok(maxc(
+        ranks,
+        &[
+            "run",
+            artifact.to_str().unwrap(),
+            "--tokens",
+            PROMPT,
+            "--dump-logits",
+            file.to_str().unwrap(),
+        ],
+    ));
+    let bytes = std::fs::read(&file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensor("logits")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+/// The largest difference between two sets of logits of one shape.
+pub fn worst(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
+/// Eight greedy tokens after the prompt, through `maxc generate`.
+pub fn greedy(ranks: Option<usize>, artifact: &Path) -> serde_json::Value {
+    let o = ok(maxc(
+        ranks,
+        &[
+            "generate",
+            artifact.to_str().unwrap(),
+            "--tokens",
+            PROMPT,
+            "--max-new-tokens",
+            "8",
+            "--ignore-eos",
+            "--json",
+        ],
+    ));
+    serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["generated"].clone()
+}
