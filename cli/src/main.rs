@@ -159,11 +159,14 @@ fn mpi_rank(command: &Command) -> anyhow::Result<Option<ExitCode>> {
     if world.size() == 1 {
         return Ok(None);
     }
+    let decoder = String::from("decoder");
     let (artifact, role, kernels) = match command {
         Command::Run(a) => (&a.artifact, &a.role, a.activations.kernels()),
         Command::Generate(a) => (&a.artifact, &a.role, a.activations.kernels()),
+        Command::Profile(a) => (&a.artifact, &a.role, a.activations.kernels()),
+        Command::Serve(a) => (&a.artifact, &decoder, a.activations.kernels()),
         _ => anyhow::bail!(
-            "launched as {} ranks by mpirun: tensor-parallel ranks across processes run `run` and `generate` so far",
+            "launched as {} ranks by mpirun: tensor-parallel ranks across processes run `run`, `generate`, `profile` and `serve` (each opens its engine once)",
             world.size()
         ),
     };

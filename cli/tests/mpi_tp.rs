@@ -2,10 +2,12 @@
 //! MPI from `scripts/install-mpi.sh`): rank 0 runs the command and broadcasts each step's
 //! inputs, the other ranks follow; the logits are the in-process ranks' (within 1e-5) and
 //! degree 1's (within 1e-4), and greedy tokens are degree 1's. A rank count that is not the
-//! artifact's degree is refused.
+//! artifact's degree is refused. `maxc serve` under `mpirun -np 2` serves, and when rank 1 is
+//! killed the client gets an error at once and `mpirun` ends the job naming the rank.
 
 mod tp;
 
+use std::time::{Duration, Instant};
 use tp::{compile, greedy, logits, maxc, worst};
 
 #[test]
@@ -40,5 +42,103 @@ fn a_rank_count_other_than_the_artifacts_degree_is_refused() {
     assert!(
         err.contains("compiled for tensor-parallel degree 2") && err.contains("mpirun -np 2"),
         "{err}"
+    );
+}
+
+/// A port free on loopback now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One HTTP/1.1 request to `127.0.0.1:port`; the response, or what went wrong.
+fn http(port: u16, request: &str) -> Result<String, String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    s.write_all(request.as_bytes()).map_err(|e| e.to_string())?;
+    let mut out = String::new();
+    match s.read_to_string(&mut out) {
+        Ok(_) if out.is_empty() => Err("the connection closed without a response".into()),
+        Ok(_) => Ok(out),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// The processes whose parent is `parent` and whose environment says `OMPI_COMM_WORLD_RANK=rank`.
+fn rank_pid(parent: u32, rank: usize) -> Option<u32> {
+    let want = format!("OMPI_COMM_WORLD_RANK={rank}");
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // The parent is the fourth field, after the `(comm)` one.
+        let ppid: u32 = stat
+            .rsplit(')')
+            .next()?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()?;
+        let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        let has = env.split(|&b| b == 0).any(|v| v == want.as_bytes());
+        (ppid == parent && has).then_some(pid)
+    })
+}
+
+#[test]
+fn serving_ends_with_an_error_not_a_hang_when_rank_1_dies() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = compile("tiny-llama", 2, tmp.path());
+    let (port, metrics) = (free_port(), free_port());
+    let mut job = std::process::Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
+        .arg(env!("CARGO_BIN_EXE_maxc"))
+        .args(["serve", a.to_str().unwrap(), "--port", &port.to_string()])
+        .env("MAX_SERVE_METRICS_ENDPOINT_PORT", metrics.to_string())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("mpirun: scripts/install-mpi.sh installs Open MPI");
+    let health = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    let t = Instant::now();
+    while http(port, health).is_err() {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the server never came up"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let body = r#"{"model":"tiny-llama-tp2.maxc","prompt":[1,5,9,200],"max_tokens":4}"#;
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let served = http(port, &request).unwrap();
+    assert!(served.starts_with("HTTP/1.1 200"), "{served}");
+    let rank1 = rank_pid(job.id(), 1).expect("rank 1 runs under mpirun");
+    // SAFETY: a plain kill of our own child's child.
+    unsafe { libc::kill(rank1 as i32, libc::SIGKILL) };
+    // The client hears an error (a closed connection or a 5xx), well before any timeout.
+    let t = Instant::now();
+    if let Ok(r) = http(port, &request) {
+        assert!(!r.starts_with("HTTP/1.1 200"), "{r}");
+    }
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    while job.try_wait().unwrap().is_none() {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "mpirun did not end the job"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = job.wait_with_output().unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("rank 1") && stderr.contains("signal 9"),
+        "{stderr}"
     );
 }
