@@ -174,7 +174,11 @@ fn mpi_rank(command: &Command) -> anyhow::Result<Option<ExitCode>> {
         maxc_runtime::comm::set_world(Box::new(world));
         return Ok(None);
     }
-    let artifact = std::sync::Arc::new(maxc_runtime::Artifact::open(artifact)?);
+    let artifact = std::sync::Arc::new(maxc_runtime::Artifact::open_verified(
+        artifact,
+        None,
+        maxc_runtime::engine::Device::Cpu.weight_memory(),
+    )?);
     maxc_runtime::engine::follow(artifact, role, kernels, Box::new(world))?;
     Ok(Some(ExitCode::SUCCESS))
 }

@@ -129,3 +129,54 @@ fn what_cannot_be_split_or_run_is_refused_naming_why() {
         "{err}"
     );
 }
+
+#[test]
+fn a_process_running_one_rank_stages_only_that_ranks_weights() {
+    use maxc_runtime::artifact::{Artifact, WeightMemory};
+    use maxc_runtime::cpu::CpuExecutor;
+    use maxc_runtime::StepInputs;
+    use std::sync::Arc;
+    if !maxc_runtime::hugemem::available() {
+        eprintln!("skipped: no transparent huge pages here");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let a = compile("tiny-llama", 2, tmp.path());
+    let artifact = Arc::new(Artifact::open_verified(&a, None, WeightMemory::Staged).unwrap());
+    // Rank 1 alone, as a process under mpirun holds it (its all-reduces are refused without
+    // a communicator, after the weights it read were noted).
+    let mut exec =
+        CpuExecutor::new(Arc::clone(&artifact), "decoder@tp1", Default::default()).unwrap();
+    let mut step = StepInputs {
+        tokens: vec![1, 2],
+        input_row_offsets: vec![0, 2],
+        cache_lengths: vec![0],
+        kv_lookup_table: vec![0; 4],
+        pages_per_seq: 4,
+        kv_groups: 1,
+        logit_indices: vec![],
+    };
+    step.last_rows(1);
+    assert!(exec.execute(&step).is_err());
+    artifact.stage_weights();
+    artifact.wait_for_staged_weights();
+    let copy = artifact.staged_weights().expect("staged");
+    let file = artifact.weights_bytes();
+    let bytes_of = |key: &str| {
+        let (_, b) = artifact.weight(key).unwrap();
+        artifact.weights_range(b.as_ptr(), b.len()).unwrap()
+    };
+    // Rank 1's own share and the replicated weights (under rank 0's name) are copied ...
+    for key in [
+        "decoder@tp1/model.layers.0.self_attn.q_proj.weight",
+        "decoder@tp1/model.layers.3.mlp.down_proj.weight",
+        "decoder/model.embed_tokens.weight",
+        "decoder/lm_head.weight",
+    ] {
+        let r = bytes_of(key);
+        assert_eq!(copy[r.clone()], file[r], "{key}");
+    }
+    // ... rank 0's share is not (the copy's pages there are never touched).
+    let r = bytes_of("decoder/model.layers.0.self_attn.q_proj.weight");
+    assert!(copy[r].iter().all(|&b| b == 0));
+}

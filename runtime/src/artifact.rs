@@ -63,6 +63,11 @@ impl WeightMemory {
 #[derive(Default)]
 struct Staging {
     started: std::sync::atomic::AtomicBool,
+    /// The byte ranges of the weights file the executors of this process read
+    /// ([`Artifact::want_weights`]); empty: every byte. Only these are copied, so a process
+    /// that runs one tensor-parallel rank holds that rank's share (and the replicated
+    /// weights), not every rank's.
+    wanted: std::sync::Mutex<Vec<std::ops::Range<usize>>>,
     /// The copy once whole (`None`: it could not be made; the mapping stays).
     copy: std::sync::OnceLock<Option<crate::hugemem::HugeBuf>>,
 }
@@ -99,6 +104,19 @@ pub struct Artifact {
     index: BTreeMap<String, WeightView>,
     /// Where the weights are staged into huge pages.
     staging: Option<Staging>,
+}
+
+/// `ranges` sorted and merged where they touch.
+fn merge(mut ranges: Vec<std::ops::Range<usize>>) -> Vec<std::ops::Range<usize>> {
+    ranges.sort_by_key(|r| r.start);
+    let mut out: Vec<std::ops::Range<usize>> = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        match out.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => out.push(r),
+        }
+    }
+    out
 }
 
 fn weight_infos(index: &BTreeMap<String, WeightView>) -> BTreeMap<String, WeightInfo> {
@@ -419,8 +437,21 @@ impl Artifact {
             .name("maxc-weights".into())
             .spawn(move || {
                 let src: &[u8] = &artifact.weights;
+                let wanted = artifact
+                    .staging
+                    .as_ref()
+                    .map(|s| merge(s.wanted.lock().unwrap_or_else(|e| e.into_inner()).clone()))
+                    .unwrap_or_default();
+                // The copy has the file's length and offsets; pages never written are never
+                // touched, so they take no memory.
                 let copy = crate::hugemem::HugeBuf::zeroed(src.len()).map(|mut b| {
-                    b.as_mut_slice().copy_from_slice(src);
+                    if wanted.is_empty() {
+                        b.as_mut_slice().copy_from_slice(src);
+                    } else {
+                        for r in &wanted {
+                            b.as_mut_slice()[r.clone()].copy_from_slice(&src[r.clone()]);
+                        }
+                    }
                     b
                 });
                 if let Err(e) = &copy {
@@ -446,6 +477,39 @@ impl Artifact {
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
         }
+    }
+
+    /// Notes that an executor of this process reads `ranges` of the weights file: with
+    /// [`WeightMemory::Staged`] weights, the huge-page copy holds the ranges noted before it
+    /// starts (every byte where none were).
+    pub fn want_weights(&self, ranges: impl IntoIterator<Item = std::ops::Range<usize>>) {
+        if let Some(s) = &self.staging {
+            s.wanted
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend(ranges);
+        }
+    }
+
+    /// Drops the mapped weights' pages from this process's memory (they were read whole when
+    /// the checksums were checked), once an executor has moved to the staged copy: an
+    /// executor still reading the mapping faults them back in from the page cache, and drops
+    /// them again when it moves.
+    pub fn release_mapped_weights(&self) {
+        if let (Some(_), FileBytes::Mapped(m)) = (self.staged_weights(), &*self.weights) {
+            // SAFETY: a read-only view of a file that nothing writes: a dropped page faults
+            // back in with the same bytes.
+            let _ = unsafe { m.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+        }
+    }
+
+    /// The byte range of `bytes` in the weights file, where it lies in it.
+    pub fn weights_range(&self, bytes: *const u8, len: usize) -> Option<std::ops::Range<usize>> {
+        let file = self.weights.as_ptr_range();
+        file.contains(&bytes).then(|| {
+            let at = bytes as usize - file.start as usize;
+            at..at + len
+        })
     }
 
     /// The weights file's bytes where the executors first bind them (the mapping, or the

@@ -339,6 +339,12 @@ impl CpuExecutor {
                 ints.insert(b.name.clone(), vec![0i32; n as usize]);
             }
         }
+        // The staged copy of the weights holds what this process's executors read.
+        artifact.want_weights(
+            params
+                .values()
+                .filter_map(|p| artifact.weights_range(p.ptr, p.len)),
+        );
         // A program with MoE layers exchanges over the ranks the `ep_init` program set up.
         let has_moe = program
             .kernels
@@ -531,6 +537,7 @@ impl CpuExecutor {
             }
         }
         self.weights_settled = true;
+        self.artifact.release_mapped_weights();
     }
 
     /// Each buffer's address, in buffer order.
