@@ -13,22 +13,27 @@ use tp::{compile, greedy, logits, maxc, worst};
 #[test]
 fn ranks_as_processes_give_the_in_process_ranks_logits_and_degree_1s_tokens() {
     let tmp = tempfile::tempdir().unwrap();
-    let one = compile("tiny-llama", 1, tmp.path());
-    let want = logits(None, &one, "one");
-    let tokens = greedy(None, &one);
-    for degree in [2, 4] {
-        let a = compile("tiny-llama", degree, tmp.path());
-        let local = logits(None, &a, &format!("local{degree}"));
-        let mpi = logits(Some(degree), &a, &format!("mpi{degree}"));
-        // The same programs and sums; each rank under mpirun has one core (its binding), so
-        // only the kernels' thread split differs from the in-process ranks'.
-        let (d_local, d_one) = (worst(&mpi, &local), worst(&mpi, &want));
-        assert!(
-            d_local <= 1e-5,
-            "degree {degree}: against in-process ranks {d_local}"
-        );
-        assert!(d_one <= 1e-4, "degree {degree}: against degree 1 {d_one}");
-        assert_eq!(greedy(Some(degree), &a), tokens, "degree {degree}");
+    for model in tp::DENSE {
+        let one = compile(model, 1, tmp.path());
+        let want = logits(None, &one, &format!("{model}-one"));
+        let tokens = greedy(None, &one);
+        for degree in [2, 4] {
+            let a = compile(model, degree, tmp.path());
+            let local = logits(None, &a, &format!("{model}-local{degree}"));
+            let mpi = logits(Some(degree), &a, &format!("{model}-mpi{degree}"));
+            // The same programs and sums; each rank under mpirun has one core (its binding),
+            // so only the kernels' thread split differs from the in-process ranks'.
+            let (d_local, d_one) = (worst(&mpi, &local), worst(&mpi, &want));
+            assert!(
+                d_local <= 1e-5,
+                "{model} at {degree}: against in-process ranks {d_local}"
+            );
+            assert!(
+                d_one <= 1e-4,
+                "{model} at {degree}: against degree 1 {d_one}"
+            );
+            assert_eq!(greedy(Some(degree), &a), tokens, "{model} at {degree}");
+        }
     }
 }
 

@@ -16,17 +16,7 @@ fn maxc(args: &[&str]) -> std::process::Output {
 #[test]
 fn every_dense_fixture_at_degrees_2_and_4_gives_degree_1s_logits_and_tokens() {
     let tmp = tempfile::tempdir().unwrap();
-    // Llama (2 KV heads: at 4 ranks each holds a copy of one), Qwen2 (q/k/v biases), Qwen3
-    // (per-head norms), Gemma 3 (sandwich norms, sliding layers), Mistral (sliding window),
-    // Phi-3 (fused q/k/v and gate/up, split when the weights are prepared).
-    for model in [
-        "tiny-llama",
-        "tiny-qwen2",
-        "tiny-qwen3",
-        "tiny-gemma3",
-        "tiny-mistral-swa",
-        "tiny-phi3",
-    ] {
+    for model in tp::DENSE {
         let one = compile(model, 1, tmp.path());
         let (want, tokens) = (logits(None, &one, model), greedy(None, &one));
         for degree in [2, 4] {

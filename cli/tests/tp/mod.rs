@@ -6,6 +6,18 @@ use maxc_golden::fixtures;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// Every dense fixture: Llama (2 KV heads: at 4 ranks each holds a copy of one), Qwen2 (q/k/v
+/// biases), Qwen3 (per-head norms), Gemma 3 (sandwich norms, sliding layers), Mistral (sliding
+/// window), Phi-3 (fused q/k/v and gate/up, split when the weights are prepared).
+pub const DENSE: [&str; 6] = [
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-gemma3",
+    "tiny-mistral-swa",
+    "tiny-phi3",
+];
+
 /// The prompt every test runs.
 pub const PROMPT: &str = "1,5,9,200,31,7,77,3,12,40";
 
