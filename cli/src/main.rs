@@ -174,6 +174,14 @@ fn mpi_rank(command: &Command) -> anyhow::Result<Option<ExitCode>> {
         maxc_runtime::comm::set_world(Box::new(world));
         return Ok(None);
     }
+    // `mpirun` passes SIGTERM and SIGINT to every rank: a following rank keeps running until
+    // rank 0, which drains its requests first, stops its steps.
+    #[cfg(unix)]
+    // SAFETY: before this rank starts any thread of its own; ignoring a signal is async-safe.
+    unsafe {
+        libc::signal(libc::SIGTERM, libc::SIG_IGN);
+        libc::signal(libc::SIGINT, libc::SIG_IGN);
+    }
     let artifact = std::sync::Arc::new(maxc_runtime::Artifact::open_verified(
         artifact,
         None,
