@@ -155,7 +155,21 @@ fn mpi_rank(command: &Command) -> anyhow::Result<Option<ExitCode>> {
     if !MpiComm::launched() {
         return Ok(None);
     }
-    let world = MpiComm::init_default()?;
+    // How long a collective waits for its peers before the rank ends the job.
+    let timeout = match std::env::var("MAXC_COMM_TIMEOUT_S") {
+        Err(_) => maxc_runtime::comm::DEFAULT_TIMEOUT,
+        Ok(v) => v
+            .parse::<f64>()
+            .ok()
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map(std::time::Duration::from_secs_f64)
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "MAXC_COMM_TIMEOUT_S is `{v}`; expected a positive number of seconds"
+                )
+            })?,
+    };
+    let world = MpiComm::init(timeout)?;
     if world.size() == 1 {
         return Ok(None);
     }

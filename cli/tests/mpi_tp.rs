@@ -94,12 +94,16 @@ fn rank_pid(parent: u32, rank: usize) -> Option<u32> {
 }
 
 #[test]
-fn serving_ends_with_an_error_not_a_hang_when_rank_1_dies() {
+fn serving_outlasts_idle_time_and_ends_with_an_error_not_a_hang_when_rank_1_dies() {
     let tmp = tempfile::tempdir().unwrap();
     let a = compile("tiny-llama", 2, tmp.path());
     let (port, metrics) = (free_port(), free_port());
+    // A collective timeout of 1 s: the follower waits for the next step longer than that while
+    // the server is idle, which must not end it.
     let mut job = std::process::Command::new("mpirun")
         .args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
+        .args(["-x", "MAXC_COMM_TIMEOUT_S"])
+        .env("MAXC_COMM_TIMEOUT_S", "1")
         .arg(env!("CARGO_BIN_EXE_maxc"))
         .args(["serve", a.to_str().unwrap(), "--port", &port.to_string()])
         .env("MAX_SERVE_METRICS_ENDPOINT_PORT", metrics.to_string())
@@ -123,6 +127,10 @@ fn serving_ends_with_an_error_not_a_hang_when_rank_1_dies() {
     );
     let served = http(port, &request).unwrap();
     assert!(served.starts_with("HTTP/1.1 200"), "{served}");
+    // Idle for three timeouts: rank 1 still follows.
+    std::thread::sleep(Duration::from_secs(3));
+    let served = http(port, &request).unwrap();
+    assert!(served.starts_with("HTTP/1.1 200"), "after idling: {served}");
     let rank1 = rank_pid(job.id(), 1).expect("rank 1 runs under mpirun");
     // SAFETY: a plain kill of our own child's child.
     unsafe { libc::kill(rank1 as i32, libc::SIGKILL) };

@@ -589,7 +589,8 @@ pub fn follow(
     exec.set_communicator(comm);
     loop {
         let mut bytes = Vec::new();
-        exec.with_communicator(|c| c.broadcast(&mut bytes, 0))
+        // However long rank 0 stays idle (a server without requests).
+        exec.with_communicator(|c| c.broadcast_unbounded(&mut bytes, 0))
             .expect("set above")?;
         if bytes.is_empty() {
             return Ok(());

@@ -68,6 +68,12 @@ pub trait Communicator: Send + std::fmt::Debug {
     ) -> Result<usize>;
     /// `root`'s `data` into every rank's `data` (resized to the root's length).
     fn broadcast(&mut self, data: &mut Vec<u8>, root: usize) -> Result<()>;
+    /// [`Communicator::broadcast`] for which a rank may wait without limit: how a following
+    /// rank waits for its next step, however long the server stays idle (no timeout ends it;
+    /// a root that dies still ends the job).
+    fn broadcast_unbounded(&mut self, data: &mut Vec<u8>, root: usize) -> Result<()> {
+        self.broadcast(data, root)
+    }
     /// Returns once every rank has called it.
     fn barrier(&mut self) -> Result<()>;
     /// Ends the group's collectives after a rank failed on its own (`why`): the peers waiting

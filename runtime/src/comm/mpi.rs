@@ -139,6 +139,20 @@ impl MpiComm {
         Self::init(DEFAULT_TIMEOUT)
     }
 
+    /// The broadcast itself: the length, then the bytes.
+    fn bcast(&self, data: &mut Vec<u8>, root: usize) -> Result<()> {
+        check_root(self.rank, self.size, root)?;
+        let at = self.world.process_at_rank(root as i32);
+        let mut len = data.len() as u64;
+        at.broadcast_into(&mut len);
+        data.resize(len as usize, 0);
+        // (An empty buffer's dangling pointer is an invalid argument to MPI_Bcast.)
+        if len > 0 {
+            at.broadcast_into(&mut data[..]);
+        }
+        Ok(())
+    }
+
     fn counts(&self, op: &str, n: &[usize]) -> Result<Vec<Count>> {
         n.iter()
             .map(|&c| Count::try_from(c))
@@ -239,17 +253,13 @@ impl Communicator for MpiComm {
     }
 
     fn broadcast(&mut self, data: &mut Vec<u8>, root: usize) -> Result<()> {
-        check_root(self.rank, self.size(), root)?;
         let _in = self.watch.enter("broadcast");
-        let at = self.world.process_at_rank(root as i32);
-        let mut len = data.len() as u64;
-        at.broadcast_into(&mut len);
-        data.resize(len as usize, 0);
-        // (An empty buffer's dangling pointer is an invalid argument to MPI_Bcast.)
-        if len > 0 {
-            at.broadcast_into(&mut data[..]);
-        }
-        Ok(())
+        self.bcast(data, root)
+    }
+
+    fn broadcast_unbounded(&mut self, data: &mut Vec<u8>, root: usize) -> Result<()> {
+        // Not watched: an idle server's followers wait here for as long as it is idle.
+        self.bcast(data, root)
     }
 
     fn barrier(&mut self) -> Result<()> {
