@@ -170,3 +170,31 @@ fn a_process_running_one_rank_stages_only_that_ranks_weights() {
     let r = bytes_of("decoder/model.layers.0.self_attn.q_proj.weight");
     assert!(copy[r].iter().all(|&b| b == 0));
 }
+
+#[test]
+fn a_refused_step_leaves_the_ranks_ready_for_the_next() {
+    use maxc_runtime::engine::{Device, Engine};
+    use maxc_runtime::StepInputs;
+    let tmp = tempfile::tempdir().unwrap();
+    let a = compile("tiny-llama", 2, tmp.path());
+    let mut engine = Engine::open_on(&a, "decoder", Device::Cpu).unwrap();
+    assert_eq!(engine.tensor_parallel_degree(), 2);
+    let step = |token: i64| {
+        let mut s = StepInputs {
+            tokens: vec![1, token],
+            input_row_offsets: vec![0, 2],
+            cache_lengths: vec![0],
+            kv_lookup_table: vec![0; 4],
+            pages_per_seq: 4,
+            kv_groups: 1,
+            logit_indices: vec![],
+        };
+        s.last_rows(1);
+        s
+    };
+    // A token outside the vocabulary: every rank refuses the step before any collective.
+    let e = engine.execute(&step(1 << 40)).unwrap_err().to_string();
+    assert!(e.contains("vocab"), "{e}");
+    let ok = engine.execute(&step(7)).unwrap();
+    assert!(ok.data.iter().all(|v| v.is_finite()));
+}

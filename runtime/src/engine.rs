@@ -483,7 +483,13 @@ impl Engine {
             rank0
                 .with_communicator(|c| c.broadcast(&mut bytes, 0))
                 .expect("rank 0 has its communicator")?;
-            return rank0.execute(inputs);
+            let r = rank0.execute(inputs);
+            if let Err(e) = &r {
+                if ends_the_group(e) {
+                    rank0.abort_collectives(&e.to_string());
+                }
+            }
+            return r;
         }
         if self.peers.is_empty() {
             return self.exec.execute(inputs);
@@ -498,7 +504,7 @@ impl Engine {
                 .map(|p| {
                     scope.spawn(move || {
                         let r = p.execute(inputs);
-                        if let Err(e) = &r {
+                        if let Some(e) = r.as_ref().err().filter(|e| ends_the_group(e)) {
                             p.abort_collectives(&e.to_string());
                         }
                         r
@@ -506,7 +512,7 @@ impl Engine {
                 })
                 .collect();
             let mine = rank0.execute(inputs);
-            if let Err(e) = &mine {
+            if let Some(e) = mine.as_ref().err().filter(|e| ends_the_group(e)) {
                 rank0.abort_collectives(&e.to_string());
             }
             let mut first_err = mine.as_ref().err().map(|e| e.to_string());
@@ -606,6 +612,13 @@ pub fn follow(
             }
         }
     }
+}
+
+/// Whether a rank's failed step ends its group's collectives: every failure but a refused
+/// step (its inputs, refused by every rank alike before any collective), which leaves the
+/// group whole for the next step.
+fn ends_the_group(e: &RuntimeError) -> bool {
+    !matches!(e, RuntimeError::Input(_))
 }
 
 /// The tensor-parallel degree an artifact records (`tp.degree`; 1 without).
