@@ -124,7 +124,6 @@ fn what_cannot_be_split_or_run_is_refused_naming_why() {
 fn a_process_running_one_rank_stages_only_that_ranks_weights() {
     use maxc_runtime::artifact::{Artifact, WeightMemory};
     use maxc_runtime::cpu::CpuExecutor;
-    use maxc_runtime::StepInputs;
     use std::sync::Arc;
     if !maxc_runtime::hugemem::available() {
         eprintln!("skipped: no transparent huge pages here");
@@ -137,17 +136,7 @@ fn a_process_running_one_rank_stages_only_that_ranks_weights() {
     // a communicator, after the weights it read were noted).
     let mut exec =
         CpuExecutor::new(Arc::clone(&artifact), "decoder@tp1", Default::default()).unwrap();
-    let mut step = StepInputs {
-        tokens: vec![1, 2],
-        input_row_offsets: vec![0, 2],
-        cache_lengths: vec![0],
-        kv_lookup_table: vec![0; 4],
-        pages_per_seq: 4,
-        kv_groups: 1,
-        logit_indices: vec![],
-    };
-    step.last_rows(1);
-    assert!(exec.execute(&step).is_err());
+    assert!(exec.execute(&first_step(2)).is_err());
     artifact.stage_weights();
     artifact.wait_for_staged_weights();
     let copy = artifact.staged_weights().expect("staged");
@@ -174,27 +163,31 @@ fn a_process_running_one_rank_stages_only_that_ranks_weights() {
 #[test]
 fn a_refused_step_leaves_the_ranks_ready_for_the_next() {
     use maxc_runtime::engine::{Device, Engine};
-    use maxc_runtime::StepInputs;
     let tmp = tempfile::tempdir().unwrap();
     let a = compile("tiny-llama", 2, tmp.path());
     let mut engine = Engine::open_on(&a, "decoder", Device::Cpu).unwrap();
     assert_eq!(engine.tensor_parallel_degree(), 2);
-    let step = |token: i64| {
-        let mut s = StepInputs {
-            tokens: vec![1, token],
-            input_row_offsets: vec![0, 2],
-            cache_lengths: vec![0],
-            kv_lookup_table: vec![0; 4],
-            pages_per_seq: 4,
-            kv_groups: 1,
-            logit_indices: vec![],
-        };
-        s.last_rows(1);
-        s
-    };
     // A token outside the vocabulary: every rank refuses the step before any collective.
-    let e = engine.execute(&step(1 << 40)).unwrap_err().to_string();
+    let e = engine
+        .execute(&first_step(1 << 40))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("vocab"), "{e}");
-    let ok = engine.execute(&step(7)).unwrap();
+    let ok = engine.execute(&first_step(7)).unwrap();
     assert!(ok.data.iter().all(|v| v.is_finite()));
+}
+
+/// One sequence's first step: tokens `[1, token]` on page 0, returning its last row's logits.
+fn first_step(token: i64) -> maxc_runtime::StepInputs {
+    let mut s = maxc_runtime::StepInputs {
+        tokens: vec![1, token],
+        input_row_offsets: vec![0, 2],
+        cache_lengths: vec![0],
+        kv_lookup_table: vec![0; 4],
+        pages_per_seq: 4,
+        kv_groups: 1,
+        logit_indices: vec![],
+    };
+    s.last_rows(1);
+    s
 }
