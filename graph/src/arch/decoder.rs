@@ -611,6 +611,17 @@ impl DecoderBuilder<'_> {
     ) -> Result<NodeIndex> {
         let w = self.weight(path.key("weight"), &[out, inp])?;
         let y = self.b.op(&path.0, Op::Linear, &[x, w])?;
+        self.with_bias(path, y, out, bias)
+    }
+
+    /// `y` plus the bias at `path.bias` (`[out]`) where there is one.
+    fn with_bias(
+        &mut self,
+        path: &KeyPath,
+        y: NodeIndex,
+        out: usize,
+        bias: bool,
+    ) -> Result<NodeIndex> {
         if !bias {
             return Ok(y);
         }
@@ -633,11 +644,7 @@ impl DecoderBuilder<'_> {
         }
         let y = self.linear(path, x, out, inp, false)?;
         let y = self.b.op(&path.key("all_reduce"), Op::AllReduceSum, &[y])?;
-        if !bias {
-            return Ok(y);
-        }
-        let bw = self.weight(path.key("bias"), &[out])?;
-        self.b.op(&path.key("add_bias"), Op::Add, &[y, bw])
+        self.with_bias(path, y, out, bias)
     }
 
     pub(super) fn rms_norm(&mut self, path: &KeyPath, x: NodeIndex) -> Result<NodeIndex> {
