@@ -13,7 +13,7 @@ use tp::{compile, greedy, logits, maxc, worst};
 #[test]
 fn ranks_as_processes_give_the_in_process_ranks_logits_and_degree_1s_tokens() {
     let tmp = tempfile::tempdir().unwrap();
-    for model in tp::DENSE {
+    for model in tp::MODELS {
         let one = compile(model, 1, tmp.path());
         let want = logits(None, &one, &format!("{model}-one"));
         let tokens = greedy(None, &one);

@@ -1,5 +1,5 @@
 //! Tensor parallelism through `maxc compile --tensor-parallel-degree N` and the CPU's
-//! in-process ranks: every dense fixture at degrees 2 and 4 gives degree 1's logits at every
+//! in-process ranks: every fixture but latent attention's at degrees 2 and 4 gives degree 1's logits at every
 //! prompt position (within 1e-4) and its greedy tokens; replicated weights are stored once;
 //! what cannot be split yet, or run, is refused naming why.
 
@@ -14,9 +14,9 @@ fn maxc(args: &[&str]) -> std::process::Output {
 }
 
 #[test]
-fn every_dense_fixture_at_degrees_2_and_4_gives_degree_1s_logits_and_tokens() {
+fn every_fixture_at_degrees_2_and_4_gives_degree_1s_logits_and_tokens() {
     let tmp = tempfile::tempdir().unwrap();
-    for model in tp::DENSE {
+    for model in tp::MODELS {
         let one = compile(model, 1, tmp.path());
         let (want, tokens) = (logits(None, &one, model), greedy(None, &one));
         for degree in [2, 4] {
@@ -101,7 +101,13 @@ fn what_cannot_be_split_or_run_is_refused_naming_why() {
     };
     // tiny-llama has 8 heads and 2 KV heads: 3 divides neither.
     refused("tiny-llama", "3", &[], "num_attention_heads");
-    refused("tiny-mixtral", "2", &[], "mixture-of-experts");
+    refused("tiny-deepseek-v3", "2", &[], "latent attention");
+    refused(
+        "tiny-mixtral",
+        "2",
+        &["--expert-parallel-degree", "2"],
+        "does not combine with tensor_parallel_degree",
+    );
     refused("tiny-llama", "0", &[], "tensor-parallel-degree");
     // A rank's role is run through rank 0's, which runs them all.
     let a = compile("tiny-llama", 2, tmp.path());

@@ -176,7 +176,8 @@ impl DeploymentConfig {
                 "tp.layout".into(),
                 Value::from(
                     "megatron: q/k/v and gate/up split by rows (heads, MLP width), o_proj and \
-                     down_proj by columns and summed over the ranks; embeddings, norms and the \
+                     down_proj by columns and summed over the ranks; each expert of a mixture \
+                     split as a dense MLP is, its router replicated; embeddings, norms and the \
                      vocabulary projection replicated",
                 ),
             );

@@ -220,21 +220,15 @@ pub struct DecoderConfig {
 impl DecoderConfig {
     /// The config one of `degree` tensor-parallel ranks builds: its share of the query and KV
     /// heads and of the MLP width (Megatron's layout: q/k/v and gate/up split by rows, o and
-    /// down by columns and summed over the ranks). Counts that do not divide, and layers not
-    /// split yet (mixture of experts, latent attention), are errors naming the field.
+    /// down by columns and summed over the ranks; each expert of a mixture as a dense MLP, the
+    /// router replicated). Counts that do not divide, and layers not split yet (latent
+    /// attention), are errors naming the field.
     pub fn shard(&self, degree: usize) -> Result<DecoderConfig> {
         let refuse = |field: &str, value: String, message: String| crate::Error::Setting {
             field: field.into(),
             value,
             message,
         };
-        if self.moe.is_some() {
-            return Err(refuse(
-                "tensor_parallel_degree",
-                degree.to_string(),
-                "mixture-of-experts layers are not split over tensor-parallel ranks yet; spread their experts with --expert-parallel-degree".into(),
-            ));
-        }
         if self.mla.is_some() {
             return Err(refuse(
                 "tensor_parallel_degree",
@@ -242,9 +236,17 @@ impl DecoderConfig {
                 "multi-head latent attention is not split over tensor-parallel ranks yet".into(),
             ));
         }
+        let moe = self.moe.as_ref();
+        let expert_width = moe.and_then(|m| m.expert_intermediate_size);
+        let shared_width = moe.and_then(|m| m.shared_intermediate_size);
         for (field, n) in [
             ("num_attention_heads", self.num_heads),
             ("intermediate_size", self.intermediate_size),
+            ("moe_intermediate_size", expert_width.unwrap_or(degree)),
+            (
+                "shared_expert_intermediate_size",
+                shared_width.unwrap_or(degree),
+            ),
         ] {
             if !n.is_multiple_of(degree) {
                 return Err(refuse(
@@ -266,10 +268,18 @@ impl DecoderConfig {
                 ),
             ));
         }
+        // Every expert (routed and shared) is split as a dense MLP is: each rank holds its
+        // share of every expert's width, and the router, replicated, routes alike everywhere.
+        let moe = self.moe.clone().map(|m| MoeConfig {
+            expert_intermediate_size: expert_width.map(|f| f / degree),
+            shared_intermediate_size: shared_width.map(|f| f / degree),
+            ..m
+        });
         Ok(DecoderConfig {
             num_heads: self.num_heads / degree,
             num_kv_heads: (self.num_kv_heads / degree).max(1),
             intermediate_size: self.intermediate_size / degree,
+            moe,
             ..self.clone()
         })
     }
@@ -290,20 +300,34 @@ impl DecoderConfig {
         let kv = local.num_kv_heads * d;
         // The first KV head this rank holds (a shared one where there are fewer than ranks).
         let kv0 = rank * self.num_kv_heads / degree * d;
-        let f = local.intermediate_size;
+        let dense = local.intermediate_size;
+        let moe = local.moe.as_ref();
+        let expert = moe
+            .and_then(|m| m.expert_intermediate_size)
+            .unwrap_or(dense);
+        let shared = moe.and_then(|m| m.shared_intermediate_size);
         let mut out = StateDict::new();
         for (key, w) in weights.iter() {
             let split = |rows: usize| rank * rows..(rank + 1) * rows;
             let (module, param) = key.rsplit_once('.').unwrap_or((key.as_str(), ""));
+            // The MLP's width: a routed expert's, a shared expert's or the dense one's.
+            let f = if key.contains(".experts.") {
+                expert
+            } else if key.contains(".shared_experts.") {
+                shared.unwrap_or(dense)
+            } else {
+                dense
+            };
             let shard = match (module.rsplit('.').next().unwrap_or(""), param) {
                 ("q_proj", "weight") => w.rows(split(q), key)?,
                 ("k_proj" | "v_proj", "weight") => w.rows(kv0..kv0 + kv, key)?,
                 ("q_proj", "bias") => w.span(split(q), key)?,
                 ("k_proj" | "v_proj", "bias") => w.span(kv0..kv0 + kv, key)?,
                 ("o_proj", "weight") => w.cols(split(q), key)?,
-                ("gate_proj" | "up_proj", "weight") => w.rows(split(f), key)?,
+                // Mixtral's experts: w1 (gate), w3 (up), w2 (down).
+                ("gate_proj" | "up_proj" | "w1" | "w3", "weight") => w.rows(split(f), key)?,
                 ("gate_proj" | "up_proj", "bias") => w.span(split(f), key)?,
-                ("down_proj", "weight") => w.cols(split(f), key)?,
+                ("down_proj" | "w2", "weight") => w.cols(split(f), key)?,
                 _ => w.clone(),
             };
             out.insert(key.clone(), shard);
@@ -931,6 +955,16 @@ impl DecoderBuilder<'_> {
             },
             &operands,
         )?;
+        // Each tensor-parallel rank computed its share of every expert's width: a partial sum.
+        let routed = if self.opts.runtime.tensor_parallel_degree > 1 {
+            self.b.op(
+                &p.pp("experts").key("all_reduce"),
+                Op::AllReduceSum,
+                &[routed],
+            )?
+        } else {
+            routed
+        };
         match moe.shared_intermediate_size {
             Some(width) => {
                 let shared = self.mlp(&p.pp("shared_experts"), x, width)?;

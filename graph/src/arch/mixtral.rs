@@ -195,6 +195,16 @@ impl DeploymentHooks for MixtralHooks {
                 ),
             });
         }
+        if d > 1 && runtime.tensor_parallel_degree > 1 {
+            return Err(Error::Setting {
+                field: "expert_parallel_degree".into(),
+                value: d.to_string(),
+                message: format!(
+                    "does not combine with tensor_parallel_degree {} yet: under tensor parallelism every rank already holds 1/{} of each expert (leave expert_parallel_degree at 1)",
+                    runtime.tensor_parallel_degree, runtime.tensor_parallel_degree
+                ),
+            });
+        }
         if !config.expert_parallel_communication && d > 1 {
             let per = self.experts_per_rank(d);
             let missing: Vec<String> = (0..d)
