@@ -146,7 +146,7 @@ fn report(e: &anyhow::Error) -> String {
 }
 
 /// Under `mpirun`: joins the launcher's group. Rank 0 goes on to run the command, its
-/// tensor-parallel engine taking the group; every other rank follows rank 0's steps for the
+/// tensor- or expert-parallel engine taking the group; every other rank follows rank 0's steps for the
 /// artifact the command names, and its exit code is returned. `None` where the process was not
 /// launched so, or is rank 0.
 #[cfg(feature = "mpi")]
@@ -180,7 +180,7 @@ fn mpi_rank(command: &Command) -> anyhow::Result<Option<ExitCode>> {
         Command::Profile(a) => (&a.artifact, &a.role, a.activations.kernels()),
         Command::Serve(a) => (&a.artifact, &decoder, a.activations.kernels()),
         _ => anyhow::bail!(
-            "launched as {} ranks by mpirun: tensor-parallel ranks across processes run `run`, `generate`, `profile` and `serve` (each opens its engine once)",
+            "launched as {} ranks by mpirun: tensor- and expert-parallel ranks across processes run `run`, `generate`, `profile` and `serve` (each opens its engine once)",
             world.size()
         ),
     };

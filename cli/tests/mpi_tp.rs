@@ -3,7 +3,9 @@
 //! inputs, the other ranks follow; the logits are the in-process ranks' (within 1e-5) and
 //! degree 1's (within 1e-4), and greedy tokens are degree 1's. A rank count that is not the
 //! artifact's degree is refused. `maxc serve` under `mpirun -np 2` serves, and when rank 1 is
-//! killed the client gets an error at once and `mpirun` ends the job naming the rank.
+//! killed the client gets an error at once and `mpirun` ends the job naming the rank. The
+//! mixtures of experts are among the models split; tiny-mixtral's experts also run over 2 and
+//! 4 processes as expert-parallel ranks (all-to-all-v dispatch and combine over MPI).
 
 mod tp;
 
@@ -34,6 +36,27 @@ fn ranks_as_processes_give_the_in_process_ranks_logits_and_degree_1s_tokens() {
             );
             assert_eq!(greedy(Some(degree), &a), tokens, "{model} at {degree}");
         }
+    }
+}
+
+#[test]
+fn tiny_mixtrals_experts_over_2_and_4_processes_give_the_in_process_exchanges_logits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = "tiny-mixtral";
+    let one = tp::compile_at(model, "expert", 1, tmp.path());
+    let want = logits(None, &one, "ep-one");
+    let tokens = greedy(None, &one);
+    for degree in [2, 4] {
+        let a = tp::compile_at(model, "expert", degree, tmp.path());
+        let local = logits(None, &a, &format!("ep-local{degree}"));
+        let mpi = logits(Some(degree), &a, &format!("ep-mpi{degree}"));
+        let (d_local, d_one) = (worst(&mpi, &local), worst(&mpi, &want));
+        assert!(
+            d_local <= 1e-5,
+            "EP {degree}: against in-process ranks {d_local}"
+        );
+        assert!(d_one <= 1e-4, "EP {degree}: against degree 1 {d_one}");
+        assert_eq!(greedy(Some(degree), &a), tokens, "EP {degree}");
     }
 }
 
@@ -120,7 +143,7 @@ fn serving_outlasts_idle_time_and_ends_with_an_error_not_a_hang_when_rank_1_dies
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    let body = r#"{"model":"tiny-llama-tp2.maxc","prompt":[1,5,9,200],"max_tokens":4}"#;
+    let body = r#"{"model":"tiny-llama-tensor2.maxc","prompt":[1,5,9,200],"max_tokens":4}"#;
     let request = format!(
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()

@@ -245,7 +245,8 @@ impl Engine {
             )));
         }
         let mut peers = Vec::new();
-        let world = if tp > 1 && device == Device::Cpu && role == "decoder" {
+        let group = Group::of(&artifact)?;
+        let world = if group.ranks() > 1 && device == Device::Cpu && role == "decoder" {
             crate::comm::take_world()
         } else {
             None
@@ -254,17 +255,13 @@ impl Engine {
         let exec = match device {
             Device::Cpu if world.is_some() => {
                 let world = world.expect("checked");
-                if world.size() != tp || world.rank() != 0 {
-                    return Err(RuntimeError::Input(format!(
-                        "{}: compiled for tensor-parallel degree {tp}, launched as rank {} of {} (mpirun -np {tp} runs it)",
-                        artifact.dir.display(),
-                        world.rank(),
-                        world.size()
-                    )));
-                }
-                let mut rank0 = CpuExecutor::new(artifact.clone(), role, kernels)?;
-                rank0.set_communicator(world);
-                Executor::Cpu(rank0)
+                group.check_launch(&artifact, world.rank(), world.size(), true)?;
+                Executor::Cpu(CpuExecutor::in_group(
+                    artifact.clone(),
+                    role,
+                    kernels,
+                    world,
+                )?)
             }
             Device::Cpu if tp > 1 && role == "decoder" => {
                 let mut comms = crate::comm::LocalGroup::ranks(tp).into_iter();
@@ -583,16 +580,15 @@ pub fn follow(
     kernels: KernelOptions,
     comm: Box<dyn crate::comm::Communicator>,
 ) -> Result<()> {
-    let tp = tensor_parallel_degree(&artifact)?;
+    let group = Group::of(&artifact)?;
     let (rank, size) = (comm.rank(), comm.size());
-    if size != tp || rank == 0 {
-        return Err(RuntimeError::Input(format!(
-            "{}: compiled for tensor-parallel degree {tp}, launched as rank {rank} of {size} (mpirun -np {tp} runs it)",
-            artifact.dir.display()
-        )));
-    }
-    let mut exec = CpuExecutor::new(artifact, &format!("{role}@tp{rank}"), kernels)?;
-    exec.set_communicator(comm);
+    group.check_launch(&artifact, rank, size, false)?;
+    let role = match group {
+        Group::Tensor(_) => format!("{role}@tp{rank}"),
+        // Every expert-parallel rank runs the same program; its rank picks its experts.
+        Group::Expert(_) => role.to_string(),
+    };
+    let mut exec = CpuExecutor::in_group(artifact, &role, kernels, comm)?;
     loop {
         let mut bytes = Vec::new();
         // However long rank 0 stays idle (a server without requests).
@@ -611,6 +607,53 @@ pub fn follow(
                 return Err(e);
             }
         }
+    }
+}
+
+/// The ranks an artifact runs as, where it runs as several processes under `mpirun`.
+#[derive(Clone, Copy, Debug)]
+enum Group {
+    /// `tp.degree` tensor-parallel ranks (1: one process).
+    Tensor(usize),
+    /// `ep.degree` expert-parallel ranks (run in one process without `mpirun`).
+    Expert(usize),
+}
+
+impl Group {
+    fn of(artifact: &Artifact) -> Result<Group> {
+        let tp = tensor_parallel_degree(artifact)?;
+        match crate::cpu::ep::EpPlan::from_records(&artifact.manifest.export_records)? {
+            Some(plan) if tp == 1 => Ok(Group::Expert(plan.degree)),
+            _ => Ok(Group::Tensor(tp)),
+        }
+    }
+
+    fn ranks(self) -> usize {
+        match self {
+            Group::Tensor(n) | Group::Expert(n) => n,
+        }
+    }
+
+    /// A launch as rank `rank` of `size` processes must be one of the artifact's ranks, rank 0
+    /// leading (`leads`) and the others following.
+    fn check_launch(
+        self,
+        artifact: &Artifact,
+        rank: usize,
+        size: usize,
+        leads: bool,
+    ) -> Result<()> {
+        if size == self.ranks() && (rank == 0) == leads {
+            return Ok(());
+        }
+        let (kind, n) = match self {
+            Group::Tensor(n) => ("tensor", n),
+            Group::Expert(n) => ("expert", n),
+        };
+        Err(RuntimeError::Input(format!(
+            "{}: compiled for {kind}-parallel degree {n}, launched as rank {rank} of {size} (mpirun -np {n} runs it)",
+            artifact.dir.display()
+        )))
     }
 }
 

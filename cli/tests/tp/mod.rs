@@ -61,7 +61,13 @@ pub fn maxc(ranks: Option<usize>, args: &[&str]) -> Output {
 
 /// Fixture `model` compiled at tensor-parallel degree `degree` into `dir`.
 pub fn compile(model: &str, degree: usize, dir: &Path) -> PathBuf {
-    let out = dir.join(format!("{model}-tp{degree}.maxc"));
+    compile_at(model, "tensor", degree, dir)
+}
+
+/// Fixture `model` compiled at `kind`-parallel (`tensor`, `expert`) degree `degree` into `dir`.
+pub fn compile_at(model: &str, kind: &str, degree: usize, dir: &Path) -> PathBuf {
+    let out = dir.join(format!("{model}-{kind}{degree}.maxc"));
+    let flag = format!("--{kind}-parallel-degree");
     ok(maxc(
         None,
         &[
@@ -76,7 +82,7 @@ pub fn compile(model: &str, degree: usize, dir: &Path) -> PathBuf {
             "16",
             "--max-batch-input-tokens",
             "64",
-            "--tensor-parallel-degree",
+            &flag,
             &degree.to_string(),
         ],
     ));

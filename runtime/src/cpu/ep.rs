@@ -306,6 +306,128 @@ pub trait Exchange: Send + std::fmt::Debug {
     /// each rank's received counts (row 1). A receive above its buffer's bound is an error and
     /// moves nothing.
     fn all_to_all(&mut self, group: Group) -> Result<()>;
+    /// After the combine, each local rank has written its own share of the step's rows of
+    /// `out` (`rows × hidden`; rank `r`'s share is [`owned_rows`]); this makes every row whole
+    /// in every process. Holding every rank, there is nothing to move.
+    fn gather_rows(&mut self, _out: &mut [f32], _rows: usize, _hidden: usize) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The rows of a step's `rows` that rank `rank` of `degree` owns: dispatches and combines.
+pub fn owned_rows(rank: usize, degree: usize, rows: usize) -> std::ops::Range<usize> {
+    rank * rows / degree..(rank + 1) * rows / degree
+}
+
+/// Rank `rank`'s exchange state: `run_init` runs the artifact's `ep_init` program once with
+/// the rank's index as `ep_rank`, returning the executor that ran it (whose memory the outputs
+/// live in) with its outputs. The experts it gives the rank are checked against the plan.
+pub fn rank_state(
+    artifact: &Arc<Artifact>,
+    plan: &EpPlan,
+    rank: usize,
+    run_init: &mut dyn FnMut(usize) -> Result<(Box<dyn std::any::Any + Send>, InitOutputs)>,
+) -> Result<RankState> {
+    if !artifact.programs.contains_key(names::ROLE) {
+        return Err(RuntimeError::artifact(
+            &artifact.dir,
+            format!(
+                "the export records say expert-parallel degree {}, but the artifact has no {} program to set up the exchange; recompile it",
+                plan.degree,
+                names::ROLE
+            ),
+        ));
+    }
+    let (memory, outs) = run_init(rank)?;
+    let mut state = RankState::new(plan, rank, Memory::Program(memory), &outs)?;
+    let want: Vec<i32> = (0..plan.experts_per_rank)
+        .map(|i| (rank * plan.experts_per_rank + i) as i32)
+        .collect();
+    let got = state.buffers().local_experts;
+    if got != want.as_slice() {
+        return Err(RuntimeError::artifact(
+            &artifact.dir,
+            format!("the ep_init program gives rank {rank} experts {got:?}, expected {want:?}"),
+        ));
+    }
+    Ok(state)
+}
+
+/// One rank per process: the rank's segments move through the group's communicator
+/// (`all_to_all_v`, then an all-gather of the combined rows), its peers being the other
+/// processes (`mpirun`), each running the same program on the same broadcast step.
+#[derive(Debug)]
+pub struct CommExchange<'a> {
+    plan: EpPlan,
+    rank: &'a mut RankState,
+    comm: &'a mut dyn crate::comm::Communicator,
+}
+
+impl<'a> CommExchange<'a> {
+    /// Rank `rank.rank()` of `plan`, exchanging over `comm`, whose ranks must be the plan's.
+    pub fn new(
+        plan: EpPlan,
+        rank: &'a mut RankState,
+        comm: &'a mut dyn crate::comm::Communicator,
+    ) -> Result<Self> {
+        if comm.size() != plan.degree || comm.rank() != rank.rank {
+            return Err(RuntimeError::Input(format!(
+                "expert parallelism: rank {} of degree {} cannot exchange as rank {} of a group of {}",
+                rank.rank,
+                plan.degree,
+                comm.rank(),
+                comm.size()
+            )));
+        }
+        Ok(CommExchange { plan, rank, comm })
+    }
+}
+
+impl Exchange for CommExchange<'_> {
+    fn plan(&self) -> &EpPlan {
+        &self.plan
+    }
+
+    fn local_ranks(&mut self) -> &mut [RankState] {
+        std::slice::from_mut(self.rank)
+    }
+
+    fn all_to_all(&mut self, group: Group) -> Result<()> {
+        let d = self.plan.degree;
+        let width = match group {
+            Group::Dispatch => self.plan.slot_floats(),
+            Group::Combine => self.plan.hidden,
+        };
+        let g = self.rank.buffers().group(group);
+        let send_counts: Vec<usize> = g.counts[..d]
+            .iter()
+            .map(|&c| c.max(0) as usize * width)
+            .collect();
+        let mut recv_counts = vec![0usize; d];
+        self.comm
+            .all_to_all_v(g.send, &send_counts, g.recv, &mut recv_counts)?;
+        for (c, n) in g.counts[d..2 * d].iter_mut().zip(&recv_counts) {
+            *c = (n / width) as i32;
+        }
+        Ok(())
+    }
+
+    fn gather_rows(&mut self, out: &mut [f32], rows: usize, hidden: usize) -> Result<()> {
+        let d = self.plan.degree;
+        // Every share padded to the largest, so that the gather's pieces are equal.
+        let share = rows.div_ceil(d) * hidden;
+        let own = owned_rows(self.rank.rank, d, rows);
+        let mut send = vec![0.0f32; share];
+        send[..own.len() * hidden].copy_from_slice(&out[own.start * hidden..own.end * hidden]);
+        let mut all = vec![0.0f32; d * share];
+        self.comm.all_gather(&send, &mut all)?;
+        for r in 0..d {
+            let rs = owned_rows(r, d, rows);
+            out[rs.start * hidden..rs.end * hidden]
+                .copy_from_slice(&all[r * share..r * share + rs.len() * hidden]);
+        }
+        Ok(())
+    }
 }
 
 /// Every rank in this process; segments move by copies.
@@ -324,38 +446,9 @@ impl InProcessExchange {
         plan: EpPlan,
         run_init: &mut dyn FnMut(usize) -> Result<(Box<dyn std::any::Any + Send>, InitOutputs)>,
     ) -> Result<Self> {
-        if !artifact.programs.contains_key(names::ROLE) {
-            return Err(RuntimeError::artifact(
-                &artifact.dir,
-                format!(
-                    "the export records say expert-parallel degree {}, but the artifact has no {} program to set up the exchange; recompile it",
-                    plan.degree,
-                    names::ROLE
-                ),
-            ));
-        }
-        let mut ranks = Vec::with_capacity(plan.degree);
-        for r in 0..plan.degree {
-            let (memory, outs) = run_init(r)?;
-            let state = RankState::new(&plan, r, Memory::Program(memory), &outs)?;
-            ranks.push(state);
-        }
-        for rank in &mut ranks {
-            let r = rank.rank;
-            let b = rank.buffers();
-            let want: Vec<i32> = (0..plan.experts_per_rank)
-                .map(|i| (r * plan.experts_per_rank + i) as i32)
-                .collect();
-            if b.local_experts != want.as_slice() {
-                return Err(RuntimeError::artifact(
-                    &artifact.dir,
-                    format!(
-                        "the ep_init program gives rank {r} experts {:?}, expected {want:?}",
-                        b.local_experts
-                    ),
-                ));
-            }
-        }
+        let ranks = (0..plan.degree)
+            .map(|r| rank_state(artifact, &plan, r, run_init))
+            .collect::<Result<Vec<_>>>()?;
         Ok(InProcessExchange { plan, ranks })
     }
 
@@ -449,7 +542,7 @@ pub fn moe_layer(
         let r = rank.rank;
         let cap = rank.send_slots;
         let b = rank.buffers();
-        let owned = r * rows / d..(r + 1) * rows / d;
+        let owned = owned_rows(r, d, rows);
         let mut count = vec![0usize; d];
         for t in owned.clone() {
             for e in 0..e_count {
@@ -550,6 +643,7 @@ pub fn moe_layer(
             }
         }
     }
+    ex.gather_rows(out, rows, hidden)?;
     Ok(peak)
 }
 

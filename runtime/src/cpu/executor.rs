@@ -155,8 +155,8 @@ pub struct CpuExecutor {
     kernels: KernelOptions,
     /// Where set, each step's launches are timed into it.
     profile: Option<StepProfile>,
-    /// Expert parallelism over in-process ranks, where the artifact records a degree above 1.
-    ep: Option<std::sync::Mutex<Box<dyn super::ep::Exchange>>>,
+    /// Expert parallelism, where the artifact records a degree above 1.
+    ep: Option<std::sync::Mutex<ExpertRanks>>,
     /// This rank's communicator, where the program is one rank of a tensor-parallel group
     /// (its all-reduce launches run on it).
     comm: Option<std::sync::Mutex<Box<dyn crate::comm::Communicator>>>,
@@ -191,10 +191,49 @@ fn to_f32(dtype: DType, bytes: &[u8]) -> Option<Vec<f32>> {
     }
 }
 
+/// The expert-parallel ranks an executor runs its MoE layers over.
+enum ExpertRanks {
+    /// Every rank, in this process.
+    All(Box<dyn super::ep::Exchange>),
+    /// One rank, its peers in other processes, exchanging over the executor's communicator.
+    One(super::ep::EpPlan, super::ep::RankState),
+}
+
+impl ExpertRanks {
+    fn plan(&self) -> super::ep::EpPlan {
+        match self {
+            ExpertRanks::All(ex) => *ex.plan(),
+            ExpertRanks::One(plan, _) => *plan,
+        }
+    }
+}
+
 impl CpuExecutor {
     /// Prepares `role` of `artifact`: checks the CPU target against this machine, loads the
-    /// native code, binds weights, and allocates the arena and KV cache at the bounds.
+    /// native code, binds weights, and allocates the arena and KV cache at the bounds. An
+    /// expert-parallel artifact runs every rank's experts here (see [`CpuExecutor::in_group`]).
     pub fn new(artifact: Arc<Artifact>, role: &str, kernels: KernelOptions) -> Result<Self> {
+        Self::build(artifact, role, kernels, None)
+    }
+
+    /// [`CpuExecutor::new`] as rank `comm.rank()` of a group of processes: a tensor-parallel
+    /// rank's all-reduces, or an expert-parallel artifact's rank `comm.rank()`, its experts'
+    /// weights alone staged, its tokens exchanged with the other processes' ranks over `comm`.
+    pub fn in_group(
+        artifact: Arc<Artifact>,
+        role: &str,
+        kernels: KernelOptions,
+        comm: Box<dyn crate::comm::Communicator>,
+    ) -> Result<Self> {
+        Self::build(artifact, role, kernels, Some(comm))
+    }
+
+    fn build(
+        artifact: Arc<Artifact>,
+        role: &str,
+        kernels: KernelOptions,
+        comm: Option<Box<dyn crate::comm::Communicator>>,
+    ) -> Result<Self> {
         let program = artifact.programs.get(role).cloned().ok_or_else(|| {
             RuntimeError::Input(format!(
                 "the artifact has no role `{role}`; it has {:?}",
@@ -269,6 +308,43 @@ impl CpuExecutor {
                 );
             }
         }
+        // A program with MoE layers exchanges over the ranks the `ep_init` program sets up: all
+        // of them here, or, in a group of processes, the one this process is.
+        let has_moe = program
+            .kernels
+            .iter()
+            .any(|k| matches!(k.body, KernelBody::MoeExperts { .. }));
+        let ep_plan =
+            super::ep::EpPlan::from_records(&artifact.manifest.export_records)?.filter(|_| has_moe);
+        let ep_rank = match (&ep_plan, &comm) {
+            (Some(plan), Some(c)) if c.size() != plan.degree => {
+                return Err(RuntimeError::Input(format!(
+                    "{}: compiled for expert-parallel degree {}, launched as rank {} of {} (mpirun -np {} runs it)",
+                    artifact.dir.display(),
+                    plan.degree,
+                    c.rank(),
+                    c.size(),
+                    plan.degree
+                )))
+            }
+            (Some(plan), Some(c)) => Some((*plan, c.rank())),
+            _ => None,
+        };
+        // One rank of several processes reads only its own experts' weights.
+        let mut foreign = std::collections::BTreeSet::new();
+        if let Some((plan, rank)) = ep_rank {
+            for l in &program.launches {
+                if let KernelBody::MoeExperts { experts, .. } =
+                    program.kernels[l.kernel as usize].body
+                {
+                    for e in 0..experts as usize {
+                        if e / plan.experts_per_rank != rank {
+                            foreign.extend(l.buffers.iter().skip(2 + 3 * e).take(3).copied());
+                        }
+                    }
+                }
+            }
+        }
         let mut params = BTreeMap::new();
         for (id, b) in program.buffers.iter().enumerate() {
             if let Storage::Param { key } = &b.storage {
@@ -282,11 +358,12 @@ impl CpuExecutor {
                         ),
                     ));
                 }
-                let f32_copy = if library_params.contains(&(id as u32)) {
-                    to_f32(view.dtype, bytes)
-                } else {
-                    None
-                };
+                let f32_copy =
+                    if library_params.contains(&(id as u32)) && !foreign.contains(&(id as u32)) {
+                        to_f32(view.dtype, bytes)
+                    } else {
+                        None
+                    };
                 params.insert(
                     id as u32,
                     Param {
@@ -342,32 +419,29 @@ impl CpuExecutor {
         // The staged copy of the weights holds what this process's executors read.
         artifact.want_weights(
             params
-                .values()
-                .filter_map(|p| artifact.weights_range(p.ptr, p.len)),
+                .iter()
+                .filter(|(id, _)| !foreign.contains(*id))
+                .filter_map(|(_, p)| artifact.weights_range(p.ptr, p.len)),
         );
-        // A program with MoE layers exchanges over the ranks the `ep_init` program set up.
-        let has_moe = program
-            .kernels
-            .iter()
-            .any(|k| matches!(k.body, KernelBody::MoeExperts { .. }));
-        let ep = match super::ep::EpPlan::from_records(&artifact.manifest.export_records)? {
-            Some(plan) if has_moe => {
-                let ex = super::ep::InProcessExchange::from_artifact(&artifact, plan, &mut |r| {
-                    let mut exec =
-                        Box::new(CpuExecutor::new(artifact.clone(), ep_init::ROLE, kernels)?);
-                    let outs = exec.run_once(&[(ep_init::RANK_INPUT, vec![r as i32])])?;
-                    Ok((exec as Box<dyn std::any::Any + Send>, outs))
-                })?;
-                Some(std::sync::Mutex::new(
-                    Box::new(ex) as Box<dyn super::ep::Exchange>
-                ))
-            }
-            _ => None,
+        let mut run_init = |r: usize| {
+            let mut exec = Box::new(CpuExecutor::new(artifact.clone(), ep_init::ROLE, kernels)?);
+            let outs = exec.run_once(&[(ep_init::RANK_INPUT, vec![r as i32])])?;
+            Ok((exec as Box<dyn std::any::Any + Send>, outs))
+        };
+        let ep = match (ep_plan, ep_rank) {
+            (_, Some((plan, rank))) => Some(ExpertRanks::One(
+                plan,
+                super::ep::rank_state(&artifact, &plan, rank, &mut run_init)?,
+            )),
+            (Some(plan), None) => Some(ExpertRanks::All(Box::new(
+                super::ep::InProcessExchange::from_artifact(&artifact, plan, &mut run_init)?,
+            ))),
+            (None, None) => None,
         };
         Ok(CpuExecutor {
             weights_settled: false,
-            ep,
-            comm: None,
+            ep: ep.map(std::sync::Mutex::new),
+            comm: comm.map(std::sync::Mutex::new),
             artifact,
             program,
             _code: code,
@@ -416,7 +490,7 @@ impl CpuExecutor {
     pub fn ep_plan(&self) -> Option<super::ep::EpPlan> {
         self.ep
             .as_ref()
-            .map(|m| *m.lock().unwrap_or_else(|e| e.into_inner()).plan())
+            .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).plan())
     }
 
     /// The program being run.
@@ -822,8 +896,21 @@ impl CpuExecutor {
                 let x = unsafe { std::slice::from_raw_parts(args[0].cast::<f32>(), rows * h) };
                 let routing =
                     unsafe { std::slice::from_raw_parts(args[1].cast::<f32>(), rows * e) };
+                // A rank of several processes holds its own experts' weights alone.
+                let own = self.ep.as_ref().and_then(|ep| {
+                    match &*ep.lock().unwrap_or_else(|e| e.into_inner()) {
+                        ExpertRanks::One(plan, state) => {
+                            Some((plan.experts_per_rank, state.rank()))
+                        }
+                        ExpertRanks::All(_) => None,
+                    }
+                });
+                let held = |i: usize| own.is_none_or(|(per, rank)| i / per == rank);
                 let ws: Vec<(&[f32], &[f32], &[f32])> = (0..e)
                     .map(|i| {
+                        if !held(i) {
+                            return (&[][..], &[][..], &[][..]);
+                        }
                         let at = |j: usize, n: usize| {
                             self.param_f32(buffers[2 + 3 * i + j], args[2 + 3 * i + j], n)
                         };
@@ -834,10 +921,22 @@ impl CpuExecutor {
                     std::slice::from_raw_parts_mut(args[2 + 3 * e].cast::<f32>(), rows * h)
                 };
                 match &self.ep {
-                    Some(ep) => {
-                        let mut ex = ep.lock().unwrap_or_else(|e| e.into_inner());
-                        super::ep::moe_layer(&mut **ex, x, routing, &ws, out, rows, h, f)?;
-                    }
+                    Some(ep) => match &mut *ep.lock().unwrap_or_else(|e| e.into_inner()) {
+                        ExpertRanks::All(ex) => {
+                            super::ep::moe_layer(&mut **ex, x, routing, &ws, out, rows, h, f)?;
+                        }
+                        ExpertRanks::One(plan, state) => {
+                            let comm = self.comm.as_ref().ok_or_else(|| {
+                                RuntimeError::Input(
+                                    "an expert-parallel rank runs with its group's communicator"
+                                        .into(),
+                                )
+                            })?;
+                            let mut comm = comm.lock().unwrap_or_else(|e| e.into_inner());
+                            let mut ex = super::ep::CommExchange::new(*plan, state, &mut **comm)?;
+                            super::ep::moe_layer(&mut ex, x, routing, &ws, out, rows, h, f)?;
+                        }
+                    },
                     None => moe::moe_experts(x, routing, &ws, out, rows, h, f),
                 }
             }
