@@ -3,10 +3,14 @@
 //! inputs, the other ranks follow; the logits are the in-process ranks' (within 1e-5) and
 //! degree 1's (within 1e-4), and greedy tokens are degree 1's. A rank count that is not the
 //! artifact's degree is refused. `maxc serve` under `mpirun -np 2` serves, and when rank 1 is
-//! killed the client gets an error at once and `mpirun` ends the job naming the rank. The
+//! killed the client gets an error at once, health turns 503, and `mpirun` ends the job naming
+//! the rank. The
 //! mixtures of experts are among the models split; tiny-mixtral's experts also run over 2 and
-//! 4 processes as expert-parallel ranks (all-to-all-v dispatch and combine over MPI).
+//! 4 processes as expert-parallel ranks (all-to-all-v dispatch and combine over MPI). Two
+//! "hosts" (network namespaces joined by a veth pair, made and removed by the test) run a
+//! group over TCP.
 
+mod http;
 mod tp;
 
 use std::time::{Duration, Instant};
@@ -57,6 +61,49 @@ fn tiny_mixtrals_experts_over_2_and_4_processes_give_the_in_process_exchanges_lo
         );
         assert!(d_one <= 1e-4, "EP {degree}: against degree 1 {d_one}");
         assert_eq!(greedy(Some(degree), &a), tokens, "EP {degree}");
+    }
+}
+
+#[test]
+fn the_http_suites_core_tests_pass_against_a_tensor_parallel_group_under_mpirun() {
+    // Completions and chat (streamed or not, against `maxc generate`), concurrent requests,
+    // a disconnected stream (cancellation), health, and draining at SIGTERM.
+    let core = "models_health or completion_and_chat or concurrent_greedy \
+        or disconnected_stream or sigterm_drains";
+    http::pytest(
+        &["-k", core],
+        &[("MAXC_MPIRUN", "mpirun --allow-run-as-root --oversubscribe")],
+    );
+}
+
+#[test]
+fn two_hosts_joined_by_a_veth_pair_give_the_one_host_ranks_logits() {
+    let hosts = match tp::hosts::TwoHosts::new() {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!("skipped: this machine does not allow network namespaces ({e})");
+            return;
+        }
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    for (model, kind) in [
+        ("tiny-llama", "tensor"),
+        ("tiny-mixtral", "tensor"),
+        ("tiny-mixtral", "expert"),
+    ] {
+        let one = tp::compile_at(model, kind, 1, tmp.path());
+        let want = logits(None, &one, &format!("{model}-{kind}-one"));
+        let a = tp::compile_at(model, kind, 2, tmp.path());
+        let here = logits(Some(2), &a, &format!("{model}-{kind}-here"));
+        let two = tp::logits_via(&hosts.launcher(2), &a, &format!("{model}-{kind}-hosts"));
+        let (d_here, d_one) = (worst(&two, &here), worst(&two, &want));
+        assert!(d_here <= 1e-5, "{model} {kind}: against one host {d_here}");
+        assert!(d_one <= 1e-4, "{model} {kind}: against degree 1 {d_one}");
+        assert_eq!(
+            tp::greedy_via(&hosts.launcher(2), &a),
+            greedy(None, &one),
+            "{model} {kind}"
+        );
     }
 }
 
@@ -155,6 +202,21 @@ fn serving_outlasts_idle_time_and_ends_with_an_error_not_a_hang_when_rank_1_dies
     let served = http(port, &request).unwrap();
     assert!(served.starts_with("HTTP/1.1 200"), "after idling: {served}");
     let rank1 = rank_pid(job.id(), 1).expect("rank 1 runs under mpirun");
+    // Health, polled until the server is gone: 503 before the job ends (`mpirun` passes its
+    // SIGTERM on to rank 0 once it notices rank 1's death, and rank 0 drains).
+    let poller = std::thread::spawn(move || {
+        let mut seen = Vec::new();
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(60) {
+            match http(port, health) {
+                Ok(r) => seen.push(r.get(9..12).unwrap_or("").to_string()),
+                Err(_) if seen.last().is_some_and(|s| s != "200") => break,
+                Err(_) => {}
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        seen
+    });
     // SAFETY: a plain kill of our own child's child.
     unsafe { libc::kill(rank1 as i32, libc::SIGKILL) };
     // The client hears an error (a closed connection or a 5xx), well before any timeout.
@@ -172,6 +234,12 @@ fn serving_outlasts_idle_time_and_ends_with_an_error_not_a_hang_when_rank_1_dies
     }
     let out = job.wait_with_output().unwrap();
     assert!(!out.status.success());
+    let seen = poller.join().unwrap();
+    let first_503 = seen.iter().position(|s| s == "503");
+    assert!(
+        first_503.is_some_and(|i| seen[i..].iter().all(|s| s == "503")),
+        "health after rank 1 died: {seen:?}"
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         stderr.contains("rank 1") && stderr.contains("signal 9"),

@@ -2,6 +2,11 @@
 
 Run by cli/tests/serve.rs (part of `cargo test`), which sets MAXC_BIN (the maxc binary),
 MAXC_FIXTURES (the reference fixtures) and MAXC_SMOLLM2 (the SmolLM2 GGUF).
+
+With MAXC_MPIRUN set (a launcher command line, `mpirun --allow-run-as-root ...`: what
+cli/tests/mpi_tp.rs sets), every artifact is compiled tensor-parallel (tiny-llama at degree 2,
+SmolLM2's 9 heads at 3) and served as that many ranks under the launcher; the artifacts that
+tensor parallelism cannot split (a draft role) are left out and their tests skipped.
 """
 
 import os
@@ -17,9 +22,20 @@ import pytest
 MAXC = os.environ["MAXC_BIN"]
 FIXTURES = os.environ["MAXC_FIXTURES"]
 SMOLLM2 = os.environ["MAXC_SMOLLM2"]
+MPIRUN = os.environ.get("MAXC_MPIRUN", "").split()
+
+
+def tensor_parallel_degree(model):
+    """The degree an artifact of `model` is compiled at under MAXC_MPIRUN (1 without)."""
+    if not MPIRUN:
+        return 1
+    return 3 if model == SMOLLM2 else 2
 
 
 def compile_artifact(model, out, *flags):
+    degree = tensor_parallel_degree(model)
+    if degree > 1:
+        flags = (*flags, "--tensor-parallel-degree", str(degree))
     cmd = [MAXC, "compile", model, "--out", out, "--quiet", "--force", *flags]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -32,14 +48,21 @@ class Server:
     def __init__(self, artifact, *flags, env=None):
         e = dict(os.environ)
         e.update(env or {})
+        launch = []
+        if MPIRUN:
+            import json
+            with open(os.path.join(artifact, "manifest.json")) as f:
+                records = json.load(f).get("export_records", {})
+            launch = [*MPIRUN, "-np", str(records.get("tp.degree", 1))]
         self.proc = subprocess.Popen(
-            [MAXC, "serve", artifact, "--host", "127.0.0.1", "--port", "0",
+            [*launch, MAXC, "serve", artifact, "--host", "127.0.0.1", "--port", "0",
              "--metrics-port", "0", *flags],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=e)
         self.lines = []
         self._ready = threading.Event()
         self.base = self.metrics_url = None
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         assert self._ready.wait(60), "the server did not start: " + "".join(self.lines)
         assert self.base, "".join(self.lines)
         deadline = time.time() + 60
@@ -86,6 +109,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._reader.join(10)
         return self.proc.returncode
 
 
@@ -110,7 +134,8 @@ def artifacts(tmp_path_factory):
         "tiny": compile_artifact(
             tiny, str(d / "tiny.maxc"), "--max-seq-len", "128", "--page-size", "16",
             "--max-batch-size", "8"),
-        "roles": compile_artifact(
+        # Tensor parallelism splits the decoder alone.
+        "roles": None if MPIRUN else compile_artifact(
             os.path.join(FIXTURES, "tiny-roles"), str(d / "roles.maxc"), "--max-seq-len", "160",
             "--page-size", "16", "--max-batch-size", "8"),
     }

@@ -2,6 +2,8 @@
 //! fixture at a degree, and a prompt's logits and greedy tokens.
 #![allow(dead_code)]
 
+pub mod hosts;
+
 use maxc_golden::fixtures;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -38,19 +40,34 @@ pub fn ok(o: Output) -> Output {
 
 /// `maxc args..`, under `mpirun -np ranks` where given.
 pub fn maxc(ranks: Option<usize>, args: &[&str]) -> Output {
+    maxc_via(&launcher(ranks), args)
+}
+
+/// The command line `maxc` runs under: `mpirun -np ranks` where given, nothing without.
+pub fn launcher(ranks: Option<usize>) -> Vec<String> {
+    match ranks {
+        None => Vec::new(),
+        // Root in CI containers; more ranks than the 2 cores here.
+        Some(n) => [
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            &n.to_string(),
+        ]
+        .map(String::from)
+        .to_vec(),
+    }
+}
+
+/// `maxc args..` under the command line `launch` (run directly where it is empty).
+pub fn maxc_via(launch: &[String], args: &[&str]) -> Output {
     let exe = env!("CARGO_BIN_EXE_maxc");
-    let mut cmd = match ranks {
+    let mut cmd = match launch.split_first() {
         None => Command::new(exe),
-        Some(n) => {
-            let mut c = Command::new("mpirun");
-            // Root in CI containers; more ranks than the 2 cores here.
-            c.args([
-                "--allow-run-as-root",
-                "--oversubscribe",
-                "-np",
-                &n.to_string(),
-                exe,
-            ]);
+        Some((program, rest)) => {
+            let mut c = Command::new(program);
+            c.args(rest).arg(exe);
             c
         }
     };
@@ -91,9 +108,14 @@ pub fn compile_at(model: &str, kind: &str, degree: usize, dir: &Path) -> PathBuf
 
 /// The logits of every prompt position, `[positions × vocab]`, through `maxc run`.
 pub fn logits(ranks: Option<usize>, artifact: &Path, name: &str) -> Vec<f32> {
+    logits_via(&launcher(ranks), artifact, name)
+}
+
+/// [`logits`] under the command line `launch`.
+pub fn logits_via(launch: &[String], artifact: &Path, name: &str) -> Vec<f32> {
     let file = artifact.with_file_name(format!("{name}.logits"));
-    ok(maxc(
-        ranks,
+    ok(maxc_via(
+        launch,
         &[
             "run",
             artifact.to_str().unwrap(),
@@ -124,8 +146,13 @@ pub fn worst(a: &[f32], b: &[f32]) -> f32 {
 
 /// Eight greedy tokens after the prompt, through `maxc generate`.
 pub fn greedy(ranks: Option<usize>, artifact: &Path) -> serde_json::Value {
-    let o = ok(maxc(
-        ranks,
+    greedy_via(&launcher(ranks), artifact)
+}
+
+/// [`greedy`] under the command line `launch`.
+pub fn greedy_via(launch: &[String], artifact: &Path) -> serde_json::Value {
+    let o = ok(maxc_via(
+        launch,
         &[
             "generate",
             artifact.to_str().unwrap(),

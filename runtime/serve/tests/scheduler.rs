@@ -47,6 +47,8 @@ struct Log {
     rows: Vec<usize>,
     /// Steps to fail, by step number.
     fail: Vec<usize>,
+    /// Steps whose group of ranks fails (a collective error), by step number.
+    collective: Vec<usize>,
 }
 
 /// An executor of the fake model over its own KV memory.
@@ -118,6 +120,9 @@ impl StepExecutor for Fake {
             log.rows.push(s.tokens.len());
             if log.fail.contains(&n) {
                 return Err(RuntimeError::Input(format!("step {n} fails on purpose")));
+            }
+            if log.collective.contains(&n) {
+                return Err(RuntimeError::Collective(format!("rank 1 left at step {n}")));
             }
         }
         s.checked_dims(&self.limits())?;
@@ -461,6 +466,33 @@ fn a_failed_step_fails_its_requests_and_rolls_its_pages_back() {
     let mut rx = vec![submit(&mut s, ps[0].clone(), 8)];
     let (out, _) = drain(&mut s, &mut rx, 50);
     assert_eq!(out[0].tokens, alone(&ps[0], 8));
+}
+
+#[test]
+fn a_group_of_ranks_that_failed_refuses_every_later_request_naming_why() {
+    let fake = Fake::new(64, 64, 4, 1);
+    fake.log.lock().unwrap().collective = vec![2];
+    let mut s = Scheduler::new(fake, config(4, 64), Arc::new(Metrics::new()));
+    assert_eq!(s.broken(), None);
+    let ps = prompts(2, 6);
+    let mut rx: Vec<_> = ps.iter().map(|p| submit(&mut s, p.clone(), 8)).collect();
+    let (out, _) = drain(&mut s, &mut rx, 50);
+    for o in &out {
+        assert!(
+            matches!(&o.end, Some(Event::Error(m)) if m.contains("rank 1 left")),
+            "{o:?}"
+        );
+    }
+    assert_eq!(s.broken(), Some("rank 1 left at step 2"));
+    // No step runs for a new request: it is refused at once, naming the failure.
+    let mut rx = submit(&mut s, ps[0].clone(), 8);
+    assert!(!s.has_work());
+    let mut o = Outcome::default();
+    collect(&mut rx, &mut o);
+    assert!(
+        matches!(&o.end, Some(Event::Error(m)) if m.contains("no more steps") && m.contains("rank 1 left")),
+        "{o:?}"
+    );
 }
 
 #[test]

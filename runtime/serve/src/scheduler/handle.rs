@@ -13,12 +13,14 @@ enum Command {
 #[derive(Clone)]
 pub struct SchedulerHandle {
     tx: std::sync::mpsc::Sender<Command>,
+    broken: std::sync::Arc<std::sync::OnceLock<String>>,
 }
 
 impl SchedulerHandle {
     /// Runs `scheduler` on a new thread.
     pub fn spawn(mut scheduler: Scheduler) -> std::io::Result<Self> {
         let (tx, rx) = std::sync::mpsc::channel::<Command>();
+        let broken = scheduler.broken.clone();
         std::thread::Builder::new()
             .name("maxc-scheduler".into())
             .spawn(move || loop {
@@ -33,7 +35,13 @@ impl SchedulerHandle {
                 }
                 scheduler.step();
             })?;
-        Ok(SchedulerHandle { tx })
+        Ok(SchedulerHandle { tx, broken })
+    }
+
+    /// Why the scheduler's executor can run no more steps (the ranks of its group failed),
+    /// once it cannot.
+    pub fn broken(&self) -> Option<&str> {
+        self.broken.get().map(String::as_str)
     }
 
     /// Queues `req`; its events arrive on the returned receiver, and dropping the receiver

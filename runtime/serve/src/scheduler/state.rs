@@ -77,6 +77,8 @@ pub struct Scheduler {
     pub(super) passes: u64,
     /// Choices of `n > 1` requests waiting for their leader's prefill, by fork group.
     pub(super) parked: BTreeMap<u64, Vec<Active>>,
+    /// Why the executor can run no more steps (its ranks' group ended), once it cannot.
+    pub(super) broken: Arc<std::sync::OnceLock<String>>,
 }
 
 impl Scheduler {
@@ -102,6 +104,7 @@ impl Scheduler {
             profiling_on: false,
             passes: 0,
             parked: BTreeMap::new(),
+            broken: Arc::default(),
         };
         s.gauges().record(&s.metrics);
         s
@@ -215,7 +218,15 @@ impl Scheduler {
     }
 
     /// Why `req` can never run, if it cannot.
+    /// Why the executor can run no more steps (the ranks of its group failed), once it cannot.
+    pub fn broken(&self) -> Option<&str> {
+        self.broken.get().map(String::as_str)
+    }
+
     fn refusal(&self, req: &Request) -> Option<String> {
+        if let Some(why) = self.broken.get() {
+            return Some(format!("the model can run no more steps: {why}"));
+        }
         let max = self.info.max_seq_len;
         let vocab = self.info.vocab_size as i64;
         if req.prompt.is_empty() {

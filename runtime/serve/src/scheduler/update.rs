@@ -46,6 +46,12 @@ impl Scheduler {
                 }
             },
             Err(e) => {
+                // A group of ranks that ended runs no more steps: new requests are refused
+                // and health reports it, while the launcher ends the job.
+                if let maxc_runtime::RuntimeError::Collective(why) = &e {
+                    tracing::error!("the executor's ranks failed: {why}");
+                    let _ = self.broken.set(why.clone());
+                }
                 // The step's inputs were refused: fail its requests, keep serving others.
                 if let Err(r) = self.kv.rollback(step) {
                     tracing::error!("rolling back a failed step: {r}");

@@ -35,7 +35,7 @@ use maxc_runtime::engine::{Device, Engine};
 use openai::ApiError;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -179,6 +179,9 @@ struct App {
     metrics: Arc<Metrics>,
     max_queue: usize,
     inflight: AtomicUsize,
+    /// Set at the shutdown signal: health and new requests answer 503 while those in flight
+    /// finish.
+    draining: AtomicBool,
     next_id: AtomicU64,
     tracer: Tracer,
     trace_level: TraceLevel,
@@ -188,6 +191,18 @@ type Shared = Arc<App>;
 
 impl App {
     fn ready(&self) -> Result<&Loaded, ApiError> {
+        if self.draining.load(Ordering::Relaxed) {
+            return Err(ApiError::status(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the server is shutting down",
+            ));
+        }
+        if let Some(why) = self.loaded.get().and_then(|l| l.sched.broken()) {
+            return Err(ApiError::status(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("the model can run no more steps: {why}"),
+            ));
+        }
         self.loaded.get().ok_or_else(|| {
             let why = self
                 .load_error
@@ -335,6 +350,7 @@ pub async fn serve(
         metrics: Arc::new(Metrics::new()),
         max_queue: opts.max_queue_size,
         inflight: AtomicUsize::new(0),
+        draining: AtomicBool::new(false),
         next_id: AtomicU64::new(1),
         tracer: tracer.clone(),
         trace_level: opts.tracing.level,
@@ -433,8 +449,15 @@ pub async fn serve(
         });
     }
     tracing::info!("shutting down: draining in-flight requests");
+    // Health answers 503 (a readiness probe takes the server out of rotation) while the
+    // requests in flight finish; then the listener closes.
+    app.draining.store(true, Ordering::Relaxed);
+    let deadline = tokio::time::Instant::now() + opts.shutdown_timeout;
+    while app.inflight.load(Ordering::Relaxed) > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     let _ = stop_tx.send(true);
-    let drained = tokio::time::timeout(opts.shutdown_timeout, server).await;
+    let drained = tokio::time::timeout_at(deadline, server).await;
     if drained.is_err() {
         tracing::warn!(
             "in-flight requests did not finish within {:?}",
