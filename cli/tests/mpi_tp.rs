@@ -108,6 +108,34 @@ fn two_hosts_joined_by_a_veth_pair_give_the_one_host_ranks_logits() {
 }
 
 #[test]
+fn smollm2_served_by_3_ranks_each_under_a_memory_limit_that_one_process_exceeds() {
+    // SmolLM2 (Q4_1, 94 MB) needs about 135 MB resident in one process; at degree 3 each rank
+    // holds a third of the layers and the (replicated) embeddings: about 60-95 MB.
+    let gguf = http::fetched("fetch-smollm2.sh");
+    let out = std::process::Command::new("bash")
+        .args(["scripts/mpi-memory-limit.sh", &gguf, "110", "3"])
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+        .env("MAXC", env!("CARGO_BIN_EXE_maxc"))
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if out.status.code() == Some(2) {
+        eprintln!("skipped: {text}");
+        return;
+    }
+    println!("{text}");
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("degree 3 as 3 process(es): answered 2 of 2"),
+        "{text}"
+    );
+}
+
+#[test]
 fn a_rank_count_other_than_the_artifacts_degree_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let a = compile("tiny-llama", 2, tmp.path());

@@ -23,12 +23,17 @@ fn script(name: &str) -> String {
     String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
+/// The path of what `scripts/NAME` fetches (and prints), from the repository's root.
+pub fn fetched(name: &str) -> String {
+    root().join(script(name)).to_str().unwrap().to_string()
+}
+
 /// Runs pytest over `cli/tests/serve` with `args` (a `-k` selection, say) and `env` beside
 /// the binary, fixtures and SmolLM2 GGUF it always gets; fails the test with pytest's output
 /// unless every selected test passed.
 pub fn pytest(args: &[&str], env: &[(&str, &str)]) {
     let py = script("install-py-test-deps.sh");
-    let gguf = root().join(script("fetch-smollm2.sh"));
+    let gguf = fetched("fetch-smollm2.sh");
     let out = Command::new("python3")
         .args([
             "-m",
