@@ -11,5 +11,7 @@ eval "$cuda_env"
 export MAXC_REQUIRE_NVRTC=1 MAXC_GPU=1
 echo "== fixture suite on CUDA"
 cargo test --release -p maxc-cli --test backends -- --include-ignored cuda 2>&1 | tail -n 40
+echo "== NCCL: the communicators' common check on a one-GPU group (or why there is none)"
+cargo test --release -p maxc-runtime --lib comm::nccl -- --nocapture 2>&1 | grep -E "NCCL|no NCCL|test result"
 echo "== throughput (tiny-llama, SmolLM2): CPU vs CUDA"
 MAXC_BENCH_CUDA=1 cargo bench -p maxc-cli --bench step 2>&1 | tail -n 40

@@ -3,7 +3,9 @@
 //! - [`LocalGroup`]: every rank a thread of this process, data moved by copies (what the tests
 //!   and single-process runs use, with no MPI installed);
 //! - `MpiComm` (cargo feature `mpi`): one rank per process, over the system's Open MPI, launched
-//!   by `mpirun` on one host or many.
+//!   by `mpirun` on one host or many;
+//! - [`NcclComm`]: one rank per GPU over NCCL (loaded at run time; making a group without a GPU
+//!   or the library is an error saying which).
 //!
 //! Every implementation gives the same results, bit for bit: a sum is gathered and added in rank
 //! order on every rank (MPI's own reductions may associate in another order, and differ by
@@ -15,10 +17,12 @@
 mod local;
 #[cfg(feature = "mpi")]
 mod mpi;
+mod nccl;
 
 pub use local::{LocalComm, LocalGroup};
 #[cfg(feature = "mpi")]
 pub use mpi::MpiComm;
+pub use nccl::NcclComm;
 
 use crate::error::{Result, RuntimeError};
 use std::time::Duration;
