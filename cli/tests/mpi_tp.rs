@@ -44,7 +44,8 @@ fn ranks_as_processes_give_the_in_process_ranks_logits_and_degree_1s_tokens() {
 }
 
 #[test]
-fn tiny_mixtrals_experts_over_2_and_4_processes_give_the_in_process_exchanges_logits() {
+fn tiny_mixtrals_experts_over_2_and_4_processes_alone_and_with_tensor_parallelism_give_degree_1s_logits(
+) {
     let tmp = tempfile::tempdir().unwrap();
     let model = "tiny-mixtral";
     let one = tp::compile_at(model, "expert", 1, tmp.path());
@@ -61,6 +62,18 @@ fn tiny_mixtrals_experts_over_2_and_4_processes_give_the_in_process_exchanges_lo
         );
         assert!(d_one <= 1e-4, "EP {degree}: against degree 1 {d_one}");
         assert_eq!(greedy(Some(degree), &a), tokens, "EP {degree}");
+        // Combined with tensor parallelism: attention split over the ranks and the experts
+        // spread whole over the same ranks.
+        let s = tp::compile_spread(model, degree, tmp.path());
+        let local = logits(None, &s, &format!("spread-local{degree}"));
+        let mpi = logits(Some(degree), &s, &format!("spread-mpi{degree}"));
+        let (d_local, d_one) = (worst(&mpi, &local), worst(&mpi, &want));
+        assert!(
+            d_local <= 1e-5,
+            "TP+EP {degree}: against in-process ranks {d_local}"
+        );
+        assert!(d_one <= 1e-4, "TP+EP {degree}: against degree 1 {d_one}");
+        assert_eq!(greedy(Some(degree), &s), tokens, "TP+EP {degree}");
     }
 }
 

@@ -29,6 +29,47 @@ fn every_fixture_at_degrees_2_and_4_gives_degree_1s_logits_and_tokens() {
 }
 
 #[test]
+fn experts_spread_whole_over_the_ranks_give_degree_1s_logits_and_each_rank_holds_its_own() {
+    let tmp = tempfile::tempdir().unwrap();
+    for model in ["tiny-mixtral", "tiny-qwen3-moe"] {
+        let one = compile(model, 1, tmp.path());
+        let (want, tokens) = (logits(None, &one, model), greedy(None, &one));
+        for degree in [2, 4] {
+            let a = tp::compile_spread(model, degree, tmp.path());
+            let d = worst(&logits(None, &a, &format!("{model}-spread{degree}")), &want);
+            assert!(d <= 1e-4, "{model} spread over {degree}: max |diff| {d}");
+            assert_eq!(greedy(None, &a), tokens, "{model} spread over {degree}");
+            let o = ok(maxc(&["inspect", a.to_str().unwrap(), "--json"]));
+            let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+            assert_eq!(r["export_records"]["tp.experts"], "spread");
+            assert_eq!(r["export_records"]["ep.degree"], degree);
+            // Each rank stores its own experts whole, numbered from 0, and no other's.
+            let bytes = std::fs::read(a.join("weights.safetensors")).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            let names = st.names();
+            let per = 4 / degree;
+            let of_rank = |r: usize| {
+                let role = if r == 0 {
+                    "decoder".to_string()
+                } else {
+                    format!("decoder@tp{r}")
+                };
+                names
+                    .iter()
+                    .filter(|n| n.starts_with(&format!("{role}/model.layers.0.")))
+                    .filter(|n| n.contains(".experts."))
+                    .count()
+            };
+            if model == "tiny-mixtral" {
+                for r in 0..degree {
+                    assert_eq!(of_rank(r), 3 * per, "rank {r} at {degree}: {names:?}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn the_artifact_records_its_ranks_and_stores_replicated_weights_once() {
     let tmp = tempfile::tempdir().unwrap();
     let a = compile("tiny-llama", 2, tmp.path());
@@ -105,8 +146,8 @@ fn what_cannot_be_split_or_run_is_refused_naming_why() {
     refused(
         "tiny-mixtral",
         "2",
-        &["--expert-parallel-degree", "2"],
-        "does not combine with tensor_parallel_degree",
+        &["--expert-parallel-degree", "4"],
+        "other combinations are not supported",
     );
     refused("tiny-llama", "0", &[], "tensor-parallel-degree");
     // A rank's role is run through rank 0's, which runs them all.

@@ -176,9 +176,10 @@ impl DeploymentConfig {
                 "tp.layout".into(),
                 Value::from(
                     "megatron: q/k/v and gate/up split by rows (heads, MLP width), o_proj and \
-                     down_proj by columns and summed over the ranks; each expert of a mixture \
-                     split as a dense MLP is, its router replicated; embeddings, norms and the \
-                     vocabulary projection replicated",
+                     down_proj by columns and summed over the ranks; a mixture's experts split \
+                     inside each (as a dense MLP) or spread whole over the ranks (tp.experts), \
+                     its router replicated; embeddings, norms and the vocabulary projection \
+                     replicated",
                 ),
             );
             let roles: Vec<String> = (0..degree)

@@ -355,7 +355,8 @@ pub fn load_model(dir: &Path, registry: &Registry, opts: &LoadOptions) -> Result
         })?;
         let mut shares = Vec::with_capacity(degree);
         for rank in 0..degree {
-            let share = cfg.shard_weights(&selected, rank, degree)?;
+            let spread = crate::arch::decoder::experts_spread(&opts.runtime);
+            let share = cfg.shard_weights(&selected, rank, degree, spread)?;
             shares.push(bind_weights(role, &mut graph, share, prefix, opts.weights)?);
         }
         let weights = shares.remove(0);

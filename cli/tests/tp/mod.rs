@@ -83,8 +83,30 @@ pub fn compile(model: &str, degree: usize, dir: &Path) -> PathBuf {
 
 /// Fixture `model` compiled at `kind`-parallel (`tensor`, `expert`) degree `degree` into `dir`.
 pub fn compile_at(model: &str, kind: &str, degree: usize, dir: &Path) -> PathBuf {
-    let out = dir.join(format!("{model}-{kind}{degree}.maxc"));
-    let flag = format!("--{kind}-parallel-degree");
+    compile_with(
+        model,
+        &format!("{kind}{degree}"),
+        &[&format!("--{kind}-parallel-degree"), &degree.to_string()],
+        dir,
+    )
+}
+
+/// Fixture `model` at tensor-parallel degree `degree`, its experts spread whole over the ranks
+/// (expert-parallel degree `degree` too).
+pub fn compile_spread(model: &str, degree: usize, dir: &Path) -> PathBuf {
+    let d = degree.to_string();
+    let flags = [
+        "--tensor-parallel-degree",
+        &d,
+        "--expert-parallel-degree",
+        &d,
+    ];
+    compile_with(model, &format!("spread{degree}"), &flags, dir)
+}
+
+/// Fixture `model` compiled with `flags` into `dir` (named by `tag`).
+fn compile_with(model: &str, tag: &str, flags: &[&str], dir: &Path) -> PathBuf {
+    let out = dir.join(format!("{model}-{tag}.maxc"));
     ok(maxc(
         None,
         &[
@@ -99,9 +121,11 @@ pub fn compile_at(model: &str, kind: &str, degree: usize, dir: &Path) -> PathBuf
             "16",
             "--max-batch-input-tokens",
             "64",
-            &flag,
-            &degree.to_string(),
-        ],
+        ]
+        .iter()
+        .chain(flags)
+        .copied()
+        .collect::<Vec<_>>(),
     ));
     out
 }

@@ -5,7 +5,7 @@ use super::config::ConfigReader;
 use super::rope::RopeConfig;
 use super::BuildOptions;
 use crate::ir::{names, Dim, GraphBuilder, KvLayout, Op, TensorType};
-use crate::weights::StateDict;
+use crate::weights::{StateDict, WeightTensor};
 use crate::{DType, Graph, GraphRole, Result};
 use petgraph::graph::NodeIndex;
 use serde::{Deserialize, Serialize};
@@ -221,9 +221,10 @@ impl DecoderConfig {
     /// The config one of `degree` tensor-parallel ranks builds: its share of the query and KV
     /// heads and of the MLP width (Megatron's layout: q/k/v and gate/up split by rows, o and
     /// down by columns and summed over the ranks; each expert of a mixture as a dense MLP, the
-    /// router replicated). Counts that do not divide, and layers not split yet (latent
-    /// attention), are errors naming the field.
-    pub fn shard(&self, degree: usize) -> Result<DecoderConfig> {
+    /// router replicated; or, where `experts_spread`, each rank `1/degree` of the experts whole).
+    /// Counts that do not divide, and layers not split yet (latent attention), are errors
+    /// naming the field.
+    pub fn shard(&self, degree: usize, experts_spread: bool) -> Result<DecoderConfig> {
         let refuse = |field: &str, value: String, message: String| crate::Error::Setting {
             field: field.into(),
             value,
@@ -237,11 +238,16 @@ impl DecoderConfig {
             ));
         }
         let moe = self.moe.as_ref();
-        let expert_width = moe.and_then(|m| m.expert_intermediate_size);
+        // Spread experts stay whole: their count divides instead of their width.
+        let expert_width = moe
+            .and_then(|m| m.expert_intermediate_size)
+            .filter(|_| !experts_spread);
         let shared_width = moe.and_then(|m| m.shared_intermediate_size);
+        let spread_count = moe.filter(|_| experts_spread).map(|m| m.num_experts);
         for (field, n) in [
             ("num_attention_heads", self.num_heads),
             ("intermediate_size", self.intermediate_size),
+            ("num_experts", spread_count.unwrap_or(degree)),
             ("moe_intermediate_size", expert_width.unwrap_or(degree)),
             (
                 "shared_expert_intermediate_size",
@@ -270,8 +276,13 @@ impl DecoderConfig {
         }
         // Every expert (routed and shared) is split as a dense MLP is: each rank holds its
         // share of every expert's width, and the router, replicated, routes alike everywhere.
+        // Spread experts: each rank holds `num_experts / degree` of them, whole (at the dense
+        // MLP's width where the model gives no expert width, which the split below divides).
         let moe = self.moe.clone().map(|m| MoeConfig {
-            expert_intermediate_size: expert_width.map(|f| f / degree),
+            expert_intermediate_size: match (experts_spread, m.expert_intermediate_size) {
+                (true, w) => Some(w.unwrap_or(self.intermediate_size)),
+                (false, w) => w.map(|f| f / degree),
+            },
             shared_intermediate_size: shared_width.map(|f| f / degree),
             ..m
         });
@@ -287,14 +298,17 @@ impl DecoderConfig {
     /// Rank `rank`'s share of the (prepared) weights of this whole-model config, for the graph
     /// of [`DecoderConfig::shard`]: the rows of its query and KV heads and of its MLP width, the
     /// same columns of the attention output and MLP down projections; every other weight
-    /// (embeddings, norms, the vocabulary projection) whole.
+    /// (embeddings, norms, the vocabulary projection) whole. Where `experts_spread`, the rank's
+    /// own experts whole instead, numbered from 0, and each MoE block's `expert_select` (see
+    /// [`EXPERT_SELECT`]).
     pub fn shard_weights(
         &self,
         weights: &StateDict,
         rank: usize,
         degree: usize,
+        experts_spread: bool,
     ) -> Result<StateDict> {
-        let local = self.shard(degree)?;
+        let local = self.shard(degree, experts_spread)?;
         let d = self.head_dim;
         let q = local.num_heads * d;
         let kv = local.num_kv_heads * d;
@@ -307,7 +321,36 @@ impl DecoderConfig {
             .unwrap_or(dense);
         let shared = moe.and_then(|m| m.shared_intermediate_size);
         let mut out = StateDict::new();
+        if let (true, Some(moe)) = (experts_spread, &self.moe) {
+            let per = moe.num_experts / degree;
+            let block = moe.naming.names().0;
+            let router = format!(".{block}.gate.weight");
+            // Row i picks column rank · per + i of the routing weights: this rank's experts.
+            let mut select = vec![0f32; per * moe.num_experts];
+            for i in 0..per {
+                select[i * moe.num_experts + rank * per + i] = 1.0;
+            }
+            for key in weights.keys().filter(|k| k.ends_with(&router)) {
+                let at = key.len() - "gate.weight".len();
+                out.insert(
+                    format!("{}{EXPERT_SELECT}.weight", &key[..at]),
+                    WeightTensor::from_f32(vec![per, moe.num_experts], &select),
+                );
+            }
+        }
         for (key, w) in weights.iter() {
+            if let (true, Some(moe)) = (experts_spread, &self.moe) {
+                if let Some((head, e, tail)) = expert_key(key) {
+                    let per = moe.num_experts / degree;
+                    if e / per == rank {
+                        out.insert(
+                            format!("{head}.experts.{}.{tail}", e - rank * per),
+                            w.clone(),
+                        );
+                    }
+                    continue;
+                }
+            }
             let split = |rows: usize| rank * rows..(rank + 1) * rows;
             let (module, param) = key.rsplit_once('.').unwrap_or((key.as_str(), ""));
             // The MLP's width: a routed expert's, a shared expert's or the dense one's.
@@ -582,6 +625,25 @@ pub(super) struct StepInputs {
     pub(super) context_lengths: Option<NodeIndex>,
 }
 
+/// The module beside a spread MoE block's router (`…mlp.expert_select.weight`, `[experts per
+/// rank, experts]`): row `i` is one-hot at the rank's `i`-th expert, so that the routing weights
+/// times its transpose are the rank's columns of them, exactly.
+pub const EXPERT_SELECT: &str = "expert_select";
+
+/// Whether a deployment spreads a mixture's experts over its tensor-parallel ranks (an
+/// expert-parallel degree equal to the tensor-parallel one) instead of splitting each expert.
+pub fn experts_spread(runtime: &crate::ModuleRuntime) -> bool {
+    runtime.tensor_parallel_degree > 1
+        && runtime.expert_parallel_degree == runtime.tensor_parallel_degree
+}
+
+/// `(module, expert, rest)` of a routed expert's weight key, `{module}.experts.{e}.{rest}`.
+fn expert_key(key: &str) -> Option<(&str, usize, &str)> {
+    let (head, after) = key.split_once(".experts.")?;
+    let (e, tail) = after.split_once('.')?;
+    Some((head, e.parse().ok()?, tail))
+}
+
 /// Builds a decoder's graph: embedding, `num_layers` pre-norm blocks (attention over the paged
 /// KV cache, then a dense SwiGLU or MoE MLP, each with a residual add), the final norm and the
 /// LM head. Weight keys are those of the Hugging Face checkpoint, without any role prefix.
@@ -589,7 +651,7 @@ pub fn build_decoder(cfg: &DecoderConfig, role: GraphRole, opts: &BuildOptions) 
     let degree = opts.runtime.tensor_parallel_degree;
     let sharded;
     let cfg = if degree > 1 {
-        sharded = cfg.shard(degree)?;
+        sharded = cfg.shard(degree, experts_spread(&opts.runtime))?;
         &sharded
     } else {
         cfg
@@ -941,8 +1003,27 @@ impl DecoderBuilder<'_> {
                 )?
             }
         };
+        // Experts spread over the tensor-parallel ranks: this rank's routing columns (by its
+        // `expert_select` rows, exact: one 1 per row) and its own experts alone.
+        let spread = experts_spread(&self.opts.runtime);
+        let experts = if spread {
+            moe.num_experts / self.opts.runtime.tensor_parallel_degree
+        } else {
+            moe.num_experts
+        };
+        let routing = if spread {
+            self.linear(
+                &p.pp(EXPERT_SELECT),
+                routing,
+                experts,
+                moe.num_experts,
+                false,
+            )?
+        } else {
+            routing
+        };
         let mut operands = vec![x, routing];
-        for e in 0..moe.num_experts {
+        for e in 0..experts {
             let ep = p.pp("experts").pp(e);
             operands.push(self.weight(ep.pp(gate).key("weight"), &[f, h])?);
             operands.push(self.weight(ep.pp(up).key("weight"), &[f, h])?);
@@ -951,7 +1032,7 @@ impl DecoderBuilder<'_> {
         let routed = self.b.op(
             &p.key("experts"),
             Op::MoeExperts {
-                num_experts: moe.num_experts,
+                num_experts: experts,
             },
             &operands,
         )?;

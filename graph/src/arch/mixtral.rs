@@ -195,15 +195,21 @@ impl DeploymentHooks for MixtralHooks {
                 ),
             });
         }
-        if d > 1 && runtime.tensor_parallel_degree > 1 {
+        let tp = runtime.tensor_parallel_degree;
+        if d > 1 && tp > 1 && d != tp {
             return Err(Error::Setting {
                 field: "expert_parallel_degree".into(),
                 value: d.to_string(),
                 message: format!(
-                    "does not combine with tensor_parallel_degree {} yet: under tensor parallelism every rank already holds 1/{} of each expert (leave expert_parallel_degree at 1)",
-                    runtime.tensor_parallel_degree, runtime.tensor_parallel_degree
+                    "with tensor_parallel_degree {tp} the experts are split inside every expert (expert_parallel_degree 1) or spread whole over the same ranks (expert_parallel_degree {tp}); other combinations are not supported"
                 ),
             });
+        }
+        if tp > 1 {
+            // Within a tensor-parallel group the experts' partial sums join in the all-reduce
+            // after them: no exchange to set up.
+            config.export_ep_init = false;
+            return Ok(config);
         }
         if !config.expert_parallel_communication && d > 1 {
             let per = self.experts_per_rank(d);
@@ -237,6 +243,20 @@ impl DeploymentHooks for MixtralHooks {
         r.insert("moe.num_experts".into(), json!(self.num_experts));
         r.insert("moe.top_k".into(), json!(self.top_k));
         r.insert("moe.hidden_size".into(), json!(self.hidden_size));
+        if runtime.tensor_parallel_degree > 1 {
+            // The tensor-parallel ranks hold the experts: split inside each, or spread whole.
+            let spread = crate::arch::decoder::experts_spread(runtime);
+            r.insert(
+                "tp.experts".into(),
+                json!(if spread { "spread" } else { "split" }),
+            );
+            if spread {
+                r.insert("ep.degree".into(), json!(x.degree));
+                r.insert("ep.experts_per_rank".into(), json!(x.experts_per_rank()));
+                r.insert("ep.over".into(), json!("tensor-parallel ranks"));
+            }
+            return r;
+        }
         r.insert("ep.degree".into(), json!(x.degree));
         r.insert("ep.experts_per_rank".into(), json!(x.experts_per_rank()));
         r.insert("ep.dispatch_dtype".into(), json!("f32"));

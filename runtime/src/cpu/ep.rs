@@ -50,6 +50,12 @@ impl EpPlan {
         let Some(d) = records.get("ep.degree") else {
             return Ok(None);
         };
+        // Experts spread over tensor-parallel ranks join in their all-reduce: no exchange.
+        if records.get("ep.over").and_then(serde_json::Value::as_str)
+            == Some("tensor-parallel ranks")
+        {
+            return Ok(None);
+        }
         let num = |k: &str| -> Result<usize> {
             records
                 .get(k)
