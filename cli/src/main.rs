@@ -122,6 +122,8 @@ fn main() -> ExitCode {
         Command::Bench(a) => commands::bench::run(a),
         Command::Diff(_) => unreachable!("handled above"),
     };
+    // Under mpirun, the other ranks stop following once rank 0 is done.
+    maxc_runtime::engine::end_group();
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -173,14 +175,14 @@ fn mpi_rank(command: &Command) -> anyhow::Result<Option<ExitCode>> {
     if world.size() == 1 {
         return Ok(None);
     }
-    let decoder = String::from("decoder");
-    let (artifact, role, kernels) = match command {
-        Command::Run(a) => (&a.artifact, &a.role, a.activations.kernels()),
-        Command::Generate(a) => (&a.artifact, &a.role, a.activations.kernels()),
-        Command::Profile(a) => (&a.artifact, &a.role, a.activations.kernels()),
-        Command::Serve(a) => (&a.artifact, &decoder, a.activations.kernels()),
+    let (artifact, kernels) = match command {
+        Command::Run(a) => (&a.artifact, a.activations.kernels()),
+        Command::Generate(a) => (&a.artifact, a.activations.kernels()),
+        Command::Profile(a) => (&a.artifact, a.activations.kernels()),
+        Command::Bench(a) => (&a.artifact, a.activations.kernels()),
+        Command::Serve(a) => (&a.artifact, a.activations.kernels()),
         _ => anyhow::bail!(
-            "launched as {} ranks by mpirun: tensor- and expert-parallel ranks across processes run `run`, `generate`, `profile` and `serve` (each opens its engine once)",
+            "launched as {} ranks by mpirun: tensor- and expert-parallel ranks across processes run `run`, `generate`, `profile`, `bench` and `serve`",
             world.size()
         ),
     };
@@ -201,7 +203,7 @@ fn mpi_rank(command: &Command) -> anyhow::Result<Option<ExitCode>> {
         None,
         maxc_runtime::engine::Device::Cpu.weight_memory(),
     )?);
-    maxc_runtime::engine::follow(artifact, role, kernels, Box::new(world))?;
+    maxc_runtime::engine::follow(artifact, kernels, Box::new(world))?;
     Ok(Some(ExitCode::SUCCESS))
 }
 

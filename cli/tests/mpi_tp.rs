@@ -99,11 +99,11 @@ fn two_hosts_joined_by_a_veth_pair_give_the_one_host_ranks_logits() {
         }
     };
     let tmp = tempfile::tempdir().unwrap();
-    for (model, kind) in [
-        ("tiny-llama", "tensor"),
-        ("tiny-mixtral", "tensor"),
-        ("tiny-mixtral", "expert"),
-    ] {
+    let runs = tp::MODELS
+        .iter()
+        .map(|m| (*m, "tensor"))
+        .chain([("tiny-mixtral", "expert")]);
+    for (model, kind) in runs {
         let one = tp::compile_at(model, kind, 1, tmp.path());
         let want = logits(None, &one, &format!("{model}-{kind}-one"));
         let a = tp::compile_at(model, kind, 2, tmp.path());
@@ -146,6 +146,35 @@ fn smollm2_served_by_3_ranks_each_under_a_memory_limit_that_one_process_exceeds(
         text.contains("degree 3 as 3 process(es): answered 2 of 2"),
         "{text}"
     );
+}
+
+#[test]
+fn bench_under_mpirun_opens_its_engine_several_times_and_measures() {
+    // `bench` opens an engine for each load it times, then one to measure: the other ranks
+    // follow each in turn, and stop when rank 0 is done.
+    let tmp = tempfile::tempdir().unwrap();
+    let a = compile("tiny-llama", 2, tmp.path());
+    let o = tp::ok(maxc(
+        Some(2),
+        &[
+            "bench",
+            a.to_str().unwrap(),
+            "--steps",
+            "4",
+            "--rounds",
+            "1",
+            "--json",
+        ],
+    ));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let decode = r["measurements"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "decode_b1")
+        .cloned()
+        .unwrap();
+    assert!(decode["tokens_per_s"].as_f64().unwrap() > 0.0, "{r}");
 }
 
 #[test]

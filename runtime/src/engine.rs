@@ -254,14 +254,23 @@ impl Engine {
         let remote = world.is_some();
         let exec = match device {
             Device::Cpu if world.is_some() => {
-                let world = world.expect("checked");
-                group.check_launch(&artifact, world.rank(), world.size(), true)?;
-                Executor::Cpu(CpuExecutor::in_group(
-                    artifact.clone(),
-                    role,
-                    kernels,
-                    world,
-                )?)
+                let mut world = world.expect("checked");
+                if let Err(e) = group.check_launch(&artifact, world.rank(), world.size(), true) {
+                    crate::comm::set_world(world);
+                    return Err(e);
+                }
+                // The other ranks open their share of the same role, then follow its steps.
+                let mut open = OPEN.to_vec();
+                open.extend_from_slice(role.as_bytes());
+                world.broadcast(&mut open, 0)?;
+                match CpuExecutor::in_group(artifact.clone(), role, kernels, world) {
+                    Ok(e) => Executor::Cpu(e),
+                    Err(e) => {
+                        // Nothing to hand back: the group's communicator went with the failed
+                        // executor, and this process ends with the error (mpirun ends the job).
+                        return Err(e);
+                    }
+                }
             }
             Device::Cpu if tp > 1 && role == "decoder" => {
                 let mut comms = crate::comm::LocalGroup::ranks(tp).into_iter();
@@ -561,28 +570,79 @@ impl StepExecutor for Engine {
 }
 
 impl Drop for Engine {
-    /// Ranks in other processes stop following: an empty step.
+    /// Ranks in other processes close their share (an empty step), and the group goes back to
+    /// this process for the next engine (or [`end_group`]).
     fn drop(&mut self) {
-        if let (true, Executor::Cpu(rank0)) = (self.remote, &self.exec) {
-            let _ = rank0.with_communicator(|c| c.broadcast(&mut Vec::new(), 0));
+        if let (true, Executor::Cpu(rank0)) = (self.remote, &mut self.exec) {
+            if let Some(mut world) = rank0.take_communicator() {
+                if world.broadcast(&mut Vec::new(), 0).is_ok() {
+                    crate::comm::set_world(world);
+                }
+            }
         }
     }
 }
 
-/// Runs rank `comm.rank()` (above 0) of a tensor-parallel artifact's `role` in this process:
-/// each step's inputs come from rank 0's engine by broadcast, and the rank runs its program on
-/// them, its all-reduces meeting rank 0's and the others'. Returns when rank 0's engine goes.
-/// A step every rank refuses (its inputs) is skipped as rank 0 skips it; any other failure ends
-/// the group.
+/// What rank 0 broadcasts when an engine opens: this, then the role's name.
+const OPEN: &[u8] = b"\0maxc:open:";
+/// What rank 0 broadcasts once it has no more engines to open: the other ranks exit.
+const END: &[u8] = b"\0maxc:end";
+
+/// Rank 0 of a group of processes, done with its engines: the other ranks stop following and
+/// return from [`follow`]. Does nothing where this process holds no group.
+pub fn end_group() {
+    if let Some(mut world) = crate::comm::take_world() {
+        if world.rank() == 0 {
+            let _ = world.broadcast(&mut END.to_vec(), 0);
+        }
+    }
+}
+
+/// Runs rank `comm.rank()` (above 0) of a tensor- or expert-parallel artifact in this process,
+/// for each engine rank 0 opens in turn (its role's share, made when rank 0 announces it): each
+/// step's inputs come from rank 0's engine by broadcast, and the rank runs its program on them,
+/// its collectives meeting rank 0's and the others'. Returns when rank 0 ends the group
+/// ([`end_group`]). A step every rank refuses (its inputs) is skipped as rank 0 skips it; any
+/// other failure ends the group.
 pub fn follow(
     artifact: Arc<Artifact>,
+    kernels: KernelOptions,
+    mut comm: Box<dyn crate::comm::Communicator>,
+) -> Result<()> {
+    let (rank, size) = (comm.rank(), comm.size());
+    let group = Group::of(&artifact)?;
+    group.check_launch(&artifact, rank, size, false)?;
+    loop {
+        let mut bytes = Vec::new();
+        // However long rank 0 takes to open its next engine.
+        comm.broadcast_unbounded(&mut bytes, 0)?;
+        if bytes == END {
+            return Ok(());
+        }
+        let role = bytes
+            .strip_prefix(OPEN)
+            .and_then(|r| std::str::from_utf8(r).ok())
+            .ok_or_else(|| {
+                RuntimeError::Collective(format!(
+                    "rank {rank}: expected rank 0 to open an engine or end the group; it sent {} bytes",
+                    bytes.len()
+                ))
+            })?
+            .to_string();
+        comm = follow_engine(artifact.clone(), group, &role, kernels, comm)?;
+    }
+}
+
+/// One engine's life on a following rank: its share of `role`, then each step until rank 0's
+/// engine closes (an empty step). Returns the group's communicator for the next.
+fn follow_engine(
+    artifact: Arc<Artifact>,
+    group: Group,
     role: &str,
     kernels: KernelOptions,
     comm: Box<dyn crate::comm::Communicator>,
-) -> Result<()> {
-    let group = Group::of(&artifact)?;
-    let (rank, size) = (comm.rank(), comm.size());
-    group.check_launch(&artifact, rank, size, false)?;
+) -> Result<Box<dyn crate::comm::Communicator>> {
+    let rank = comm.rank();
     let role = match group {
         Group::Tensor(_) => format!("{role}@tp{rank}"),
         // Every expert-parallel rank runs the same program; its rank picks its experts.
@@ -595,7 +655,7 @@ pub fn follow(
         exec.with_communicator(|c| c.broadcast_unbounded(&mut bytes, 0))
             .expect("set above")?;
         if bytes.is_empty() {
-            return Ok(());
+            return Ok(exec.take_communicator().expect("set above"));
         }
         let inputs = StepInputs::from_bytes(&bytes)?;
         match exec.execute(&inputs) {

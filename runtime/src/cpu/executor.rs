@@ -468,6 +468,13 @@ impl CpuExecutor {
         self.comm = Some(std::sync::Mutex::new(comm));
     }
 
+    /// This rank's communicator back (the executor keeps none).
+    pub fn take_communicator(&mut self) -> Option<Box<dyn crate::comm::Communicator>> {
+        self.comm
+            .take()
+            .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()))
+    }
+
     /// Runs `f` on this rank's communicator, where it has one.
     pub fn with_communicator<T>(
         &self,
