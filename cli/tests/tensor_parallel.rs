@@ -96,23 +96,29 @@ fn the_artifact_records_its_ranks_and_stores_replicated_weights_once() {
         st.tensor(&format!("decoder@tp1/{q}")).unwrap().shape(),
         [128, 256]
     );
-    for shared in [
-        "model.embed_tokens.weight",
-        "lm_head.weight",
-        "model.norm.weight",
-    ] {
+    // The vocabulary projection is split by rows too (the logits all-gathered).
+    for role in ["decoder", "decoder@tp1"] {
+        assert_eq!(
+            st.tensor(&format!("{role}/lm_head.weight"))
+                .unwrap()
+                .shape(),
+            [512, 256]
+        );
+    }
+    for shared in ["model.embed_tokens.weight", "model.norm.weight"] {
         assert!(names.contains(&format!("decoder/{shared}")));
         assert!(
             !names.contains(&format!("decoder@tp1/{shared}")),
             "{shared} is stored twice"
         );
     }
-    // `dump` writes each rank's plan, its all-reduce launches in it.
+    // `dump` writes each rank's plan, its all-reduce and all-gather launches in it.
     let d = tmp.path().join("dump");
     ok(maxc(&["dump", a.to_str().unwrap(), d.to_str().unwrap()]));
     for role in ["decoder", "decoder@tp1"] {
         let plan = std::fs::read_to_string(d.join(role).join("plan.txt")).unwrap();
-        assert!(plan.contains("all_reduce"), "{role}: {plan}");
+        assert!(plan.contains("all_reduce"), "{role}");
+        assert!(plan.contains("all_gather"), "{role}");
     }
 }
 
@@ -196,15 +202,20 @@ fn a_process_running_one_rank_stages_only_that_ranks_weights() {
     for key in [
         "decoder@tp1/model.layers.0.self_attn.q_proj.weight",
         "decoder@tp1/model.layers.3.mlp.down_proj.weight",
+        "decoder@tp1/lm_head.weight",
         "decoder/model.embed_tokens.weight",
+    ] {
+        let r = bytes_of(key);
+        assert!(copy[r.clone()] == file[r], "{key} is not staged");
+    }
+    // ... rank 0's share is not (the copy's pages there are never touched).
+    for key in [
+        "decoder/model.layers.0.self_attn.q_proj.weight",
         "decoder/lm_head.weight",
     ] {
         let r = bytes_of(key);
-        assert_eq!(copy[r.clone()], file[r], "{key}");
+        assert!(copy[r].iter().all(|&b| b == 0), "{key} is staged");
     }
-    // ... rank 0's share is not (the copy's pages there are never touched).
-    let r = bytes_of("decoder/model.layers.0.self_attn.q_proj.weight");
-    assert!(copy[r].iter().all(|&b| b == 0));
 }
 
 #[test]

@@ -178,8 +178,9 @@ impl DeploymentConfig {
                     "megatron: q/k/v and gate/up split by rows (heads, MLP width), o_proj and \
                      down_proj by columns and summed over the ranks; a mixture's experts split \
                      inside each (as a dense MLP) or spread whole over the ranks (tp.experts), \
-                     its router replicated; embeddings, norms and the vocabulary projection \
-                     replicated",
+                     its router replicated; the vocabulary projection split by rows and the \
+                     logits all-gathered (replicated where the vocabulary does not divide); \
+                     embeddings and norms replicated",
                 ),
             );
             let roles: Vec<String> = (0..degree)

@@ -178,7 +178,9 @@ pub fn arity(body: &KernelBody) -> (usize, usize) {
         KernelBody::Matmul { bias, .. } => (2 + usize::from(*bias), 1),
         KernelBody::MoeExperts { experts, .. } => (2 + 3 * *experts as usize, 1),
         KernelBody::Zeros { .. } => (0, 1),
-        KernelBody::RankExperts { .. } | KernelBody::AllReduce { .. } => (1, 1),
+        KernelBody::RankExperts { .. }
+        | KernelBody::AllReduce { .. }
+        | KernelBody::AllGather { .. } => (1, 1),
         KernelBody::Concat { .. }
         | KernelBody::HeadMatmul { .. }
         | KernelBody::MoeRouter { .. } => (2, 1),

@@ -469,6 +469,14 @@ pub fn select_kernels(graph: &Graph, key_prefix: &str) -> Result<KGraph> {
                     cols: cols_of(&shape),
                 }
             }
+            Op::AllGather { ranks } => {
+                let shape = shape_of(&k, ops[0]);
+                KernelBody::AllGather {
+                    rows: rows_of(&shape),
+                    cols: cols_of(&shape),
+                    ranks: *ranks as u64,
+                }
+            }
             Op::RankExperts { experts_per_rank } => KernelBody::RankExperts {
                 experts_per_rank: *experts_per_rank as u64,
             },

@@ -321,6 +321,10 @@ impl DecoderConfig {
             .unwrap_or(dense);
         let shared = moe.and_then(|m| m.shared_intermediate_size);
         let mut out = StateDict::new();
+        let head_rows = head_split(self.vocab_size, degree).then(|| {
+            let n = self.vocab_size / degree;
+            rank * n..(rank + 1) * n
+        });
         if let (true, Some(moe)) = (experts_spread, &self.moe) {
             let per = moe.num_experts / degree;
             let block = moe.naming.names().0;
@@ -371,9 +375,26 @@ impl DecoderConfig {
                 ("gate_proj" | "up_proj" | "w1" | "w3", "weight") => w.rows(split(f), key)?,
                 ("gate_proj" | "up_proj", "bias") => w.span(split(f), key)?,
                 ("down_proj" | "w2", "weight") => w.cols(split(f), key)?,
+                ("lm_head", "weight") if key == "lm_head.weight" => match &head_rows {
+                    Some(rows) => w.rows(rows.clone(), key)?,
+                    None => w.clone(),
+                },
                 _ => w.clone(),
             };
             out.insert(key.clone(), shard);
+        }
+        // A tied vocabulary projection: this rank's rows of the embeddings (which stay whole
+        // for the lookup).
+        if let (true, Some(rows)) = (self.tie_word_embeddings, head_rows) {
+            let key = "model.embed_tokens.weight";
+            let table = weights.get(key).ok_or_else(|| crate::Error::Setting {
+                field: "tie_word_embeddings".into(),
+                value: "true".into(),
+                message: format!(
+                    "the weights have no `{key}` to split into the vocabulary projection"
+                ),
+            })?;
+            out.insert("lm_head.weight".to_string(), table.rows(rows, key)?);
         }
         Ok(out)
     }
@@ -637,6 +658,12 @@ pub fn experts_spread(runtime: &crate::ModuleRuntime) -> bool {
         && runtime.expert_parallel_degree == runtime.tensor_parallel_degree
 }
 
+/// Whether the vocabulary projection is split by rows over `ranks` tensor-parallel ranks: where
+/// there are several and the vocabulary divides.
+pub fn head_split(vocab: usize, ranks: usize) -> bool {
+    ranks > 1 && vocab.is_multiple_of(ranks)
+}
+
 /// `(module, expert, rest)` of a routed expert's weight key, `{module}.experts.{e}.{rest}`.
 fn expert_key(key: &str) -> Option<(&str, usize, &str)> {
     let (head, after) = key.split_once(".experts.")?;
@@ -874,12 +901,27 @@ impl DecoderBuilder<'_> {
         let h = self
             .b
             .op("logit_rows", Op::LogitRows, &[h, logit_indices])?;
-        let head = if c.tie_word_embeddings {
+        // Split over tensor-parallel ranks by rows (each rank's share of the vocabulary, tied
+        // or not), the logits gathered; replicated where the vocabulary does not divide.
+        let ranks = self.opts.runtime.tensor_parallel_degree;
+        let split = head_split(c.vocab_size, ranks);
+        let head = if c.tie_word_embeddings && !split {
             embed
         } else {
-            self.weight("lm_head.weight".into(), &[c.vocab_size, c.hidden_size])?
+            let rows = if split {
+                c.vocab_size / ranks
+            } else {
+                c.vocab_size
+            };
+            self.weight("lm_head.weight".into(), &[rows, c.hidden_size])?
         };
-        let logits = self.b.op("lm_head", Op::Linear, &[h, head])?;
+        let logits = if split {
+            let local = self.b.op("lm_head", Op::Linear, &[h, head])?;
+            self.b
+                .op("lm_head.all_gather", Op::AllGather { ranks }, &[local])?
+        } else {
+            self.b.op("lm_head", Op::Linear, &[h, head])?
+        };
         self.b.output("logits", logits);
         self.b.finish()
     }

@@ -386,10 +386,11 @@ impl Interpreter {
                     }
                     Val::F(out)
                 }
-                Op::AllReduceSum => {
+                Op::AllReduceSum | Op::AllGather { .. } => {
                     return Err(Error::Eval(format!(
-                        "`{}` (all_reduce_sum) sums over the tensor-parallel ranks; the interpreter runs the whole model at degree 1",
-                        node.name
+                        "`{}` ({}) joins the tensor-parallel ranks; the interpreter runs the whole model at degree 1",
+                        node.name,
+                        node.op.name()
                     )))
                 }
                 Op::Zeros { .. } | Op::RankExperts { .. } => {

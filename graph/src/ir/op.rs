@@ -281,6 +281,13 @@ pub enum Op {
     /// added in rank order), the same on every rank: where a layer's row-split matmul (attention
     /// output, MLP down) joins its ranks' partial sums.
     AllReduceSum,
+    /// `(x f32 [.., C]) -> f32 [.., C · ranks]`: every tensor-parallel rank's `x` (the same
+    /// shape on each) side by side along the last axis, in rank order, the same on every rank:
+    /// where the vocabulary projection, split by rows, joins its ranks' logits.
+    AllGather {
+        /// Ranks of the group.
+        ranks: usize,
+    },
     /// `(x [T, H], logit_indices i32 [logit_rows]) -> [logit_rows, H]`: the rows whose logits
     /// the step returns, row `logit_indices[i]` of `x` (zeros where it is -1).
     LogitRows,
@@ -371,6 +378,7 @@ impl Op {
             Op::Zeros { .. } => "zeros",
             Op::RankExperts { .. } => "rank_experts",
             Op::AllReduceSum => "all_reduce_sum",
+            Op::AllGather { .. } => "all_gather",
             Op::Concat => "concat",
             Op::HeadLinear => "head_linear",
             Op::LatentAttention { .. } => "latent_attention",
@@ -617,6 +625,22 @@ impl Op {
                     return Err(format!("all_reduce_sum of {}, expected f32", xs[0]));
                 }
                 Ok(xs[0].clone())
+            }
+            Op::AllGather { ranks } => {
+                arity(xs, 1)?;
+                let x = xs[0];
+                if x.dtype != DType::F32 || x.shape.is_empty() || *ranks == 0 {
+                    return Err(format!(
+                        "all_gather of {x} over {ranks} ranks, expected f32 [.., C]"
+                    ));
+                }
+                let mut shape = x.shape.clone();
+                let last = shape.len() - 1;
+                shape[last] = match shape[last] {
+                    Dim::Fixed(c) => Dim::Fixed(c * *ranks),
+                    _ => return Err(format!("all_gather of {x}: its last dim must be fixed")),
+                };
+                Ok(TensorType::new(DType::F32, shape))
             }
             Op::RankExperts { experts_per_rank } => {
                 arity(xs, 1)?;

@@ -175,7 +175,7 @@ fn emit_body(kb: &mut KernelBuilder, body: &KernelBody) -> Result<(), CpuError> 
             kind: body.kind(),
             what: "runs as a runtime library kernel, not generated code".to_string(),
         }),
-        KernelBody::AllReduce { .. } => Err(CpuError::Unsupported {
+        KernelBody::AllReduce { .. } | KernelBody::AllGather { .. } => Err(CpuError::Unsupported {
             kind: body.kind(),
             what: "runs on the executor's communicator, not generated code".to_string(),
         }),

@@ -186,7 +186,7 @@ pub fn emit_kernel(
         KernelBody::RankExperts { experts_per_rank } => {
             init::emit_rank_experts(cx, *experts_per_rank)?
         }
-        KernelBody::AllReduce { .. } => {
+        KernelBody::AllReduce { .. } | KernelBody::AllGather { .. } => {
             return Err(CudaError::Invalid {
                 name: name.to_string(),
                 kind: body.kind(),

@@ -445,6 +445,17 @@ pub enum KernelBody {
         /// Values per row.
         cols: u64,
     },
+    /// `out[r, p · cols + c] = x_p[r, c]`: every tensor-parallel rank's rows side by side, in
+    /// rank order, the same on every rank. Buffers: `x f32 [rows, cols]`, `out f32 [rows,
+    /// ranks · cols]`. Parallel range: none (the executor's communicator runs it).
+    AllGather {
+        /// Rows.
+        rows: Rows,
+        /// Values per row on each rank.
+        cols: u64,
+        /// Ranks of the group.
+        ranks: u64,
+    },
 }
 
 /// One layer's view of the paged KV cache `[pages, num_layers, planes, page_size, kv_heads,
@@ -624,6 +635,7 @@ impl KernelBody {
             KernelBody::Zeros { .. } => "zeros",
             KernelBody::RankExperts { .. } => "rank_experts",
             KernelBody::AllReduce { .. } => "all_reduce",
+            KernelBody::AllGather { .. } => "all_gather",
             KernelBody::Concat { .. } => "concat",
             KernelBody::DecompressedAttention { .. } => "decompressed_attention",
             KernelBody::HeadMatmul { .. } => "head_matmul",
@@ -646,6 +658,7 @@ impl KernelBody {
             | KernelBody::TopK { rows: r, .. }
             | KernelBody::Concat { rows: r, .. }
             | KernelBody::AllReduce { rows: r, .. }
+            | KernelBody::AllGather { rows: r, .. }
             | KernelBody::MoeRouter { rows: r, .. } => rows(r),
             KernelBody::HeadMatmul { heads, .. }
             | KernelBody::DecompressedAttention { heads, .. } => *heads,
@@ -670,6 +683,7 @@ impl KernelBody {
             | KernelBody::Softmax { cols, .. }
             | KernelBody::TopK { cols, .. }
             | KernelBody::AllReduce { cols, .. } => *cols,
+            KernelBody::AllGather { cols, ranks, .. } => cols * ranks,
             KernelBody::Concat { groups, a, b, .. } => groups * (a + b),
             KernelBody::DecompressedAttention {
                 head_dim,
@@ -754,6 +768,7 @@ impl KernelBody {
                 | KernelBody::MoeRouter { .. }
                 | KernelBody::DecompressedAttention { .. }
                 | KernelBody::AllReduce { .. }
+                | KernelBody::AllGather { .. }
         ) && !self.reads_blocks()
     }
 }

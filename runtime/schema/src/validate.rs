@@ -925,6 +925,10 @@ fn operand_uses(body: &KernelBody, cx: &Ctx, what: &str) -> Result<Vec<Use>, Val
             let n = mul(&[cx.rows(rows, what)?, *cols], what)?;
             vec![f32s(n, false), f32s(n, true)]
         }
+        KernelBody::AllGather { rows, cols, ranks } => {
+            let n = mul(&[cx.rows(rows, what)?, *cols], what)?;
+            vec![f32s(n, false), f32s(mul(&[n, *ranks], what)?, true)]
+        }
         KernelBody::RankExperts { experts_per_rank } => vec![
             vals(DType::I32, 1),
             Use::Values {
@@ -1107,6 +1111,14 @@ fn validate_body(body: &KernelBody, p: &Program, env: &ProgramEnv) -> Result<(),
         KernelBody::AllReduce { cols, .. } => {
             if *cols == 0 {
                 return err("an all-reduce of rows of 0 values".to_string());
+            }
+            Ok(())
+        }
+        KernelBody::AllGather { cols, ranks, .. } => {
+            if *cols == 0 || *ranks == 0 || *ranks > 1 << 16 {
+                return err(format!(
+                    "an all-gather of rows of {cols} values over {ranks} ranks"
+                ));
             }
             Ok(())
         }

@@ -1155,6 +1155,32 @@ impl CpuExecutor {
                     .unwrap_or_else(|e| e.into_inner())
                     .all_reduce_sum(out)?;
             }
+            KernelBody::AllGather { rows, cols, ranks } => {
+                let (rows, cols, ranks) = (rows_of(rows), *cols as usize, *ranks as usize);
+                let comm = self.comm.as_ref().ok_or_else(|| {
+                    RuntimeError::Input(
+                        "this program is one rank of a tensor-parallel group: open the artifact's `decoder` role, which runs every rank".into(),
+                    )
+                })?;
+                // SAFETY: x holds rows × cols f32 and out rows × ranks · cols, apart.
+                let (x, out) = unsafe {
+                    (
+                        std::slice::from_raw_parts(args[0].cast::<f32>().cast_const(), rows * cols),
+                        std::slice::from_raw_parts_mut(args[1].cast::<f32>(), rows * cols * ranks),
+                    )
+                };
+                // The gather gives each rank's rows in turn; each row takes its ranks' pieces.
+                let mut all = vec![0f32; rows * cols * ranks];
+                comm.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .all_gather(x, &mut all)?;
+                for (p, part) in all.chunks_exact((rows * cols).max(1)).enumerate() {
+                    for r in 0..rows {
+                        out[(r * ranks + p) * cols..][..cols]
+                            .copy_from_slice(&part[r * cols..(r + 1) * cols]);
+                    }
+                }
+            }
             other => unreachable!("{} is generated on the CPU", other.kind()),
         }
         Ok(())
