@@ -321,7 +321,7 @@ impl DecoderConfig {
             .unwrap_or(dense);
         let shared = moe.and_then(|m| m.shared_intermediate_size);
         let mut out = StateDict::new();
-        let head_rows = head_split(self.vocab_size, degree).then(|| {
+        let head_rows = head_split(self, degree).then(|| {
             let n = self.vocab_size / degree;
             rank * n..(rank + 1) * n
         });
@@ -382,19 +382,6 @@ impl DecoderConfig {
                 _ => w.clone(),
             };
             out.insert(key.clone(), shard);
-        }
-        // A tied vocabulary projection: this rank's rows of the embeddings (which stay whole
-        // for the lookup).
-        if let (true, Some(rows)) = (self.tie_word_embeddings, head_rows) {
-            let key = "model.embed_tokens.weight";
-            let table = weights.get(key).ok_or_else(|| crate::Error::Setting {
-                field: "tie_word_embeddings".into(),
-                value: "true".into(),
-                message: format!(
-                    "the weights have no `{key}` to split into the vocabulary projection"
-                ),
-            })?;
-            out.insert("lm_head.weight".to_string(), table.rows(rows, key)?);
         }
         Ok(out)
     }
@@ -659,9 +646,12 @@ pub fn experts_spread(runtime: &crate::ModuleRuntime) -> bool {
 }
 
 /// Whether the vocabulary projection is split by rows over `ranks` tensor-parallel ranks: where
-/// there are several and the vocabulary divides.
-pub fn head_split(vocab: usize, ranks: usize) -> bool {
-    ranks > 1 && vocab.is_multiple_of(ranks)
+/// there are several, the vocabulary divides, and the projection has weights of its own. A tied
+/// one stays the (replicated) embedding table: a split copy of its rows would cost each rank
+/// `1/ranks` of the table in memory for `1/ranks` of the head's work (the 1B-shaped checkpoint
+/// at degree 2: +107 MB a rank), until the lookup splits the table too.
+pub fn head_split(cfg: &DecoderConfig, ranks: usize) -> bool {
+    ranks > 1 && !cfg.tie_word_embeddings && cfg.vocab_size.is_multiple_of(ranks)
 }
 
 /// `(module, expert, rest)` of a routed expert's weight key, `{module}.experts.{e}.{rest}`.
@@ -901,11 +891,11 @@ impl DecoderBuilder<'_> {
         let h = self
             .b
             .op("logit_rows", Op::LogitRows, &[h, logit_indices])?;
-        // Split over tensor-parallel ranks by rows (each rank's share of the vocabulary, tied
-        // or not), the logits gathered; replicated where the vocabulary does not divide.
+        // Split over tensor-parallel ranks by rows (each rank's share of the vocabulary), the
+        // logits gathered; replicated where tied or where the vocabulary does not divide.
         let ranks = self.opts.runtime.tensor_parallel_degree;
-        let split = head_split(c.vocab_size, ranks);
-        let head = if c.tie_word_embeddings && !split {
+        let split = head_split(c, ranks);
+        let head = if c.tie_word_embeddings {
             embed
         } else {
             let rows = if split {

@@ -86,6 +86,22 @@ pub trait Communicator: Send + std::fmt::Debug {
     fn abort(&mut self, why: &str);
 }
 
+/// `data` := every rank's part of `all` (`data.len()` values each, in rank order) added
+/// element-wise in rank order: how every implementation finishes a sum from a gather, so that
+/// every rank, and every transport, gets the same bits.
+pub(crate) fn sum_in_rank_order(all: &[f32], data: &mut [f32]) {
+    let len = data.len();
+    if len == 0 {
+        return;
+    }
+    data.copy_from_slice(&all[..len]);
+    for part in all[len..].chunks_exact(len) {
+        for (d, v) in data.iter_mut().zip(part) {
+            *d += v;
+        }
+    }
+}
+
 /// An error of collective `op` on `rank`.
 pub(crate) fn error(rank: usize, op: &str, message: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Collective(format!("rank {rank}: {op}: {message}"))

@@ -191,9 +191,7 @@ impl Communicator for MpiComm {
             let _in = self.watch.enter("all_reduce_sum");
             self.world.all_gather_into(&data[..], &mut all[..]);
         }
-        for (i, d) in data.iter_mut().enumerate() {
-            *d = (1..self.size).fold(all[i], |s, q| s + all[q * len + i]);
-        }
+        super::sum_in_rank_order(&all, data);
         Ok(())
     }
 

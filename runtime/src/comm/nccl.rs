@@ -180,13 +180,7 @@ impl Communicator for NcclComm {
 
     fn all_reduce_sum(&mut self, data: &mut [f32]) -> Result<()> {
         let all = self.gather("all_reduce_sum", data)?;
-        let n = data.len();
-        data.copy_from_slice(&all[..n]);
-        for part in all[n..].chunks_exact(n.max(1)).take(self.size - 1) {
-            for (d, v) in data.iter_mut().zip(part) {
-                *d += v;
-            }
-        }
+        super::sum_in_rank_order(&all, data);
         Ok(())
     }
 
