@@ -148,7 +148,8 @@ fn what_cannot_be_split_or_run_is_refused_naming_why() {
     };
     // tiny-llama has 8 heads and 2 KV heads: 3 divides neither.
     refused("tiny-llama", "3", &[], "num_attention_heads");
-    refused("tiny-deepseek-v3", "2", &[], "latent attention");
+    // tiny-deepseek-v3 has 4 heads.
+    refused("tiny-deepseek-v3", "8", &[], "num_attention_heads");
     refused(
         "tiny-mixtral",
         "2",

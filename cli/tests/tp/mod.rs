@@ -8,12 +8,13 @@ use maxc_golden::fixtures;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-/// Every fixture that tensor parallelism splits (all but DeepSeek-V3's latent attention):
-/// Llama (2 KV heads: at 4 ranks each holds a copy of one), Qwen2 (q/k/v biases), Qwen3
-/// (per-head norms), Gemma 3 (sandwich norms, sliding layers), Mistral (sliding window), Phi-3
-/// (fused q/k/v and gate/up, split when the weights are prepared), Mixtral and Qwen3-MoE (each
-/// expert split as a dense MLP, the router replicated).
-pub const MODELS: [&str; 8] = [
+/// Every decoder fixture: Llama (2 KV heads: at 4 ranks each holds a copy of one), Qwen2
+/// (q/k/v biases), Qwen3 (per-head norms), Gemma 3 (sandwich norms, sliding layers, a tied
+/// head), Mistral (sliding window), Phi-3 (fused q/k/v and gate/up, split when the weights are
+/// prepared), Mixtral and Qwen3-MoE (each expert split as a dense MLP, the router replicated),
+/// DeepSeek-V3 (latent attention split by heads, the latent replicated; a grouped router,
+/// shared experts and a dense first layer).
+pub const MODELS: [&str; 9] = [
     "tiny-llama",
     "tiny-qwen2",
     "tiny-qwen3",
@@ -22,6 +23,7 @@ pub const MODELS: [&str; 8] = [
     "tiny-phi3",
     "tiny-mixtral",
     "tiny-qwen3-moe",
+    "tiny-deepseek-v3",
 ];
 
 /// The prompt every test runs.

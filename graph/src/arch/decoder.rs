@@ -230,13 +230,6 @@ impl DecoderConfig {
             value,
             message,
         };
-        if self.mla.is_some() {
-            return Err(refuse(
-                "tensor_parallel_degree",
-                degree.to_string(),
-                "multi-head latent attention is not split over tensor-parallel ranks yet".into(),
-            ));
-        }
         let moe = self.moe.as_ref();
         // Spread experts stay whole: their count divides instead of their width.
         let expert_width = moe
@@ -311,6 +304,9 @@ impl DecoderConfig {
         let local = self.shard(degree, experts_spread)?;
         let d = self.head_dim;
         let q = local.num_heads * d;
+        // The attention output's input columns: each head's value width (latent attention's
+        // `v_head_dim`, else `head_dim`).
+        let o_cols = local.num_heads * self.mla.as_ref().map_or(d, |m| m.v_head_dim);
         let kv = local.num_kv_heads * d;
         // The first KV head this rank holds (a shared one where there are fewer than ranks).
         let kv0 = rank * self.num_kv_heads / degree * d;
@@ -370,7 +366,16 @@ impl DecoderConfig {
                 ("k_proj" | "v_proj", "weight") => w.rows(kv0..kv0 + kv, key)?,
                 ("q_proj", "bias") => w.span(split(q), key)?,
                 ("k_proj" | "v_proj", "bias") => w.span(kv0..kv0 + kv, key)?,
-                ("o_proj", "weight") => w.cols(split(q), key)?,
+                ("o_proj", "weight") => w.cols(split(o_cols), key)?,
+                // Latent attention: each head's query rows and up-projections; the latent
+                // (kv_a_proj, its norm, the rope key) is every head's, replicated.
+                ("q_b_proj_nope" | "q_proj_nope", "weight") => {
+                    w.rows(split(local.num_heads * self.mla_dims().0), key)?
+                }
+                ("q_b_proj_rope" | "q_proj_rope", "weight") => {
+                    w.rows(split(local.num_heads * self.mla_dims().1), key)?
+                }
+                ("kv_b_proj_k" | "kv_b_proj_v", "weight") => w.rows(split(local.num_heads), key)?,
                 // Mixtral's experts: w1 (gate), w3 (up), w2 (down).
                 ("gate_proj" | "up_proj" | "w1" | "w3", "weight") => w.rows(split(f), key)?,
                 ("gate_proj" | "up_proj", "bias") => w.span(split(f), key)?,
@@ -384,6 +389,13 @@ impl DecoderConfig {
             out.insert(key.clone(), shard);
         }
         Ok(out)
+    }
+
+    /// Latent attention's per-head query widths, `(nope, rope)` (zeros without it).
+    fn mla_dims(&self) -> (usize, usize) {
+        self.mla
+            .as_ref()
+            .map_or((0, 0), |m| (m.qk_nope_head_dim, m.qk_rope_head_dim))
     }
 
     /// Reads the fields every Llama-family config has. `biases` and `moe` are the
@@ -734,7 +746,7 @@ impl DecoderBuilder<'_> {
 
     /// [`Self::linear`] of a weight whose input columns are split over the tensor-parallel
     /// ranks: each rank's partial product summed over the ranks, then the (replicated) bias.
-    fn row_split_linear(
+    pub(super) fn row_split_linear(
         &mut self,
         path: &KeyPath,
         x: NodeIndex,

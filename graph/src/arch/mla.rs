@@ -114,7 +114,7 @@ impl DecoderBuilder<'_> {
                 ],
             )?;
             let o = self.reshape(p.key("merge_heads"), o, vec![t(), (h * v).into()])?;
-            return self.linear(&p.pp("o_proj"), o, hid, h * v, c.biases.o);
+            return self.row_split_linear(&p.pp("o_proj"), o, hid, h * v, c.biases.o);
         }
         // The key up-projection absorbed into the query.
         let q_lat = self
@@ -138,6 +138,7 @@ impl DecoderBuilder<'_> {
         let w_uv = self.weight(p.pp("kv_b_proj_v").key("weight"), &[h, v, lat])?;
         let o = self.b.op(&p.key("v_expand"), Op::HeadLinear, &[a, w_uv])?;
         let o = self.reshape(p.key("merge_heads"), o, vec![t(), (h * v).into()])?;
-        self.linear(&p.pp("o_proj"), o, hid, h * v, c.biases.o)
+        // Each tensor-parallel rank's heads: a partial sum over the ranks.
+        self.row_split_linear(&p.pp("o_proj"), o, hid, h * v, c.biases.o)
     }
 }
