@@ -52,9 +52,9 @@ impl SpeculativeArgs {
 /// commands that run an artifact.
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct ActivationArgs {
-    /// CPU threads the kernels run on (the calling thread and N - 1 workers) [default:
-    /// MAXC_THREADS, else the CPUs this process may use: its affinity mask and its cgroup's CPU
-    /// quota].
+    /// CPU threads the kernels run on (the calling thread and N - 1 workers; fewer while other
+    /// processes keep the CPUs busy, unless MAXC_ADAPT_THREADS=0) [default: MAXC_THREADS, else
+    /// the CPUs this process may use: its affinity mask and its cgroup's CPU quota].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub threads: Option<u32>,
     /// Activations of the CPU's matmuls on block-format weights (Q4_1, Q8_0, K-quants, ...) in

@@ -436,6 +436,8 @@ impl Artifact {
         let spawned = std::thread::Builder::new()
             .name("maxc-weights".into())
             .spawn(move || {
+                // The kernels' width ignores this one-off competition.
+                let _own = maxc_kernels::pool::own_work();
                 let src: &[u8] = &artifact.weights;
                 let wanted = artifact
                     .staging

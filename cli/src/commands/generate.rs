@@ -195,11 +195,14 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(first) = first_token {
         let decode_s = done.duration_since(first).as_secs_f64();
         eprintln!(
-            "maxc generate: {} tokens; first after {:.1} ms, then {:.1} tokens/s; CPU: {}",
+            "maxc generate: {} tokens; first after {:.1} ms, then {:.1} tokens/s; CPU: {}; \
+             {} at the end ({} changes of width)",
             out.len(),
             first.duration_since(started).as_secs_f64() * 1e3,
             (out.len() - 1) as f64 / decode_s.max(1e-9),
-            maxc_runtime::kernels::pool::choice()
+            maxc_runtime::kernels::pool::choice(),
+            maxc_runtime::kernels::pool::threads(),
+            maxc_runtime::kernels::pool::width_changes()
         );
     }
     if let Some((depth, st)) = stats {

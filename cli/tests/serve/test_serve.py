@@ -298,7 +298,8 @@ maxserve_dp_active_token_occupancy_percent maxserve_dp_context_token_occupancy_p
 maxserve_dp_active_tokens_total maxserve_dp_step_capacity_tokens_total
 maxserve_model_load_time_milliseconds maxserve_pipeline_load_total
 maxserve_spec_decode_acceptance_rate_per_position_percent
-maxserve_spec_decode_avg_acceptance_length_tokens maxc_cache_prefix_only_blocks""".split()
+maxserve_spec_decode_avg_acceptance_length_tokens maxc_cache_prefix_only_blocks
+maxc_cpu_threads maxc_cpu_threads_max""".split()
 
 
 def test_every_metric_is_served_and_counts_are_exact(artifacts):
@@ -335,6 +336,8 @@ def test_every_metric_is_served_and_counts_are_exact(artifacts):
         # Idle: the pages in use are exactly those the prefix cache holds (the finished
         # requests' full pages).
         assert m["maxc_cache_prefix_only_blocks"] == m["maxserve_cache_num_used_blocks"] > 0
+        # The kernels' width is at most their thread count, which the startup log named.
+        assert 1 <= m["maxc_cpu_threads"] <= m["maxc_cpu_threads_max"]
     finally:
         s.stop()
 

@@ -128,6 +128,10 @@ pub struct Metrics {
     pub cache_misses: Counter,
     /// Share of KV pages in use.
     pub cache_used_kv_pct: Gauge<f64, AtomicU64>,
+    /// Threads the CPU kernels split a step across now (maxc's own metric: fewer than the
+    /// thread count while other processes keep the CPUs busy), and the thread count.
+    pub cpu_threads: Gauge,
+    pub cpu_threads_max: Gauge,
     /// Pages served from the prefix cache.
     pub cache_device_blocks_served: Counter,
     /// Per step (data parallel): new tokens over the replicas' token budgets.
@@ -465,6 +469,24 @@ impl Metrics {
                 "Prompt tokens not found in the prefix cache",
                 Some(tokens()),
             ),
+            cpu_threads: {
+                let g = Gauge::default();
+                r.register(
+                    "maxc_cpu_threads",
+                    "Threads the CPU kernels split a step across now (fewer while other processes keep the CPUs busy)",
+                    g.clone(),
+                );
+                g
+            },
+            cpu_threads_max: {
+                let g = Gauge::default();
+                r.register(
+                    "maxc_cpu_threads_max",
+                    "The most threads the CPU kernels split a step across (--threads, MAXC_THREADS, or the CPUs this process may use)",
+                    g.clone(),
+                );
+                g
+            },
             cache_used_kv_pct: {
                 let g = Gauge::<f64, AtomicU64>::default();
                 r.register_with_unit(
@@ -539,6 +561,9 @@ impl Metrics {
 
     /// The metrics as Prometheus text.
     pub fn encode(&self) -> String {
+        use maxc_runtime::kernels::pool;
+        self.cpu_threads.set(pool::threads() as i64);
+        self.cpu_threads_max.set(pool::max_threads() as i64);
         let mut out = String::new();
         let _ = encode(&mut out, &self.registry);
         out

@@ -17,11 +17,20 @@
 //!
 //! The thread count is, in order: [`set_threads`] (the `--threads` flag), `MAXC_THREADS`, and
 //! the CPUs this process may use (`available_parallelism`: the affinity mask and the cgroup
-//! CPU quota); [`choice`] says which.
+//! CPU quota); [`choice`] says which. It is the most threads a job is split across: the width
+//! jobs are split to now ([`threads`]) follows the CPUs the threads actually get (`width.rs`).
+//! A job split across two threads waits for both, and one whose worker is descheduled while it
+//! holds a chunk waits a whole time slice of the other process; so while other processes keep
+//! the pool's threads waiting for a CPU, fewer threads run the steps and the rest sleep, until
+//! a CPU stands idle again.
+
+mod width;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
+
+use width::{run_delay_ns, Adapt, WINDOW};
 
 thread_local! {
     /// Whether this thread is running a chunk of a job (where [`run`] must not wait for the
@@ -62,6 +71,10 @@ struct Current {
 }
 
 struct Shared {
+    /// The width jobs are split to now (1 ..= the thread count; [`Adapt`]): worker `i` takes
+    /// part while `i + 1 < width`, and sleeps on `widened` otherwise.
+    width: AtomicUsize,
+    widened: Condvar,
     /// Bumped for every job; sleeping and spinning workers look for a new one.
     epoch: AtomicU64,
     current: Mutex<Current>,
@@ -81,6 +94,8 @@ struct Shared {
     finish: Mutex<()>,
     finished: Condvar,
     caller_asleep: std::sync::atomic::AtomicBool,
+    /// Each worker's `/proc/…/task/<tid>/schedstat`, where the controller reads its waits.
+    schedstat: Mutex<Vec<Option<String>>>,
 }
 
 struct Pool {
@@ -88,6 +103,9 @@ struct Pool {
     workers: usize,
     /// Serializes callers.
     caller: Mutex<()>,
+    /// The width's controller; `None` where it is off (`MAXC_ADAPT_THREADS=0`, or no
+    /// `/proc/thread-self/schedstat` to read the threads' waits from).
+    adapt: Option<Mutex<Adapt>>,
 }
 
 /// Threads set before the pool starts ([`set_threads`]); 0: not set.
@@ -174,8 +192,20 @@ static POOL: OnceLock<Pool> = OnceLock::new();
 fn pool() -> &'static Pool {
     POOL.get_or_init(|| {
         let (threads, why) = thread_count();
-        let _ = CHOICE.set(why);
+        let adaptive = threads > 1
+            && std::env::var("MAXC_ADAPT_THREADS").map_or(true, |v| v != "0")
+            && run_delay_ns("/proc/thread-self/schedstat").is_some();
+        let _ = CHOICE.set(if adaptive {
+            format!(
+                "{why}; fewer while other processes keep them waiting for a CPU \
+                 (MAXC_ADAPT_THREADS=0: always all)"
+            )
+        } else {
+            why
+        });
         let shared: &'static Shared = Box::leak(Box::new(Shared {
+            width: AtomicUsize::new(threads),
+            widened: Condvar::new(),
             epoch: AtomicU64::new(0),
             current: Mutex::new(Current {
                 job: None,
@@ -190,31 +220,38 @@ fn pool() -> &'static Pool {
             finish: Mutex::new(()),
             finished: Condvar::new(),
             caller_asleep: std::sync::atomic::AtomicBool::new(false),
+            schedstat: Mutex::new(Vec::new()),
         }));
-        let workers = threads - 1;
-        for w in 0..workers {
+        let mut workers = 0;
+        for w in 0..threads - 1 {
             let spawned = std::thread::Builder::new()
                 .name(format!("maxc-cpu-{}", w + 1))
-                .spawn(move || worker(shared));
+                .spawn(move || worker(shared, w));
             if spawned.is_err() {
                 // Fewer workers than asked for: the others' chunks are claimed by the rest.
-                return Pool {
-                    shared,
-                    workers: w,
-                    caller: Mutex::new(()),
-                };
+                break;
             }
+            workers += 1;
         }
+        shared.width.store(workers + 1, Ordering::Release);
         Pool {
             shared,
             workers,
             caller: Mutex::new(()),
+            adapt: (adaptive && workers > 0).then(|| Mutex::new(Adapt::new(workers + 1))),
         }
     })
 }
 
-/// Threads a job can be split across (the caller and the workers).
+/// Threads a job is split across now (the caller and the workers taking part): the thread
+/// count, or fewer while other processes keep the threads waiting ([`between_steps`]). Read it
+/// once per job: it changes only in [`between_steps`].
 pub fn threads() -> usize {
+    pool().shared.width.load(Ordering::Acquire)
+}
+
+/// The most threads a job is split across (the thread count chosen at start).
+pub fn max_threads() -> usize {
     pool().workers + 1
 }
 
@@ -255,15 +292,37 @@ fn claim_and_run(s: &Shared, cur: Current) {
     }
 }
 
-fn worker(s: &'static Shared) {
+fn worker(s: &'static Shared, index: usize) {
+    if let Ok(link) = std::fs::read_link("/proc/thread-self") {
+        let mut paths = s.schedstat.lock().unwrap_or_else(|e| e.into_inner());
+        if paths.len() <= index {
+            paths.resize(index + 1, None);
+        }
+        paths[index] = Some(format!("/proc/{}/schedstat", link.display()));
+    }
+    let active = || index + 1 < s.width.load(Ordering::Acquire);
     let mut seen = 0u64;
     loop {
+        if !active() {
+            // Not taking part at this width: sleep until it widens, without spinning (the CPU
+            // is what the narrower width leaves to others). Jobs published meanwhile are the
+            // active threads' to run.
+            let guard = s.sleep.lock().unwrap_or_else(|e| e.into_inner());
+            if !active() {
+                let _guard = s
+                    .widened
+                    .wait_timeout(guard, Duration::from_millis(100))
+                    .unwrap_or_else(|e| e.into_inner());
+            }
+            seen = s.epoch.load(Ordering::Acquire);
+            continue;
+        }
         let start = Instant::now();
         let mut spins = 0u32;
         let epoch = loop {
             let e = s.epoch.load(Ordering::Acquire);
             if e != seen {
-                break e;
+                break Some(e);
             }
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(64) {
@@ -271,22 +330,90 @@ fn worker(s: &'static Shared) {
                 // may need the core.
                 std::thread::yield_now();
             }
-            if spins.is_multiple_of(1024) && start.elapsed() > SPIN {
-                let guard = s.sleep.lock().unwrap_or_else(|e| e.into_inner());
-                if s.epoch.load(Ordering::Acquire) == seen {
-                    let _guard = s
-                        .wake
-                        .wait_timeout(guard, Duration::from_millis(100))
-                        .unwrap_or_else(|e| e.into_inner());
+            if spins.is_multiple_of(1024) {
+                if !active() {
+                    break None;
                 }
-                continue;
+                if start.elapsed() > SPIN {
+                    let guard = s.sleep.lock().unwrap_or_else(|e| e.into_inner());
+                    if s.epoch.load(Ordering::Acquire) == seen {
+                        let _guard = s
+                            .wake
+                            .wait_timeout(guard, Duration::from_millis(100))
+                            .unwrap_or_else(|e| e.into_inner());
+                    }
+                    continue;
+                }
             }
             std::hint::spin_loop();
         };
+        let Some(epoch) = epoch else { continue };
         seen = epoch;
         let cur = *s.current.lock().unwrap_or_else(|e| e.into_inner());
         claim_and_run(s, cur);
     }
+}
+
+/// Threads of this process's own one-off work (the weights' copy into huge pages behind the
+/// first steps) running now.
+static OWN_WORK: AtomicUsize = AtomicUsize::new(0);
+
+/// Marks this process's own one-off work (the weights' copy behind the first steps) until
+/// dropped: its thread's competition does not narrow the width. Measured on 2 cores, quiet
+/// decode over the copy was faster at the whole width than narrowed to one thread.
+pub struct OwnWork(());
+
+/// Starts an [`OwnWork`].
+pub fn own_work() -> OwnWork {
+    OWN_WORK.fetch_add(1, Ordering::AcqRel);
+    OwnWork(())
+}
+
+impl Drop for OwnWork {
+    fn drop(&mut self) {
+        OWN_WORK.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Called by an executor between its steps (the only place the width changes): judges the
+/// width once a window has passed ([`Adapt`]).
+pub fn between_steps() {
+    let p = pool();
+    let Some(adapt) = &p.adapt else { return };
+    let Ok(mut a) = adapt.try_lock() else { return };
+    let now = Instant::now();
+    if now.duration_since(a.start) < WINDOW {
+        return;
+    }
+    let s = p.shared;
+    let width = s.width.load(Ordering::Acquire);
+    let next = a.judge(s, width, now, OWN_WORK.load(Ordering::Acquire) > 0);
+    if next != width {
+        a.changes += 1;
+        let _g = s.sleep.lock().unwrap_or_else(|e| e.into_inner());
+        s.width.store(next, Ordering::Release);
+        s.widened.notify_all();
+        tracing::debug!(
+            from = width,
+            to = next,
+            had = a.had,
+            "CPU threads: the width jobs split to"
+        );
+    }
+}
+
+/// Whether the width follows the CPUs the threads get (more than one thread, Linux's
+/// `schedstat` readable, `MAXC_ADAPT_THREADS` not `0`).
+pub fn adapts() -> bool {
+    pool().adapt.is_some()
+}
+
+/// How many times the width has changed since the pool started.
+pub fn width_changes() -> u64 {
+    pool()
+        .adapt
+        .as_ref()
+        .map_or(0, |a| a.lock().unwrap_or_else(|e| e.into_inner()).changes)
 }
 
 /// Calls `f(0..chunks)` on the calling thread and the workers, each chunk once, and returns

@@ -1,0 +1,337 @@
+//! The pool's width: how many of its threads a job is split across now. It follows the CPUs the
+//! threads actually get ([`Adapt`]), judged between steps ([`super::between_steps`]).
+
+use std::time::{Duration, Instant};
+
+use super::Shared;
+
+/// How long a thread has waited for a CPU while runnable, in nanoseconds: the second field of
+/// its `schedstat` (Linux's run delay).
+pub(super) fn run_delay_ns(path: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// How often the width is judged: the threads' waits over at least this long.
+pub(super) const WINDOW: Duration = Duration::from_millis(25);
+/// How long a narrowed width watches its CPUs' idle time before it widens (`/proc/stat`
+/// counts in hundredths of a second).
+const IDLE_WINDOW: Duration = Duration::from_millis(60);
+/// Where the CPUs' idle time cannot be read: the first wait before a narrowed width is probed
+/// at the whole width again, doubled after each probe that fails, up to [`PROBE_MAX`].
+const PROBE_MIN: Duration = Duration::from_millis(100);
+const PROBE_MAX: Duration = Duration::from_secs(1);
+
+/// The width's controller.
+///
+/// - **Narrowing.** Over a window of steps it sums how long the active threads waited for a
+///   CPU while runnable (Linux's run delay, `/proc/…/schedstat`): `width − waited / wall` is
+///   how many CPUs they actually had, and when two windows in a row say so the width becomes
+///   that, rounded (never below 1; the larger of the two). On 2 cores with one busy process beside 2 threads that is about 1.1-1.3, so 1 thread runs
+///   the steps on a core of its own; with two busy processes about 1.0. Idle time is not
+///   waiting, so an idle server keeps its width.
+/// - **Widening.** A narrowed width cannot see a CPU come free in its own waits (its sleeping
+///   workers do not wait), so it watches the idle time of the CPUs this process may run on
+///   (`/proc/stat`, the affinity mask of `/proc/self/status`): idle CPUs, rounded, join the
+///   width. Where that cannot be read, it probes instead: one window at the whole width after
+///   [`PROBE_MIN`], kept where the threads then get their CPUs, the wait doubling after each
+///   failed probe.
+pub(super) struct Adapt {
+    max: usize,
+    /// The window's start, and the waits then: the caller's (by its thread) and the workers'.
+    pub(super) start: Instant,
+    caller: Option<(String, u64)>,
+    workers: Vec<Option<u64>>,
+    /// The CPUs this process may run on, and their idle ticks when the idle window started.
+    cpus: Option<Vec<usize>>,
+    idle: Option<(Instant, u64)>,
+    /// The width the last window found fitting, where it was narrower: a width narrows only
+    /// when two windows in a row say so, so a blip (kernel threads after a large allocation)
+    /// does not cost the steps a narrowed stretch.
+    narrower: Option<usize>,
+    /// This window probes the whole width.
+    probing: bool,
+    next_probe: Instant,
+    backoff: Duration,
+    /// The widths chosen, for [`width_changes`].
+    pub(super) changes: u64,
+    /// The CPUs the threads had over the last window judged.
+    pub(super) had: f64,
+}
+
+/// The CPUs of a `Cpus_allowed_list` line's value (`0-3,8,10-11`), sorted.
+fn parse_cpu_list(list: &str) -> Option<Vec<usize>> {
+    let mut cpus = Vec::new();
+    for part in list.trim().split(',') {
+        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
+        let (lo, hi): (usize, usize) = (lo.trim().parse().ok()?, hi.trim().parse().ok()?);
+        cpus.extend(lo..=hi);
+    }
+    cpus.sort_unstable();
+    cpus.dedup();
+    (!cpus.is_empty()).then_some(cpus)
+}
+
+/// The CPUs in this process's affinity mask (`Cpus_allowed_list` of `/proc/self/status`).
+fn allowed_cpus() -> Option<Vec<usize>> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    parse_cpu_list(
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?,
+    )
+}
+
+/// The idle and iowait ticks (hundredths of a second) of `cpus` (sorted), summed, from the text
+/// of `/proc/stat`; `None` unless every one of them is listed.
+fn idle_ticks_in(stat: &str, cpus: &[usize]) -> Option<u64> {
+    let mut total = 0u64;
+    let mut found = 0;
+    for line in stat.lines() {
+        let Some(rest) = line.strip_prefix("cpu") else {
+            continue;
+        };
+        let mut fields = rest.split_whitespace();
+        let Some(Ok(cpu)) = fields.next().map(str::parse::<usize>) else {
+            continue;
+        };
+        if cpus.binary_search(&cpu).is_ok() {
+            let v: Vec<u64> = fields.take(5).filter_map(|f| f.parse().ok()).collect();
+            total += v.get(3)? + v.get(4)?;
+            found += 1;
+        }
+    }
+    (found == cpus.len()).then_some(total)
+}
+
+fn idle_ticks(cpus: &[usize]) -> Option<u64> {
+    idle_ticks_in(&std::fs::read_to_string("/proc/stat").ok()?, cpus)
+}
+
+/// What a narrowed pool knows of its CPUs' idle time.
+#[derive(Clone, Copy, Debug)]
+enum Idle {
+    /// It cannot be read: probe instead.
+    Unknown,
+    /// The idle window is not long enough yet.
+    Pending,
+    /// Idle CPUs over the idle window that just ended.
+    Cpus(f64),
+}
+
+impl Adapt {
+    pub(super) fn new(max: usize) -> Self {
+        let cpus = allowed_cpus().filter(|c| idle_ticks(c).is_some());
+        Adapt {
+            max,
+            start: Instant::now(),
+            caller: None,
+            workers: Vec::new(),
+            cpus,
+            idle: None,
+            narrower: None,
+            probing: false,
+            next_probe: Instant::now(),
+            backoff: PROBE_MIN,
+            changes: 0,
+            had: max as f64,
+        }
+    }
+
+    /// The active workers' waits now (`None` for one not yet registered).
+    fn worker_waits(s: &Shared, width: usize) -> Vec<Option<u64>> {
+        let paths = s
+            .schedstat
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        (0..width.saturating_sub(1))
+            .map(|i| {
+                paths
+                    .get(i)
+                    .cloned()
+                    .flatten()
+                    .and_then(|p| run_delay_ns(&p))
+            })
+            .collect()
+    }
+
+    /// The idle CPUs (of this process's) since the idle window began, once it is long enough.
+    fn read_idle(&mut self, now: Instant) -> Idle {
+        let Some(ticks) = self.cpus.as_deref().and_then(idle_ticks) else {
+            return Idle::Unknown;
+        };
+        let Some((t0, i0)) = self.idle else {
+            self.idle = Some((now, ticks));
+            return Idle::Pending;
+        };
+        let wall = now.duration_since(t0);
+        if wall < IDLE_WINDOW {
+            return Idle::Pending;
+        }
+        self.idle = Some((now, ticks));
+        Idle::Cpus(ticks.saturating_sub(i0) as f64 / 100.0 / wall.as_secs_f64())
+    }
+
+    /// Judges the window that ends now, on the calling thread; returns the new width.
+    /// While `own_work` runs, waits do not narrow the width ([`super::OwnWork`]).
+    pub(super) fn judge(
+        &mut self,
+        s: &Shared,
+        width: usize,
+        now: Instant,
+        own_work: bool,
+    ) -> usize {
+        let wall = now.duration_since(self.start).as_nanos().max(1) as f64;
+        let me = std::fs::read_link("/proc/thread-self")
+            .ok()
+            .map(|l| l.display().to_string());
+        let mine = run_delay_ns("/proc/thread-self/schedstat");
+        let mut waited = 0u64;
+        if let (Some((tid0, d0)), Some(tid), Some(d)) = (&self.caller, &me, mine) {
+            if tid0 == tid {
+                waited += d.saturating_sub(*d0);
+            }
+        }
+        for (i, w) in Self::worker_waits(s, width).into_iter().enumerate() {
+            if let (Some(w), Some(Some(w0))) = (w, self.workers.get(i)) {
+                waited += w.saturating_sub(*w0);
+            }
+        }
+        let had = if own_work {
+            width as f64
+        } else {
+            width as f64 - waited as f64 / wall
+        };
+        let idle = if width < self.max && !self.probing {
+            self.read_idle(now)
+        } else {
+            Idle::Pending
+        };
+        let next = self.decide(width, had, idle, now);
+        tracing::trace!(width, had, ?idle, next, "CPU threads: a window judged");
+        // The next window starts now, with the waits of the threads active in it.
+        self.start = now;
+        self.caller = me.zip(mine);
+        self.workers = Self::worker_waits(s, next);
+        next
+    }
+
+    /// The width after a window at `width` in which the threads had `had` CPUs (and, narrowed,
+    /// saw `idle`).
+    fn decide(&mut self, width: usize, had: f64, idle: Idle, now: Instant) -> usize {
+        self.had = had;
+        let fits = (had.round().max(1.0) as usize).min(self.max);
+        let next = if self.probing {
+            self.probing = false;
+            if fits >= width {
+                self.backoff = PROBE_MIN;
+                width
+            } else {
+                self.backoff = (self.backoff * 2).min(PROBE_MAX);
+                self.next_probe = now + self.backoff;
+                fits
+            }
+        } else if fits < width {
+            match self.narrower.replace(fits) {
+                Some(before) => {
+                    self.next_probe = now + self.backoff;
+                    fits.max(before)
+                }
+                None => width,
+            }
+        } else if width < self.max {
+            match idle {
+                Idle::Cpus(cpus) => (width + cpus.round() as usize).min(self.max),
+                Idle::Unknown if now >= self.next_probe => {
+                    self.probing = true;
+                    self.max
+                }
+                Idle::Unknown | Idle::Pending => width,
+            }
+        } else {
+            width
+        };
+        if next != width || fits >= width {
+            self.narrower = None;
+        }
+        if next != width {
+            // A new width starts a new idle window.
+            self.idle = None;
+        }
+        next
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists_and_idle_ticks_are_read_as_linux_writes_them() {
+        assert_eq!(
+            parse_cpu_list("0-3,8,10-11\n"),
+            Some(vec![0, 1, 2, 3, 8, 10, 11])
+        );
+        assert_eq!(parse_cpu_list("5"), Some(vec![5]));
+        assert_eq!(parse_cpu_list(""), None);
+        assert_eq!(parse_cpu_list("0-x"), None);
+        let stat = "cpu  100 0 50 9000 10 0 0 0 0 0\n\
+                    cpu0 50 0 25 4000 5 0 0 0 0 0\n\
+                    cpu1 50 0 25 5000 5 0 0 0 0 0\n\
+                    intr 12345 0 0\n";
+        assert_eq!(idle_ticks_in(stat, &[0, 1]), Some(9010));
+        assert_eq!(idle_ticks_in(stat, &[1]), Some(5005));
+        // A CPU of the mask missing from the text: unknown, not zero.
+        assert_eq!(idle_ticks_in(stat, &[1, 2]), None);
+    }
+
+    #[test]
+    fn the_width_follows_the_cpus_the_threads_had() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let mut a = Adapt::new(2);
+        // Quiet: the threads had their two CPUs.
+        assert_eq!(a.decide(2, 1.97, Idle::Pending, ms(0)), 2);
+        // One busy process beside them (each thread waits a third or more): one thread, once
+        // two windows say so; a blip of one window does not narrow.
+        assert_eq!(a.decide(2, 1.1, Idle::Pending, ms(25)), 2);
+        assert_eq!(a.decide(2, 1.95, Idle::Pending, ms(50)), 2);
+        assert_eq!(a.decide(2, 1.1, Idle::Pending, ms(75)), 2);
+        assert_eq!(a.decide(2, 1.2, Idle::Pending, ms(100)), 1);
+        // Narrowed: no idle CPU, or too little, keeps it; a free CPU widens it.
+        assert_eq!(a.decide(1, 1.0, Idle::Pending, ms(50)), 1);
+        assert_eq!(a.decide(1, 1.0, Idle::Cpus(0.3), ms(150)), 1);
+        assert_eq!(a.decide(1, 1.0, Idle::Cpus(0.9), ms(250)), 2);
+        // Waiting even at width 1 never goes below 1.
+        assert_eq!(a.decide(2, 0.4, Idle::Pending, ms(275)), 2);
+        assert_eq!(a.decide(2, 0.4, Idle::Pending, ms(300)), 1);
+        assert_eq!(a.decide(1, -0.2, Idle::Cpus(0.0), ms(375)), 1);
+        // Many cores, one busy process: all but one.
+        let mut a = Adapt::new(16);
+        assert_eq!(a.decide(16, 13.2, Idle::Pending, ms(0)), 16);
+        assert_eq!(a.decide(16, 15.06, Idle::Pending, ms(25)), 15);
+        assert_eq!(a.decide(15, 15.0, Idle::Cpus(1.0), ms(100)), 16);
+    }
+
+    #[test]
+    fn without_idle_times_a_narrowed_width_probes_and_backs_off() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let mut a = Adapt::new(2);
+        assert_eq!(a.decide(2, 1.0, Idle::Unknown, ms(0)), 2);
+        assert_eq!(a.decide(2, 1.0, Idle::Unknown, ms(0)), 1);
+        // No probe before PROBE_MIN.
+        assert_eq!(a.decide(1, 1.0, Idle::Unknown, ms(50)), 1);
+        assert_eq!(a.decide(1, 1.0, Idle::Unknown, ms(100)), 2);
+        // The probe fails (still contended): back to 1, the next probe twice as far.
+        assert_eq!(a.decide(2, 1.05, Idle::Pending, ms(125)), 1);
+        assert_eq!(a.decide(1, 1.0, Idle::Unknown, ms(300)), 1);
+        assert_eq!(a.decide(1, 1.0, Idle::Unknown, ms(325)), 2);
+        // This probe holds: the width stays, and the next narrowing probes after PROBE_MIN.
+        assert_eq!(a.decide(2, 1.9, Idle::Pending, ms(350)), 2);
+        assert_eq!(a.decide(2, 1.2, Idle::Unknown, ms(375)), 2);
+        assert_eq!(a.decide(2, 1.2, Idle::Unknown, ms(375)), 1);
+        assert_eq!(a.decide(1, 1.0, Idle::Unknown, ms(475)), 2);
+    }
+}

@@ -1,0 +1,96 @@
+//! The pool's width under real contention: busy threads that keep its threads waiting for a
+//! CPU narrow it, and their end widens it again. Its own test binary, so that no other test's
+//! threads load the CPUs while it runs.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use maxc_kernels::pool;
+
+/// One "step": the width judged between steps, then a job split to it.
+fn step() {
+    pool::between_steps();
+    let chunks = pool::threads();
+    pool::run(chunks, &|c| {
+        let mut x = c as f64;
+        for i in 0..20_000 {
+            x = std::hint::black_box(x * 1.000_000_1 + i as f64);
+        }
+        std::hint::black_box(x);
+    });
+}
+
+/// Steps until `done` holds or `limit` passes; whether it held.
+fn step_until(limit: Duration, done: impl Fn() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        step();
+        if done() {
+            return true;
+        }
+    }
+    false
+}
+
+#[test]
+fn busy_threads_narrow_the_width_and_their_end_widens_it_again() {
+    let max = pool::max_threads();
+    if max < 2 || !pool::adapts() {
+        eprintln!("skipped: {} (the width cannot change)", pool::choice());
+        return;
+    }
+    let changes = pool::width_changes();
+    // Quiet: the whole width.
+    step_until(Duration::from_millis(300), || false);
+    let stop = Arc::new(AtomicBool::new(false));
+    let busy: Vec<_> = (0..2 * max)
+        .map(|_| {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        })
+        .collect();
+    let narrowed = step_until(Duration::from_secs(10), || pool::threads() < max);
+    stop.store(true, Ordering::Relaxed);
+    for b in busy {
+        b.join().expect("a busy thread");
+    }
+    assert!(
+        narrowed,
+        "{} busy threads beside {max} pool threads: the width stayed {max}",
+        2 * max
+    );
+    let (idle0, t0) = (idle_seconds(), Instant::now());
+    let widened = step_until(Duration::from_secs(10), || pool::threads() == max);
+    if widened {
+        assert!(pool::width_changes() >= changes + 2);
+        return;
+    }
+    // Other processes may keep this machine's CPUs busy (a build beside the tests): then
+    // staying narrow is right. Only where a CPU stood idle must the width have grown.
+    let idle = (idle_seconds() - idle0) / t0.elapsed().as_secs_f64();
+    assert!(
+        idle < 0.5,
+        "the busy threads ended and {idle:.2} CPUs stood idle, but the width stayed {} of {max}",
+        pool::threads()
+    );
+    eprintln!("the width stayed narrow beside other processes ({idle:.2} CPUs idle)");
+}
+
+/// The machine's idle and iowait time, in CPU-seconds (`/proc/stat`'s first line).
+fn idle_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/stat").expect("/proc/stat");
+    let fields: Vec<f64> = stat
+        .lines()
+        .next()
+        .expect("its cpu line")
+        .split_whitespace()
+        .skip(1)
+        .map(|f| f.parse().expect("a tick count"))
+        .collect();
+    (fields[3] + fields[4]) / 100.0
+}
