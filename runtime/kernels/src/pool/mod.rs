@@ -94,8 +94,8 @@ struct Shared {
     finish: Mutex<()>,
     finished: Condvar,
     caller_asleep: std::sync::atomic::AtomicBool,
-    /// Each worker's `/proc/…/task/<tid>/schedstat`, where the controller reads its waits.
-    schedstat: Mutex<Vec<Option<String>>>,
+    /// Each worker's `/proc/<pid>/task/<tid>`, where the controller reads its waits.
+    tasks: Mutex<Vec<Option<String>>>,
 }
 
 struct Pool {
@@ -220,7 +220,7 @@ fn pool() -> &'static Pool {
             finish: Mutex::new(()),
             finished: Condvar::new(),
             caller_asleep: std::sync::atomic::AtomicBool::new(false),
-            schedstat: Mutex::new(Vec::new()),
+            tasks: Mutex::new(Vec::new()),
         }));
         let mut workers = 0;
         for w in 0..threads - 1 {
@@ -294,11 +294,11 @@ fn claim_and_run(s: &Shared, cur: Current) {
 
 fn worker(s: &'static Shared, index: usize) {
     if let Ok(link) = std::fs::read_link("/proc/thread-self") {
-        let mut paths = s.schedstat.lock().unwrap_or_else(|e| e.into_inner());
+        let mut paths = s.tasks.lock().unwrap_or_else(|e| e.into_inner());
         if paths.len() <= index {
             paths.resize(index + 1, None);
         }
-        paths[index] = Some(format!("/proc/{}/schedstat", link.display()));
+        paths[index] = Some(format!("/proc/{}", link.display()));
     }
     let active = || index + 1 < s.width.load(Ordering::Acquire);
     let mut seen = 0u64;
