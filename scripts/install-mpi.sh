@@ -8,7 +8,16 @@ set -euo pipefail
 need=()
 command -v mpirun >/dev/null || need+=(openmpi-bin)
 command -v mpicc >/dev/null || need+=(libopenmpi-dev)
-ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || ls /usr/lib/*/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
+# libclang itself (the C library bindgen loads), not libclang-cpp (the C++ one), which images
+# with LLVM preinstalled carry alone.
+have_libclang() {
+  for f in /usr/lib/llvm-*/lib/libclang.so* /usr/lib/llvm-*/lib/libclang-[0-9]*.so* \
+           /usr/lib/*/libclang.so* /usr/lib/*/libclang-[0-9]*.so*; do
+    [ -e "$f" ] && return 0
+  done
+  return 1
+}
+have_libclang || need+=(libclang-dev)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi
