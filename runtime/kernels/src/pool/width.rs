@@ -339,7 +339,7 @@ mod tests {
         assert_eq!(a.decide(2, 1.1, Idle::Pending, ms(75)), 2);
         assert_eq!(a.decide(2, 1.2, Idle::Pending, ms(100)), 1);
         // Narrowed: no idle CPU, or too little, keeps it; a free CPU widens it.
-        assert_eq!(a.decide(1, 1.0, Idle::Pending, ms(50)), 1);
+        assert_eq!(a.decide(1, 1.0, Idle::Pending, ms(125)), 1);
         assert_eq!(a.decide(1, 1.0, Idle::Cpus(0.3), ms(150)), 1);
         assert_eq!(a.decide(1, 1.0, Idle::Cpus(0.9), ms(250)), 2);
         // Waiting even at width 1 never goes below 1.
