@@ -10,15 +10,18 @@ use maxc_kernels::pool;
 
 /// One "step": the width judged between steps, then a job split to it.
 fn step() {
-    pool::between_steps();
+    pool::between_steps(1);
     let chunks = pool::threads();
-    pool::run(chunks, &|c| {
-        let mut x = c as f64;
-        for i in 0..20_000 {
-            x = std::hint::black_box(x * 1.000_000_1 + i as f64);
-        }
-        std::hint::black_box(x);
-    });
+    pool::run(chunks, &|_| busy_work(20_000));
+}
+
+/// Some arithmetic: `n` dependent multiply-adds.
+fn busy_work(n: u32) {
+    let mut x = 1.0f64;
+    for i in 0..n {
+        x = std::hint::black_box(x * 1.000_000_1 + f64::from(i));
+    }
+    std::hint::black_box(x);
 }
 
 /// Steps until `done` holds or `limit` passes; whether it held.
@@ -55,6 +58,23 @@ fn busy_threads_narrow_the_width_and_their_end_widens_it_again() {
         })
         .collect();
     let narrowed = step_until(Duration::from_secs(10), || pool::threads() < max);
+    // A prefill-sized step splits across every thread while the width is narrow (its sleeping
+    // workers wake for it), and the next decode-sized step is narrow again.
+    let whole = narrowed.then(|| {
+        let threads = pool::between_steps(pool::WHOLE_WIDTH_ROWS);
+        let start = Instant::now();
+        let mut seen = std::collections::HashSet::new();
+        while seen.len() < 2 && start.elapsed() < Duration::from_secs(10) {
+            let ids = std::sync::Mutex::new(Vec::new());
+            pool::run(8 * threads, &|_| {
+                busy_work(2_000);
+                ids.lock().expect("ids").push(std::thread::current().id());
+            });
+            seen.extend(ids.into_inner().expect("ids"));
+        }
+        let narrow_again = pool::between_steps(1);
+        (threads, seen.len(), narrow_again)
+    });
     stop.store(true, Ordering::Relaxed);
     for b in busy {
         b.join().expect("a busy thread");
@@ -63,6 +83,16 @@ fn busy_threads_narrow_the_width_and_their_end_widens_it_again() {
         narrowed,
         "{} busy threads beside {max} pool threads: the width stayed {max}",
         2 * max
+    );
+    let (threads, seen, narrow_again) = whole.expect("checked while narrow");
+    assert_eq!(threads, max, "a prefill-sized step's threads while narrow");
+    assert!(
+        seen >= 2,
+        "a prefill-sized step ran on {seen} thread(s) of {max}"
+    );
+    assert!(
+        narrow_again < max,
+        "the next decode-sized step took {narrow_again} threads"
     );
     let (idle0, t0) = (idle_seconds(), Instant::now());
     let widened = step_until(Duration::from_secs(10), || pool::threads() == max);

@@ -541,10 +541,10 @@ impl CpuExecutor {
     pub fn execute(&mut self, s: &StepInputs) -> Result<Logits> {
         let dims = s.checked_dims(&self.limits)?;
         self.settle_weights();
-        // The width the pool splits jobs to follows the CPUs its threads get; it changes only
-        // here, between steps, so every launch of a step splits alike.
-        pool::between_steps();
-        self.threads = pool::threads();
+        // The width the pool splits jobs to follows the CPUs its threads get (prefill steps
+        // take every thread); it changes only here, between steps, so every launch of a step
+        // splits alike.
+        self.threads = pool::between_steps(dims[StepDim::TotalSeqLen as usize] as usize);
         let step_start = std::time::Instant::now();
         fill(&mut self.tokens, &s.tokens);
         let context = s.context_lengths();

@@ -218,7 +218,11 @@ pub unsafe fn attention(
     // step of single rows (decode) instead gives each thread consecutive items, a sequence's
     // KV heads together: their keys and values interleave in the same pages, so the lines the
     // hardware fetches beside one head's are the next head's.
-    let chunks = threads.min(items.len());
+    let chunks = if single_rows {
+        threads.min(items.len())
+    } else {
+        crate::pool::long_chunks(threads, items.len())
+    };
     let p = &Ptrs {
         q,
         cache,

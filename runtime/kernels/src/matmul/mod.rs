@@ -286,7 +286,7 @@ fn matmul_as<F: Format>(
         _ => None,
     };
     let panels = n.div_ceil(PANEL);
-    let chunks = threads.max(1).min(panels);
+    let chunks = crate::pool::long_chunks(threads, panels);
     let optr = crate::pool::OutPtr(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
     let xt = if inner == Inner::Packed {

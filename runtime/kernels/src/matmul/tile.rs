@@ -606,7 +606,7 @@ pub fn packed_f32(
     threads: usize,
 ) {
     let xt = pack_transposed(x, rows, k);
-    let chunks = threads.max(1).min(n.div_ceil(PACK_PANEL));
+    let chunks = crate::pool::long_chunks(threads, n.div_ceil(PACK_PANEL));
     let optr = crate::pool::OutPtr(out.as_mut_ptr());
     crate::pool::run(chunks, &|c| {
         let (j0, j1) = (n * c / chunks, n * (c + 1) / chunks);

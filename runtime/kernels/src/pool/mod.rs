@@ -9,9 +9,10 @@
 //! the caller waits only for the chunks claimed, never for a worker to turn up. On a machine
 //! whose cores are shared, a worker descheduled before the job costs nothing (the caller takes
 //! its chunk); one descheduled while it holds a chunk costs that chunk, and a caller that waits
-//! for it longer than [`WAIT_SPIN`] sleeps, leaving the core to it. (Splitting work into more
-//! chunks than threads, so that a held chunk is smaller, measured 3-5% slower decode on a quiet
-//! machine and no steadier on a busy one: callers split into [`threads`] chunks.) Calls from
+//! for it longer than [`WAIT_SPIN`] sleeps, leaving the core to it. (Splitting a decode step's
+//! short launches into more chunks than threads, so that a held chunk is smaller, measured 3-5%
+//! slower decode on a quiet machine and no steadier on a busy one: they split into [`threads`]
+//! chunks. A prefill step's long launches split into [`long_chunks`].) Calls from
 //! several threads are serialized; a call from inside a job (an MoE expert's matmul, run on one
 //! thread of the experts' split) runs its chunks on its own thread, in turn.
 //!
@@ -21,8 +22,10 @@
 //! jobs are split to now ([`threads`]) follows the CPUs the threads actually get (`width.rs`).
 //! A job split across two threads waits for both, and one whose worker is descheduled while it
 //! holds a chunk waits a whole time slice of the other process; so while other processes keep
-//! the pool's threads waiting for a CPU, fewer threads run the steps and the rest sleep, until
-//! a CPU stands idle again.
+//! the pool's threads waiting for a CPU, fewer threads run the decode steps and the rest sleep,
+//! until a CPU stands idle again. Prefill steps ([`WHOLE_WIDTH_ROWS`] rows or more) still take
+//! every thread: their launches are long and split finely, so each thread's share of the CPUs
+//! adds to the step's.
 
 mod width;
 
@@ -74,6 +77,9 @@ struct Shared {
     /// The width jobs are split to now (1 ..= the thread count; [`Adapt`]): worker `i` takes
     /// part while `i + 1 < width`, and sleeps on `widened` otherwise.
     width: AtomicUsize,
+    /// Whether the current step splits across every thread whatever the width (a step of at
+    /// least [`WHOLE_WIDTH_ROWS`] rows): every worker takes part while it is set.
+    whole: std::sync::atomic::AtomicBool,
     widened: Condvar,
     /// Bumped for every job; sleeping and spinning workers look for a new one.
     epoch: AtomicU64,
@@ -205,6 +211,7 @@ fn pool() -> &'static Pool {
         });
         let shared: &'static Shared = Box::leak(Box::new(Shared {
             width: AtomicUsize::new(threads),
+            whole: std::sync::atomic::AtomicBool::new(false),
             widened: Condvar::new(),
             epoch: AtomicU64::new(0),
             current: Mutex::new(Current {
@@ -244,10 +251,15 @@ fn pool() -> &'static Pool {
 }
 
 /// Threads a job is split across now (the caller and the workers taking part): the thread
-/// count, or fewer while other processes keep the threads waiting ([`between_steps`]). Read it
-/// once per job: it changes only in [`between_steps`].
+/// count, or fewer while other processes keep the threads waiting, except in a prefill-sized
+/// step ([`between_steps`]). Read it once per job: it changes only in [`between_steps`].
 pub fn threads() -> usize {
-    pool().shared.width.load(Ordering::Acquire)
+    let p = pool();
+    if p.shared.whole.load(Ordering::Acquire) {
+        p.workers + 1
+    } else {
+        p.shared.width.load(Ordering::Acquire)
+    }
 }
 
 /// The most threads a job is split across (the thread count chosen at start).
@@ -300,7 +312,7 @@ fn worker(s: &'static Shared, index: usize) {
         }
         paths[index] = Some(format!("/proc/{}", link.display()));
     }
-    let active = || index + 1 < s.width.load(Ordering::Acquire);
+    let active = || index + 1 < s.width.load(Ordering::Acquire) || s.whole.load(Ordering::Acquire);
     let mut seen = 0u64;
     loop {
         if !active() {
@@ -375,31 +387,63 @@ impl Drop for OwnWork {
     }
 }
 
-/// Called by an executor between its steps (the only place the width changes): judges the
-/// width once a window has passed ([`Adapt`]).
-pub fn between_steps() {
+/// Steps of at least this many token rows (prefill) split across every thread, whatever the
+/// width: their launches are long, split into many chunks ([`long_chunks`]) taken dynamically,
+/// so a thread descheduled mid-launch holds up one small chunk while the others take the rest.
+/// Measured on 2 cores beside two busy processes (SmolLM2 Q4_1, 8 × 128-token prefill): 3.8 s
+/// on one thread, 3.1-3.5 s on two in one chunk each, 2.4-2.8 s on two in eight chunks each;
+/// 1.2-1.6 s quiet either way.
+pub const WHOLE_WIDTH_ROWS: usize = 32;
+
+/// Chunks per thread of a launch made of long pieces (a prefill matmul's panels, its
+/// attention's query blocks): enough that a descheduled thread's chunk is small.
+const LONG_CHUNKS_PER_THREAD: usize = 8;
+
+/// How many chunks a launch of `pieces` long pieces splits into on `threads` threads.
+pub fn long_chunks(threads: usize, pieces: usize) -> usize {
+    let per = if threads > 1 {
+        LONG_CHUNKS_PER_THREAD
+    } else {
+        1
+    };
+    (threads.max(1) * per).min(pieces).max(1)
+}
+
+/// Called by an executor before each step of `rows` token rows (the only place the width
+/// changes): judges the width once a window has passed ([`Adapt`]), and returns the threads
+/// this step's jobs split across: the width, or every thread for a step of at least
+/// [`WHOLE_WIDTH_ROWS`] rows.
+pub fn between_steps(rows: usize) -> usize {
     let p = pool();
-    let Some(adapt) = &p.adapt else { return };
-    let Ok(mut a) = adapt.try_lock() else { return };
-    let now = Instant::now();
-    if now.duration_since(a.start) < WINDOW {
-        return;
-    }
     let s = p.shared;
-    let width = s.width.load(Ordering::Acquire);
-    let next = a.judge(s, width, now, OWN_WORK.load(Ordering::Acquire) > 0);
-    if next != width {
-        a.changes += 1;
-        let _g = s.sleep.lock().unwrap_or_else(|e| e.into_inner());
-        s.width.store(next, Ordering::Release);
-        s.widened.notify_all();
-        tracing::debug!(
-            from = width,
-            to = next,
-            had = a.had,
-            "CPU threads: the width jobs split to"
-        );
+    if let Some(adapt) = &p.adapt {
+        if let Ok(mut a) = adapt.try_lock() {
+            let now = Instant::now();
+            if now.duration_since(a.start) >= WINDOW {
+                let width = s.width.load(Ordering::Acquire);
+                let next = a.judge(s, width, now, OWN_WORK.load(Ordering::Acquire) > 0);
+                if next != width {
+                    a.changes += 1;
+                    let _g = s.sleep.lock().unwrap_or_else(|e| e.into_inner());
+                    s.width.store(next, Ordering::Release);
+                    s.widened.notify_all();
+                    tracing::debug!(
+                        from = width,
+                        to = next,
+                        had = a.had,
+                        "CPU threads: the width jobs split to"
+                    );
+                }
+            }
+        }
     }
+    let whole = rows >= WHOLE_WIDTH_ROWS && s.width.load(Ordering::Acquire) <= p.workers;
+    if whole != s.whole.load(Ordering::Acquire) {
+        let _g = s.sleep.lock().unwrap_or_else(|e| e.into_inner());
+        s.whole.store(whole, Ordering::Release);
+        s.widened.notify_all();
+    }
+    threads()
 }
 
 /// Whether the width follows the CPUs the threads get (more than one thread, Linux's
@@ -504,6 +548,15 @@ impl OutPtr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn long_launches_split_into_several_chunks_per_thread_but_never_more_than_their_pieces() {
+        assert_eq!(long_chunks(1, 100), 1);
+        assert_eq!(long_chunks(2, 100), 2 * LONG_CHUNKS_PER_THREAD);
+        assert_eq!(long_chunks(2, 12), 12);
+        assert_eq!(long_chunks(4, 0), 1);
+        assert_eq!(long_chunks(0, 5), 1);
+    }
 
     #[test]
     fn every_chunk_runs_once_per_job() {
