@@ -201,7 +201,7 @@ pub fn run(args: Args) -> Result<()> {
             first.duration_since(started).as_secs_f64() * 1e3,
             (out.len() - 1) as f64 / decode_s.max(1e-9),
             maxc_runtime::kernels::pool::choice(),
-            maxc_runtime::kernels::pool::threads(),
+            maxc_runtime::kernels::pool::width(),
             maxc_runtime::kernels::pool::width_changes()
         );
     }

@@ -128,8 +128,9 @@ pub struct Metrics {
     pub cache_misses: Counter,
     /// Share of KV pages in use.
     pub cache_used_kv_pct: Gauge<f64, AtomicU64>,
-    /// Threads the CPU kernels split a step across now (maxc's own metric: fewer than the
-    /// thread count while other processes keep the CPUs busy), and the thread count.
+    /// Threads the CPU kernels split a decode step across now (maxc's own metric: fewer than
+    /// the thread count while other processes keep the CPUs busy; prefill steps take every
+    /// thread), and the thread count.
     pub cpu_threads: Gauge,
     pub cpu_threads_max: Gauge,
     /// Pages served from the prefix cache.
@@ -473,7 +474,7 @@ impl Metrics {
                 let g = Gauge::default();
                 r.register(
                     "maxc_cpu_threads",
-                    "Threads the CPU kernels split a step across now (fewer while other processes keep the CPUs busy)",
+                    "Threads the CPU kernels split a decode step across now (fewer while other processes keep the CPUs busy; prefill steps take every thread)",
                     g.clone(),
                 );
                 g
@@ -562,7 +563,7 @@ impl Metrics {
     /// The metrics as Prometheus text.
     pub fn encode(&self) -> String {
         use maxc_runtime::kernels::pool;
-        self.cpu_threads.set(pool::threads() as i64);
+        self.cpu_threads.set(pool::width() as i64);
         self.cpu_threads_max.set(pool::max_threads() as i64);
         let mut out = String::new();
         let _ = encode(&mut out, &self.registry);

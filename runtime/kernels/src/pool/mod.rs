@@ -262,6 +262,12 @@ pub fn threads() -> usize {
     }
 }
 
+/// The width decode-sized steps split to now: the thread count, or fewer while other
+/// processes keep the threads waiting (prefill-sized steps take every thread whatever it is).
+pub fn width() -> usize {
+    pool().shared.width.load(Ordering::Acquire)
+}
+
 /// The most threads a job is split across (the thread count chosen at start).
 pub fn max_threads() -> usize {
     pool().workers + 1
