@@ -290,19 +290,29 @@ fn prefetch_item(p: &Ptrs, seqs: &Seqs, shape: Shape, it: &Item) {
     }
     let kvh = (it.head / (shape.heads / shape.kv_heads())) as u64;
     let lines = (shape.cache.row_bytes() as usize).div_ceil(64);
+    let slot = shape.cache.slot_bytes() as usize;
+    let end = keys.min(k0 + PREFETCH_ROWS);
     for which in 0..shape.cache.planes as u64 {
-        for pos in k0..keys.min(k0 + PREFETCH_ROWS) {
+        // A page at a time: its rows are one slot apart.
+        let mut pos = k0;
+        while pos < end {
             let page = seqs.lookup[it.seq * seqs.pages_per_seq + pos / ps] as u64;
-            let at = shape.cache.offset(page, which, (pos % ps) as u64, kvh) as usize;
-            for line in 0..lines {
-                // SAFETY: SSE is baseline on x86-64; prefetches never fault.
-                #[cfg(target_arch = "x86_64")]
-                unsafe {
-                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-                        p.cache.wrapping_add(at + line * 64).cast(),
-                    )
+            let n = (ps - pos % ps).min(end - pos);
+            let base = p
+                .cache
+                .wrapping_add(shape.cache.offset(page, which, (pos % ps) as u64, kvh) as usize);
+            for r in 0..n {
+                for line in 0..lines {
+                    // SAFETY: SSE is baseline on x86-64; prefetches never fault.
+                    #[cfg(target_arch = "x86_64")]
+                    unsafe {
+                        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                            base.wrapping_add(r * slot + line * 64).cast(),
+                        )
+                    }
                 }
             }
+            pos += n;
         }
     }
 }
