@@ -709,6 +709,15 @@ fn bench_measures_each_shape_against_its_probe() {
         // Each measurement names the median of the probes its rounds ran against.
         let probe = r["probe_gbs"].as_f64().or(r["probe_gflops"].as_f64());
         assert!(probe.is_some_and(|p| p > 0.0), "{r}");
+        // Decode rows are taken against their compute ceiling too, where the CPU has one,
+        // each round over the ceiling probed just before it.
+        if r["name"].as_str().unwrap().starts_with("decode")
+            && v["probes"]["fma_peak_gflops"].is_f64()
+        {
+            let c = r["compute_ratio"].as_f64().unwrap();
+            assert!(c > 0.0 && c.is_finite(), "{r}");
+            assert!(r["compute_ceiling_gops"].as_f64().unwrap() > 0.0, "{r}");
+        }
     }
     assert_eq!(v["rounds"].as_u64(), Some(2), "{v}");
     // The fresh artifact's bounds allow at least a 128-token prefill and batch-1 decode.

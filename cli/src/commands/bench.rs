@@ -6,7 +6,9 @@
 //! minutes), so one probe at the start and a measurement a minute later
 //! can disagree by more than the kernels' own variation. Each measurement therefore runs in
 //! rounds, each round right after its own probe, and its ratio is the median of the rounds'
-//! ratios.
+//! ratios. The compute peaks (f32 FMA, 16-bit dot product) move with the neighbours too (a
+//! sibling hyperthread's work takes issue slots), so the compute ratios are taken the same way:
+//! each round over the peak measured just before it.
 
 use anyhow::Result;
 use maxc_runtime::bench::{bandwidth, fma_peak, gemm_flops, int16_peak, peak_rss, reset_peak_rss};
@@ -77,6 +79,11 @@ struct Decode {
     ratio: f64,
     /// The bandwidth probes' median, bytes/s.
     probe: f64,
+    /// The median of each round's achieved FLOP/s over the compute ceiling measured just
+    /// before it, where one was asked for and the CPU has it.
+    compute_ratio: Option<f64>,
+    /// The ceiling's probes' median, operations/s.
+    compute_probe: Option<f64>,
 }
 
 impl Decode {
@@ -99,9 +106,27 @@ impl Decode {
     }
 }
 
+/// The compute ceiling a measurement is taken against.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ceiling {
+    /// Independent f32 FMAs in registers ([`fma_peak`]).
+    Fma,
+    /// 16-bit integer dot products in registers ([`int16_peak`]).
+    Int16,
+}
+
+impl Ceiling {
+    fn name(self) -> &'static str {
+        match self {
+            Ceiling::Fma => "fma_peak",
+            Ceiling::Int16 => "int16_dot_peak",
+        }
+    }
+}
+
 /// `rounds` rounds of `steps` decode steps of the sequences `seqs` (already prefilled), each
-/// round after a bandwidth probe; each step feeds back its argmax (flipped every other step,
-/// so that no sequence settles into a loop).
+/// round after a bandwidth probe (and a probe of `ceiling`, where given); each step feeds back
+/// its argmax (flipped every other step, so that no sequence settles into a loop).
 fn timed_decode(
     engine: &mut Session,
     probes: &mut Probes,
@@ -109,13 +134,16 @@ fn timed_decode(
     steps: usize,
     rounds: usize,
     vocab: i64,
+    ceiling: Option<Ceiling>,
 ) -> Result<Decode> {
     let mut next: Vec<[i64; 1]> = (0..seqs.len())
         .map(|b| [(b as i64 * 17 + 5) % vocab])
         .collect();
     let (mut times, mut ratios, mut bws) = (vec![], vec![], vec![]);
+    let (mut peaks, mut compute) = (vec![], vec![]);
     let (mut bytes, mut flops) = (0u64, 0u64);
     for round in 0..rounds {
+        let peak = ceiling.and_then(|c| probes.peak(c));
         let bw = probes.bandwidth();
         let mut round_times = Vec::new();
         for step in 0..steps {
@@ -131,6 +159,10 @@ fn timed_decode(
             }
         }
         ratios.push(bytes as f64 / median(round_times.clone()) / bw);
+        if let Some(p) = peak {
+            compute.push(flops as f64 / median(round_times.clone()) / p);
+            peaks.push(p);
+        }
         bws.push(bw);
         times.extend(round_times);
     }
@@ -140,6 +172,8 @@ fn timed_decode(
         flops,
         ratio: median(ratios),
         probe: median(bws),
+        compute_ratio: (!compute.is_empty()).then(|| median(compute)),
+        compute_probe: (!peaks.is_empty()).then(|| median(peaks)),
     })
 }
 
@@ -149,6 +183,8 @@ fn timed_decode(
 struct Probes {
     bandwidth: Vec<f64>,
     gemm: Vec<f64>,
+    fma: Vec<f64>,
+    int16: Vec<f64>,
     model_peak_rss: Option<u64>,
 }
 
@@ -167,6 +203,29 @@ impl Probes {
         let g = gemm_flops();
         self.gemm.push(g);
         g
+    }
+
+    /// The compute ceiling now, in operations per second, where the CPU has it.
+    fn peak(&mut self, ceiling: Ceiling) -> Option<f64> {
+        let (p, all) = match ceiling {
+            Ceiling::Fma => (fma_peak(), &mut self.fma),
+            Ceiling::Int16 => (int16_peak(), &mut self.int16),
+        };
+        all.extend(p);
+        p
+    }
+
+    /// The median of a ceiling's probes so far (one taken now if none was).
+    fn peak_median(&mut self, ceiling: Ceiling) -> Option<f64> {
+        let all = match ceiling {
+            Ceiling::Fma => &self.fma,
+            Ceiling::Int16 => &self.int16,
+        };
+        if all.is_empty() {
+            self.peak(ceiling)
+        } else {
+            Some(median(all.clone()))
+        }
     }
 
     /// The model's peak resident memory so far.
@@ -194,8 +253,6 @@ pub fn run(args: Args) -> Result<()> {
     let vocab = engine.engine().vocab_size() as i64;
     let rounds = args.rounds as usize;
     let mut probes = Probes::default();
-    let peak = fma_peak();
-    let int_peak = int16_peak();
     let mut rows: Vec<Value> = Vec::new();
     let mut seq = 0u64;
 
@@ -208,6 +265,7 @@ pub fn run(args: Args) -> Result<()> {
         let (mut times, mut ratios, mut peaks, mut gemms) = (vec![], vec![], vec![], vec![]);
         let mut cost = (0, 0);
         for _ in 0..rounds {
+            let peak = probes.peak(Ceiling::Fma);
             let gemm = probes.gemm();
             seq += 1;
             let t = Instant::now();
@@ -256,10 +314,6 @@ pub fn run(args: Args) -> Result<()> {
         for (s, p) in seqs.iter().zip(&prompts) {
             engine.step(&[(*s, p)])?;
         }
-        let d = timed_decode(&mut engine, &mut probes, &seqs, args.steps, rounds, vocab)?;
-        for s in &seqs {
-            engine.release(*s);
-        }
         // The compute ceiling of the kernels most matmuls take at this batch: the 16-bit dot
         // product's where they run on 16-bit activations, else the f32 FMA's.
         let plans = engine.engine().cpu_matmul_plans().unwrap_or_default();
@@ -267,15 +321,27 @@ pub fn run(args: Args) -> Result<()> {
             .iter()
             .filter(|(_, p)| p.path(batch) == maxc_runtime::kernels::matmul::Path::I16Stream)
             .count();
-        let (ceiling, ceiling_ops) = if 2 * on_int16 > plans.len() {
-            ("int16_dot_peak", int_peak)
+        let ceiling = if 2 * on_int16 > plans.len() {
+            Ceiling::Int16
         } else {
-            ("fma_peak", peak)
+            Ceiling::Fma
         };
+        let d = timed_decode(
+            &mut engine,
+            &mut probes,
+            &seqs,
+            args.steps,
+            rounds,
+            vocab,
+            Some(ceiling),
+        )?;
+        for s in &seqs {
+            engine.release(*s);
+        }
         let mut row = d.row(format!("decode_b{batch}"), batch);
-        row["compute_ceiling"] = json!(ceiling);
-        row["compute_ceiling_gops"] = json!(ceiling_ops.map(|p| p / 1e9));
-        row["compute_ratio"] = json!(ceiling_ops.map(|p| d.flops as f64 / d.step_s / p));
+        row["compute_ceiling"] = json!(ceiling.name());
+        row["compute_ceiling_gops"] = json!(d.compute_probe.map(|p| p / 1e9));
+        row["compute_ratio"] = json!(d.compute_ratio);
         rows.push(row);
     }
     for &ctx in &args.context {
@@ -292,7 +358,15 @@ pub fn run(args: Args) -> Result<()> {
         for chunk in p.chunks(engine.engine().max_step_tokens().max(1)) {
             engine.step(&[(seq, chunk)])?;
         }
-        let d = timed_decode(&mut engine, &mut probes, &[seq], args.steps, rounds, vocab)?;
+        let d = timed_decode(
+            &mut engine,
+            &mut probes,
+            &[seq],
+            args.steps,
+            rounds,
+            vocab,
+            None,
+        )?;
         engine.release(seq);
         let mut row = d.row(format!("decode_b1_ctx{ctx}"), 1);
         row["context"] = json!(ctx);
@@ -309,6 +383,8 @@ pub fn run(args: Args) -> Result<()> {
     } else {
         median(probes.gemm.clone())
     };
+    let peak = probes.peak_median(Ceiling::Fma);
+    let int_peak = probes.peak_median(Ceiling::Int16);
     let activations = args.activations.activations.name();
     let report = json!({
         "artifact": args.artifact.display().to_string(),
