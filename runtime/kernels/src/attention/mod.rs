@@ -254,9 +254,16 @@ pub unsafe fn attention(
             }
             while let Some(it) = mine.next() {
                 // A decode row's keys and values are a short strided read the hardware does
-                // not see coming: the next item's are fetched while this one computes.
+                // not see coming: the next item's are fetched while this one computes (unless
+                // it reads the same rows: another query head of the same group).
                 if let (true, Some(next)) = (single_rows, mine.peek()) {
-                    prefetch_item(p, seqs, shape, next);
+                    let group = shape.heads / shape.kv_heads();
+                    let same = next.seq == it.seq
+                        && next.head / group == it.head / group
+                        && next.span == it.span;
+                    if !same {
+                        prefetch_item(p, seqs, shape, next);
+                    }
                 }
                 // SAFETY: as this function's contract (the CPU has AVX-512 where `avx512`,
                 // else AVX2 + FMA); items are in bounds by construction.
