@@ -303,25 +303,6 @@ mod avx512 {
         }
     }
 
-    /// Nibbles of 16 bytes with a fifth bit from `qh` (bit `j` for element `j`), less 16, as
-    /// integers: elements 0..16 (low nibbles) and 16..32 (high nibbles). `q − 16` is the
-    /// nibble where the fifth bit is set and the nibble less 16 where it is clear.
-    #[inline(always)]
-    unsafe fn nibbles5_centered(qs: &[u8; 16], qh: [u8; 4]) -> (__m512i, __m512i) {
-        // SAFETY: 16 bytes, read unaligned; the caller has AVX-512F.
-        unsafe {
-            let clear = !u32::from_le_bytes(qh);
-            let w = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.as_ptr().cast()));
-            let lo = _mm512_and_si512(w, _mm512_set1_epi32(0x0F));
-            let hi = _mm512_srli_epi32(w, 4);
-            let sixteen = _mm512_set1_epi32(16);
-            (
-                _mm512_mask_sub_epi32(lo, clear as __mmask16, lo, sixteen),
-                _mm512_mask_sub_epi32(hi, (clear >> 16) as __mmask16, hi, sixteen),
-            )
-        }
-    }
-
     impl Dequant for BlockQ5_0 {
         type Scales = ();
         const GROUPS: usize = 1;
@@ -332,12 +313,12 @@ mod avx512 {
             // SAFETY: the caller's features.
             unsafe {
                 let (d, _) = pair(self.d, [0, 0]);
-                // q − 16 in integers (16 taken off where the fifth bit is clear), then one
-                // rounding: the reference's d·(q − 16).
-                let (lo, hi) = nibbles5_centered(&self.qs, self.qh);
+                // d·q − 16·d: the reference's d·(q − 16), rounded once either way.
+                let m = _mm512_mul_ps(d, _mm512_set1_ps(-16.0));
+                let (lo, hi) = nibbles5(&self.qs, self.qh);
                 (
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d),
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d),
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m),
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, m),
                 )
             }
         }
