@@ -14,7 +14,8 @@
 #
 # Fidelity: the largest |logit difference| at every position of a 1024-token prompt (run in
 # 512-token steps), bf16 and q8_0 caches against the f32 cache on artifacts of the same weights.
-# Not part of CI: it builds llama.cpp (minutes) and needs quiet cores.
+# ISA=avx2: AVX2 kernels on both sides (see below). Not part of CI: it builds llama.cpp
+# (minutes) and needs quiet cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 peers=.tools/peers
@@ -33,6 +34,13 @@ if [ -z "$gguf" ]; then
   [ -f "$gguf" ] || "$bin/llama-quantize" --allow-requantize "$base" "$gguf" Q4_K_M >/dev/null 2>&1
 else
   bin=$(THREADS=$threads bash scripts/llama-cpp.sh "$gguf")
+fi
+# ISA=avx2 compares AVX2 kernels on a machine that has AVX-512 too (as bench-peers.sh): maxc
+# with MAXC_CPU_ISA=avx2 (bf16 and q8_0 caches widened a page at a time, not read in place),
+# llama.cpp built for AVX2.
+if [ "${ISA:-native}" = avx2 ]; then
+  bin=$(THREADS=$threads LLAMA_ISA=avx2 bash scripts/llama-cpp.sh)
+  export MAXC_CPU_ISA=avx2
 fi
 
 cargo build --release --locked -p maxc-cli >&2
