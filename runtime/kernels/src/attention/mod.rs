@@ -138,6 +138,24 @@ pub unsafe fn attention(
     shape: Shape,
     threads: usize,
 ) {
+    // SAFETY: the caller's contract; AVX-512 kernels only where the CPU runs them.
+    unsafe { attention_on(q, cache, out, seqs, shape, threads, tile::available()) }
+}
+
+/// [`attention`] on the AVX-512 kernels (`avx512`) or the AVX2 ones: the tests run both on a
+/// CPU that has both.
+///
+/// # Safety
+/// As [`attention`]; the CPU has AVX-512 where `avx512`, else AVX2 + FMA.
+unsafe fn attention_on(
+    q: *const f32,
+    cache: *const u8,
+    out: *mut f32,
+    seqs: &Seqs,
+    shape: Shape,
+    threads: usize,
+    avx512: bool,
+) {
     let group = shape.heads / shape.kv_heads();
     let mut items = Vec::new();
     for b in 0..seqs.cache_lengths.len() {
@@ -240,7 +258,6 @@ pub unsafe fn attention(
             } else {
                 (c, chunks, items.len())
             };
-            let avx512 = tile::available();
             let mut mine = items
                 .iter()
                 .skip(first)
@@ -299,7 +316,7 @@ fn prefetch_item(p: &Ptrs, seqs: &Seqs, shape: Shape, it: &Item) {
     let lines = (shape.cache.row_bytes() as usize).div_ceil(64);
     let slot = shape.cache.slot_bytes() as usize;
     let end = keys.min(k0 + PREFETCH_ROWS);
-    for which in 0..shape.cache.planes as u64 {
+    for which in 0..shape.cache.planes {
         // A page at a time: its rows are one slot apart.
         let mut pos = k0;
         while pos < end {
@@ -615,6 +632,18 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
 mod tests_support {
     use super::*;
 
+    /// The kernel sets this host runs, as [`attention_on`]'s `avx512`: AVX-512 where
+    /// [`attention`] would choose it, and AVX2 wherever the CPU has it (so an AVX-512 host
+    /// checks the kernels a CPU without it runs too).
+    pub(super) fn isas() -> impl Iterator<Item = bool> {
+        let avx2 = std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c");
+        [tile::available().then_some(true), avx2.then_some(false)]
+            .into_iter()
+            .flatten()
+    }
+
     /// Plain attention over the same paged cache, in f64.
     pub(super) fn reference(
         q: &[f32],
@@ -760,23 +789,28 @@ mod tests {
                 .map(|i| (((i * 40503usize) >> 3) % 1999) as f32 / 400.0 - 2.5)
                 .collect();
             let want = reference(&q, &cache, &seqs, shape, rows);
-            for threads in [1, 2, 5] {
+            for (threads, avx512) in [1, 2, 5]
+                .into_iter()
+                .flat_map(|t| isas().map(move |a| (t, a)))
+            {
                 let mut out = vec![f32::NAN; rows * heads * vd];
-                // SAFETY: available() checked; buffers sized as the contract says.
+                // SAFETY: the host has the instruction set (`isas`); buffers sized as the
+                // contract says.
                 unsafe {
-                    attention(
+                    attention_on(
                         q.as_ptr(),
                         bytes.as_ptr(),
                         out.as_mut_ptr(),
                         &seqs,
                         shape,
                         threads,
+                        avx512,
                     )
                 };
                 for (i, (a, b)) in out.iter().zip(&want).enumerate() {
                     assert!(
                         (a - b).abs() <= 2e-5 * (1.0 + b.abs()),
-                        "{dtype} head_dim {hd} window {window:?} threads {threads} at {i}: {a} vs {b}"
+                        "{dtype} head_dim {hd} window {window:?} threads {threads} avx512 {avx512} at {i}: {a} vs {b}"
                     );
                 }
             }
@@ -833,23 +867,28 @@ mod split_tests {
                     .map(|i| (((i * 40503usize) >> 3) % 1999) as f32 / 400.0 - 2.5)
                     .collect();
                 let want = reference(&q, &cache, &seqs, shape, 2);
-                for threads in [1, 2, 3, 8] {
+                for (threads, avx512) in [1, 2, 3, 8]
+                    .into_iter()
+                    .flat_map(|t| isas().map(move |a| (t, a)))
+                {
                     let mut out = vec![f32::NAN; 2 * heads * hd];
-                    // SAFETY: available() checked; buffers sized as the contract says.
+                    // SAFETY: the host has the instruction set (`isas`); buffers sized as the
+                    // contract says.
                     unsafe {
-                        attention(
+                        attention_on(
                             q.as_ptr(),
                             bytes.as_ptr(),
                             out.as_mut_ptr(),
                             &seqs,
                             shape,
                             threads,
+                            avx512,
                         )
                     };
                     for (i, (a, b)) in out.iter().zip(&want).enumerate() {
                         assert!(
                             (a - b).abs() <= 2e-5 * (1.0 + b.abs()),
-                            "{dtype} window {window:?} threads {threads} at {i}: {a} vs {b}"
+                            "{dtype} window {window:?} threads {threads} avx512 {avx512} at {i}: {a} vs {b}"
                         );
                     }
                 }
