@@ -1,9 +1,8 @@
 //! [`super::attention`]'s kernels on AVX2 + FMA (eight lanes, sixteen registers): the scores of
 //! up to four queries against two keys at a time with their dot products' lanes summed once,
 //! the softmax with an eight-lane `exp`, and the weighted values with two queries' accumulators
-//! for 32 values of the head at a time in registers. f32 and bf16 rows are read where they are
-//! (bf16 widened in registers). A head size that is not a multiple of eight runs scalar loops
-//! (bf16 then widened a page at a time by the caller).
+//! for 32 values of the head at a time in registers. A head size that is not a multiple of
+//! eight runs scalar loops.
 #![allow(clippy::needless_range_loop)]
 
 use std::arch::x86_64::*;
@@ -11,37 +10,9 @@ use std::arch::x86_64::*;
 use super::kernels::{values_scalar, Kernels};
 use crate::math::exp8;
 use crate::matmul::blocks::hsum;
-use crate::matmul::tile::{Bf16, Bf16Rows, F32Rows, Strided};
+use crate::matmul::tile::F32Rows;
 
 pub(super) struct Avx2;
-
-/// A cache element read eight at a time as f32.
-trait Load8: Copy {
-    /// Elements `p..p + 8`.
-    ///
-    /// # Safety
-    /// AVX2; the elements are readable.
-    unsafe fn load8(p: *const Self) -> __m256;
-}
-
-impl Load8 for f32 {
-    #[inline(always)]
-    unsafe fn load8(p: *const Self) -> __m256 {
-        // SAFETY: as the trait requires.
-        unsafe { _mm256_loadu_ps(p) }
-    }
-}
-
-impl Load8 for Bf16 {
-    #[inline(always)]
-    unsafe fn load8(p: *const Self) -> __m256 {
-        // SAFETY: as the trait requires; bf16 widens to f32 by a 16-bit shift.
-        unsafe {
-            let raw = _mm_loadu_si128(p.cast());
-            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
-        }
-    }
-}
 
 /// Lanes `0..n` set (all for `n ≥ 8`).
 #[inline(always)]
@@ -58,10 +29,10 @@ unsafe fn lanes(n: usize) -> __m256 {
 /// Scores of queries `q0..q0 + Q` against keys `j..j + C` (eight values of the head at a time).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn score_tile<E: Load8, const Q: usize, const C: usize>(
+unsafe fn score_tile<const Q: usize, const C: usize>(
     q: *const f32,
     hd: usize,
-    k: Strided<E>,
+    k: F32Rows,
     j: usize,
     out: *mut f32,
     ld: usize,
@@ -73,7 +44,7 @@ unsafe fn score_tile<E: Load8, const Q: usize, const C: usize>(
         while d < hd {
             let mut kv = [_mm256_setzero_ps(); C];
             for c in 0..C {
-                kv[c] = E::load8(k.ptr.add((j + c) * k.stride + d));
+                kv[c] = _mm256_loadu_ps(k.ptr.add((j + c) * k.stride + d));
             }
             for i in 0..Q {
                 let qv = _mm256_loadu_ps(q.add(i * hd + d));
@@ -94,10 +65,10 @@ unsafe fn score_tile<E: Load8, const Q: usize, const C: usize>(
 /// Scores of queries `q0..q0 + Q` against keys `0..n`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn score_rows<E: Load8, const Q: usize>(
+unsafe fn score_rows<const Q: usize>(
     q: *const f32,
     hd: usize,
-    k: Strided<E>,
+    k: F32Rows,
     n: usize,
     out: *mut f32,
     ld: usize,
@@ -106,11 +77,11 @@ unsafe fn score_rows<E: Load8, const Q: usize>(
     // SAFETY: as `score_tile`.
     unsafe {
         while j + 2 <= n {
-            score_tile::<E, Q, 2>(q, hd, k, j, out, ld);
+            score_tile::<Q, 2>(q, hd, k, j, out, ld);
             j += 2;
         }
         if j < n {
-            score_tile::<E, Q, 1>(q, hd, k, j, out, ld);
+            score_tile::<Q, 1>(q, hd, k, j, out, ld);
         }
     }
 }
@@ -119,7 +90,7 @@ unsafe fn score_rows<E: Load8, const Q: usize>(
 /// accumulated in registers over every key, then stored into `acc`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn values_block<E: Load8, const Q: usize, const D: usize>(
+unsafe fn values_block<const Q: usize, const D: usize>(
     scores: &[f32],
     ld: usize,
     q0: usize,
@@ -128,7 +99,7 @@ unsafe fn values_block<E: Load8, const Q: usize, const D: usize>(
     keys: usize,
     page_size: usize,
     slot: usize,
-    values: &dyn Fn(usize) -> *const E,
+    values: &dyn Fn(usize) -> *const f32,
     acc: &mut [f32],
 ) {
     // SAFETY: the caller has AVX2 + FMA; rows q0..q0 + Q of the scores and keys ..keys in
@@ -143,7 +114,7 @@ unsafe fn values_block<E: Load8, const Q: usize, const D: usize>(
                 let v = base.add(s * slot);
                 let mut vv = [_mm256_setzero_ps(); D];
                 for d in 0..D {
-                    vv[d] = E::load8(v.add(8 * d));
+                    vv[d] = _mm256_loadu_ps(v.add(8 * d));
                 }
                 for i in 0..Q {
                     let w = _mm256_broadcast_ss(scores.get_unchecked((q0 + i) * ld + t0 + s));
@@ -188,49 +159,18 @@ impl Kernels for Avx2 {
                 }
                 return;
             }
-            scores_in_place(q, nq, hd, k, n, out, ld);
+            let mut i = 0;
+            while i < nq {
+                let (qi, oi) = (q.add(i * hd), out.add(i * ld));
+                match nq - i {
+                    1 => score_rows::<1>(qi, hd, k, n, oi, ld),
+                    2 => score_rows::<2>(qi, hd, k, n, oi, ld),
+                    3 => score_rows::<3>(qi, hd, k, n, oi, ld),
+                    _ => score_rows::<4>(qi, hd, k, n, oi, ld),
+                }
+                i += 4.min(nq - i);
+            }
         }
-    }
-
-    #[inline(always)]
-    unsafe fn scores_bf16(
-        q: *const f32,
-        nq: usize,
-        hd: usize,
-        k: Bf16Rows,
-        n: usize,
-        out: *mut f32,
-        ld: usize,
-    ) -> bool {
-        if !hd.is_multiple_of(8) {
-            return false;
-        }
-        // SAFETY: as the trait's contract; the loads widen bf16 in registers.
-        unsafe { scores_in_place(q, nq, hd, k, n, out, ld) };
-        true
-    }
-
-    #[inline(always)]
-    unsafe fn values_bf16(
-        scores: &[f32],
-        ld: usize,
-        nq: usize,
-        hd: usize,
-        keys: usize,
-        page_size: usize,
-        slot: usize,
-        values: &dyn Fn(usize) -> *const u16,
-        acc: &mut Vec<f32>,
-    ) -> bool {
-        if !hd.is_multiple_of(8) {
-            return false;
-        }
-        let values = |pg: usize| values(pg).cast::<Bf16>();
-        acc.clear();
-        acc.resize(nq * hd, 0.0);
-        // SAFETY: as the trait's contract; the loads widen bf16 in registers.
-        unsafe { values_in_registers(scores, ld, nq, hd, keys, page_size, slot, &values, acc) };
-        true
     }
 
     #[inline(always)]
@@ -289,85 +229,34 @@ impl Kernels for Avx2 {
             if !hd.is_multiple_of(8) {
                 return values_scalar(scores, ld, nq, hd, keys, page_size, slot, values, acc);
             }
-            values_in_registers(scores, ld, nq, hd, keys, page_size, slot, values, acc);
-        }
-    }
-}
-
-/// Scores of queries `0..nq` against key rows `0..n` read where they are (`hd` a multiple of
-/// eight), four queries at a time.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn scores_in_place<E: Load8>(
-    q: *const f32,
-    nq: usize,
-    hd: usize,
-    k: Strided<E>,
-    n: usize,
-    out: *mut f32,
-    ld: usize,
-) {
-    let mut i = 0;
-    // SAFETY: the caller has AVX2 + FMA, nq query rows of hd values at q and n key rows.
-    unsafe {
-        while i < nq {
-            let (qi, oi) = (q.add(i * hd), out.add(i * ld));
-            match nq - i {
-                1 => score_rows::<E, 1>(qi, hd, k, n, oi, ld),
-                2 => score_rows::<E, 2>(qi, hd, k, n, oi, ld),
-                3 => score_rows::<E, 3>(qi, hd, k, n, oi, ld),
-                _ => score_rows::<E, 4>(qi, hd, k, n, oi, ld),
-            }
-            i += 4.min(nq - i);
-        }
-    }
-}
-
-/// `acc[q, :] = Σ_t scores[q, t] · V[t, :]` with value rows read where they are (`hd` a
-/// multiple of eight; `acc` zeroed, `nq × hd`): two queries' accumulators for 32 values of the
-/// head at a time in registers.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn values_in_registers<E: Load8>(
-    scores: &[f32],
-    ld: usize,
-    nq: usize,
-    hd: usize,
-    keys: usize,
-    page_size: usize,
-    slot: usize,
-    values: &dyn Fn(usize) -> *const E,
-    acc: &mut [f32],
-) {
-    // SAFETY: the caller has AVX2 + FMA; as `values_block`'s contract for every block.
-    unsafe {
-        let mut q0 = 0;
-        while q0 < nq {
-            let qn = 2.min(nq - q0);
-            let mut d0 = 0;
-            while d0 < hd {
-                // One instance per (queries, vectors), so that the accumulators are
-                // registers.
-                macro_rules! block {
-                    ($q:literal, $d:literal) => {
-                        values_block::<E, $q, $d>(
-                            scores, ld, q0, d0, hd, keys, page_size, slot, values, acc,
-                        )
-                    };
+            let mut q0 = 0;
+            while q0 < nq {
+                let qn = 2.min(nq - q0);
+                let mut d0 = 0;
+                while d0 < hd {
+                    // One instance per (queries, vectors), so that the accumulators are
+                    // registers.
+                    macro_rules! block {
+                        ($q:literal, $d:literal) => {
+                            values_block::<$q, $d>(
+                                scores, ld, q0, d0, hd, keys, page_size, slot, values, acc,
+                            )
+                        };
+                    }
+                    match (qn, (hd - d0) / 8) {
+                        (1, 1) => block!(1, 1),
+                        (1, 2) => block!(1, 2),
+                        (1, 3) => block!(1, 3),
+                        (1, _) => block!(1, 4),
+                        (_, 1) => block!(2, 1),
+                        (_, 2) => block!(2, 2),
+                        (_, 3) => block!(2, 3),
+                        _ => block!(2, 4),
+                    }
+                    d0 += 32.min(hd - d0);
                 }
-                match (qn, (hd - d0) / 8) {
-                    (1, 1) => block!(1, 1),
-                    (1, 2) => block!(1, 2),
-                    (1, 3) => block!(1, 3),
-                    (1, _) => block!(1, 4),
-                    (_, 1) => block!(2, 1),
-                    (_, 2) => block!(2, 2),
-                    (_, 3) => block!(2, 3),
-                    _ => block!(2, 4),
-                }
-                d0 += 32.min(hd - d0);
+                q0 += qn;
             }
-            q0 += qn;
         }
     }
 }
