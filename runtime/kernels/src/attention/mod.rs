@@ -123,8 +123,11 @@ thread_local! {
 /// (position `p` in its sequence) and query head `h`, keys and values of KV head
 /// `h / (heads / kv_heads)` read from the paged cache.
 ///
-/// The cache holds rows in `shape.cache.dtype` ([`KvView`]); bf16 and q8_0 rows are widened
-/// to f32 a page at a time, into a tile of the thread's scratch that the f32 kernels then read.
+/// The cache holds rows in `shape.cache.dtype` ([`KvView`]); f32 and bf16 rows are read where
+/// they lie (bf16 widened in registers), q8_0 rows (and bf16 at head sizes the vector kernels do
+/// not cover) widened to f32 a page at a time, into a tile of the thread's scratch that the f32
+/// kernels then read. The next page's keys (while a page is scored) and values (while a page is
+/// summed) are fetched into L2 ahead of the kernels.
 ///
 /// # Safety
 /// [`tile::available`] holds; `q` and `out` hold `rows × heads × head_dim` values; `cache` is
@@ -313,7 +316,7 @@ fn prefetch_item(p: &Ptrs, seqs: &Seqs, shape: Shape, it: &Item) {
         k0 = k0.max((first_pos + 1).saturating_sub(w));
     }
     let kvh = (it.head / (shape.heads / shape.kv_heads())) as u64;
-    let lines = (shape.cache.row_bytes() as usize).div_ceil(64);
+    let row_bytes = shape.cache.row_bytes() as usize;
     let slot = shape.cache.slot_bytes() as usize;
     let end = keys.min(k0 + PREFETCH_ROWS);
     for which in 0..shape.cache.planes {
@@ -325,18 +328,25 @@ fn prefetch_item(p: &Ptrs, seqs: &Seqs, shape: Shape, it: &Item) {
             let base = p
                 .cache
                 .wrapping_add(shape.cache.offset(page, which, (pos % ps) as u64, kvh) as usize);
-            for r in 0..n {
-                for line in 0..lines {
-                    // SAFETY: SSE is baseline on x86-64; prefetches never fault.
-                    #[cfg(target_arch = "x86_64")]
-                    unsafe {
-                        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-                            base.wrapping_add(r * slot + line * 64).cast(),
-                        )
-                    }
-                }
-            }
+            prefetch_rows(base, slot, n, row_bytes);
             pos += n;
+        }
+    }
+}
+
+/// Prefetches into L2 `rows` rows of `row_bytes`, `stride` bytes apart from `base`.
+#[inline(always)]
+fn prefetch_rows(base: *const u8, stride: usize, rows: usize, row_bytes: usize) {
+    let lines = row_bytes.div_ceil(64);
+    for r in 0..rows {
+        for line in 0..lines {
+            // SAFETY: SSE is baseline on x86-64; prefetches never fault.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                    base.wrapping_add(r * stride + line * 64).cast(),
+                )
+            }
         }
     }
 }
@@ -507,9 +517,16 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
         };
         let first_page = lo(0) / shape.page_size();
         let from = first_page * shape.page_size();
+        let row_bytes = shape.cache.row_bytes() as usize;
         for pg in first_page..pages {
             let t0 = pg * shape.page_size();
             let n = shape.page_size().min(keys - t0);
+            // The next page's keys fetched into L2 while this one's are scored (each head's
+            // rows a strided read the hardware prefetchers do not follow).
+            if pg + 1 < pages {
+                let n1 = shape.page_size().min(keys - t0 - n);
+                prefetch_rows(page_ptr(pg + 1, 0), slot_bytes, n1, row_bytes);
+            }
             let (k, next) = if wide {
                 let next = if pg + 1 < pages {
                     let first = tile::STRIDED_AHEAD.min(keys - t0 - n);
@@ -561,10 +578,20 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
                 row[start.min(from)..lo].fill(0.0);
             }
         }
+        // Page `pg`'s values, the next page's fetched into L2 as they are read (the kernels
+        // read the values a page at a time).
+        let value_page = |pg: usize| {
+            if pg + 1 < pages {
+                let t1 = (pg + 1) * shape.page_size();
+                let n1 = shape.page_size().min(keys - t1);
+                prefetch_rows(page_ptr(pg + 1, 1), slot_bytes, n1, row_bytes);
+            }
+            page_ptr(pg, 1)
+        };
         // Values: out = (scores · V) / sum, from page `first_page` on (the scores and the
         // pages shifted by it). With one plane the value block is the key block.
         if wide {
-            let values = |pg: usize| page_ptr(pg + first_page, 1).cast::<f32>();
+            let values = |pg: usize| value_page(pg + first_page).cast::<f32>();
             K::values(
                 &scores[from..],
                 ld,
@@ -585,7 +612,7 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
                 keys - from,
                 shape.page_size(),
                 slot_bytes / 2,
-                &|pg: usize| page_ptr(pg + first_page, 1).cast::<u16>(),
+                &|pg: usize| value_page(pg + first_page).cast::<u16>(),
                 acc,
             )
         {
@@ -597,7 +624,8 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
             for pg in first_page..pages {
                 let t0 = pg * shape.page_size();
                 let n = shape.page_size().min(keys - t0);
-                widen(dtype, page_ptr(pg, 1), slot_bytes, n, hd, vd, rows);
+                let v = value_page(pg);
+                widen(dtype, v, slot_bytes, n, hd, vd, rows);
                 let v = rows.as_ptr();
                 K::values(&scores[t0..], ld, nq, vd, n, n, vd, &|_| v, page_acc);
                 for (a, b) in acc.iter_mut().zip(page_acc.iter()) {
