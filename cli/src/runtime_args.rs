@@ -42,10 +42,12 @@ pub struct RuntimeArgs {
     /// [default: every context at max_seq_len, sliding-window layers only their windows].
     #[arg(long, value_parser = positive, allow_negative_numbers = true)]
     pub kv_cache_pages: Option<usize>,
-    /// What the KV cache stores each key and value as: f32 (exact), bf16 (half the bytes,
-    /// rounded to nearest even) or q8_0 (8-bit integers with an f32 scale per 32 values, as
-    /// llama.cpp's `-ctk/-ctv q8_0`; head_dim a multiple of 32). Recorded in the artifact: its
-    /// kernels store and read that type.
+    /// What the KV cache stores each key and value as: f32 (exact), f16 (half the bytes,
+    /// llama.cpp's default: ten mantissa bits, magnitudes past 65504 infinite), bf16 (half
+    /// the bytes, f32's range, eight mantissa bits) or q8_0 (8-bit integers with an f32 scale
+    /// per 32 values, as llama.cpp's `-ctk/-ctv q8_0`; head_dim a multiple of 32); each
+    /// rounded to nearest even. Recorded in the artifact: its kernels store and read that
+    /// type.
     #[arg(long, default_value = "f32")]
     pub kv_cache_dtype: maxc_schema::KvDtype,
     /// Draft tokens the decoder verifies per step (speculative decoding); each step can

@@ -1045,21 +1045,24 @@ fn an_older_deepseek2_gguf_with_a_whole_kv_b_gives_the_fixture_logits() {
     }
 }
 
-/// A bf16 or q8_0 KV cache: the compiled CPU artifact (its KV store kernels rounding each row
+/// An f16, bf16 or q8_0 KV cache: the compiled CPU artifact (its KV store kernels rounding each row
 /// to the type, its attention reading it) gives the interpreter's logits with the same cache
 /// (rows rounded as `KvDtype::round_row` says) at every row of a ragged prefill and the decode
 /// step after it; and stays near the fixture's f32-cache logits. Sliding windows (Gemma 3)
-/// and the latent cache (DeepSeek-V3, bf16; its 80-wide latent is refused for q8_0 by name).
+/// and the latent cache (DeepSeek-V3, f16 and bf16; its 80-wide latent is refused for q8_0 by
+/// name).
 #[test]
 fn kv_cache_dtypes_give_the_interpreters_logits_with_the_same_cache() {
     use maxc_schema::KvDtype;
     let root = tempfile::tempdir().unwrap();
     let cases = [
+        ("tiny-llama", KvDtype::F16),
         ("tiny-llama", KvDtype::Bf16),
         ("tiny-llama", KvDtype::Q8_0),
         ("tiny-qwen3", KvDtype::Q8_0),
         ("tiny-gemma3", KvDtype::Bf16),
         ("tiny-gemma3", KvDtype::Q8_0),
+        ("tiny-deepseek-v3", KvDtype::F16),
         ("tiny-deepseek-v3", KvDtype::Bf16),
     ];
     for (model, dtype) in cases {

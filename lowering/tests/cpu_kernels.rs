@@ -716,6 +716,76 @@ struct Cache {
     head_dim: usize,
 }
 
+/// An f16 cache stores every f32 as `half` rounds it (the interpreter's and the library
+/// kernels' reference): ties to even, subnormals, the largest finite, overflow to infinity,
+/// infinities, signed zeros and NaN, bit for bit.
+#[test]
+fn f16_kv_store_rounds_as_half_does_at_every_edge() {
+    let mut vals: Vec<f32> = vec![
+        0.0,
+        -0.0,
+        1.0,
+        -1.5,
+        1.0 + 1.0 / 2048.0,
+        1.0 + 3.0 / 2048.0,
+        2049.0,
+        2051.0,
+        65504.0,
+        65519.9,
+        65520.0,
+        -1e10,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        6.1e-5,
+        6.097e-5,
+        1e-7,
+        -2.98e-8,
+        2.99e-8,
+        1e-30,
+        f32::MIN_POSITIVE,
+    ];
+    // And a sweep of exponents and mantissas.
+    let mut x = 1.3e-9f32;
+    while x < 1e6 {
+        vals.extend([x, -x * 1.0001]);
+        x *= 1.37;
+    }
+    let hd = vals.len();
+    let Some(store) = Kernel::new(KernelBody::KvStore {
+        planes: 2,
+        layer: 0,
+        num_layers: 1,
+        kv_heads: 1,
+        head_dim: hd as u64,
+        page_size: 1,
+        kv_dtype: KvDtype::F16,
+    }) else {
+        return;
+    };
+    let mut k = vals.clone();
+    let mut v: Vec<f32> = vals.iter().map(|x| -x).collect();
+    let mut cache = vec![0u8; 2 * hd * 2];
+    let (mut lookup, mut lengths, mut offsets) = (vec![0i32], vec![0i32], vec![0i32, 1]);
+    store.run(
+        &ptrs![k, v, cache, lookup, lengths, offsets],
+        dims(1, 1, 1, 1),
+    );
+    for (plane, src) in [(0, &k), (1, &v)] {
+        for (i, x) in src.iter().enumerate() {
+            let at = (plane * hd + i) * 2;
+            let got = u16::from_le_bytes([cache[at], cache[at + 1]]);
+            let want = half::f16::from_f32(*x).to_bits();
+            assert_eq!(
+                got,
+                want,
+                "{x:e} ({:#010x}): {got:#06x} against {want:#06x}",
+                x.to_bits()
+            );
+        }
+    }
+}
+
 #[test]
 fn kv_store_then_attention_over_paged_cache() {
     let mut rng = Rng(10);

@@ -83,8 +83,30 @@ fn all_kinds() -> Vec<KernelBody> {
             window: None,
             kv_dtype: KvDtype::F32,
         },
-        // The KV dtypes: bf16 and q8_0 rows stored and read (q8_0's warps quantize whole
-        // groups of 32 with shuffles).
+        // The KV dtypes: f16, bf16 and q8_0 rows stored and read (q8_0's warps quantize
+        // whole groups of 32 with shuffles).
+        KernelBody::KvStore {
+            planes: 2,
+            layer: 1,
+            num_layers: 2,
+            kv_heads: 2,
+            head_dim: 64,
+            page_size: 16,
+            kv_dtype: KvDtype::F16,
+        },
+        KernelBody::Attention {
+            planes: 2,
+            value_dim: 64,
+            layer: 1,
+            num_layers: 2,
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 64,
+            page_size: 16,
+            scale: 0.125,
+            window: None,
+            kv_dtype: KvDtype::F16,
+        },
         KernelBody::KvStore {
             planes: 2,
             layer: 1,

@@ -156,6 +156,7 @@ pub(crate) fn load_cached(
 ) -> Value {
     match view.dtype {
         KvDtype::F32 => kb.load_f32(ty, row, c),
+        KvDtype::F16 => dtype::load(kb, ty, FloatType::F16, row, c),
         KvDtype::Bf16 => dtype::load(kb, ty, FloatType::Bf16, row, c),
         KvDtype::Q8_0 => {
             let addr = kb.b.ins().iadd(row, c);
@@ -187,6 +188,45 @@ pub(crate) fn load_cached(
     }
 }
 
+/// The IEEE binary16 bits (in an i32) of the f32 `x`, rounded to nearest even as
+/// [`KvDtype::round_row`] (the `half` crate) rounds: normals rebiased with the round bit
+/// added, magnitudes from 65520 on infinite, those below 2^-14 subnormal (`|x|·2^24` rounded
+/// to an integer, exact in f32), NaN quiet with its payload's top bits.
+fn f16_bits(kb: &mut KernelBuilder, x: Value) -> Value {
+    let bits = kb.bitcast(I32, x);
+    let sign = kb.b.ins().ushr_imm_u(bits, 16);
+    let sign = kb.b.ins().band_imm_u(sign, 0x8000);
+    let abs = kb.b.ins().band_imm_u(bits, 0x7fff_ffff);
+    // Normal: the exponent rebiased from 127 to 15, then the low 13 bits rounded away.
+    let t = kb.b.ins().iadd_imm_s(abs, -(112 << 23));
+    let lsb = kb.b.ins().ushr_imm_u(t, 13);
+    let lsb = kb.b.ins().band_imm_u(lsb, 1);
+    let bias = kb.b.ins().iadd_imm_s(lsb, 0xfff);
+    let r = kb.b.ins().iadd(t, bias);
+    let normal = kb.b.ins().ushr_imm_u(r, 13);
+    let inf = kb.b.ins().iconst(I32, 0x7c00);
+    let normal = kb.b.ins().umin(normal, inf);
+    // Subnormal (and zero): |x| in units of 2^-24, to nearest even.
+    let ax = kb.b.ins().fabs(x);
+    let scale = kb.fconst(F32, f32::from_bits((127 + 24) << 23));
+    let m = kb.b.ins().fmul(ax, scale);
+    let m = kb.b.ins().nearest(m);
+    let sub = kb.b.ins().fcvt_to_uint_sat(I32, m);
+    let is_sub =
+        kb.b.ins()
+            .icmp_imm_u(IntCC::UnsignedLessThan, abs, 0x3880_0000);
+    let h = kb.b.ins().select(is_sub, sub, normal);
+    // NaN: quiet, the top ten bits of its payload kept.
+    let payload = kb.b.ins().band_imm_u(bits, 0x7f_ffff);
+    let payload = kb.b.ins().ushr_imm_u(payload, 13);
+    let nan = kb.b.ins().bor_imm_u(payload, 0x7e00);
+    let is_nan =
+        kb.b.ins()
+            .icmp_imm_u(IntCC::UnsignedGreaterThan, abs, 0x7f80_0000);
+    let h = kb.b.ins().select(is_nan, nan, h);
+    kb.b.ins().bor(h, sign)
+}
+
 /// Stores the `head_dim` f32 values at `src` as one cached row at `dst` in `view`'s dtype,
 /// rounded as [`KvDtype::round_row`] says (bf16: to nearest even; q8_0: per 32 values
 /// `d = max|x| / 127`, `q = x / d` to nearest even, 0 where `d` is 0).
@@ -197,6 +237,15 @@ fn store_row(kb: &mut KernelBuilder, view: &KvView, src: Value, dst: Value) {
             let x = kb.load_f32(ty, src, c);
             kb.store_f32(x, dst, c);
         }),
+        KvDtype::F16 => {
+            let (lo, hi) = (kb.i64c(0), kb.i64c(hd));
+            kb.for_range(lo, hi, 1, |kb, c| {
+                let x = kb.load_f32(F32, src, c);
+                let h = f16_bits(kb, x);
+                let addr = kb.addr(dst, c, 2);
+                kb.b.ins().istore16(MEM, h, addr, 0);
+            });
+        }
         KvDtype::Bf16 => {
             let (lo, hi) = (kb.i64c(0), kb.i64c(hd));
             kb.for_range(lo, hi, 1, |kb, c| {

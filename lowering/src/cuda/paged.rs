@@ -33,6 +33,7 @@ pub(crate) fn slot_ptr(cache: &KvView, page: &str, slot: &str, which: u64) -> St
 pub(crate) fn load_cached(cache: &KvView, row: &str, d: &str) -> String {
     match cache.dtype {
         KvDtype::F32 => format!("((const float*)({row}))[{d}]"),
+        KvDtype::F16 => format!("__half2float(((const __half*)({row}))[{d}])"),
         KvDtype::Bf16 => format!("__bfloat162float(((const __nv_bfloat16*)({row}))[{d}])"),
         KvDtype::Q8_0 => format!(
             "((float)((const signed char*)({row}))[{d}] * ((const float*)(({row}) + {hd}))[({d}) >> 5])",
@@ -116,6 +117,7 @@ pub(crate) fn emit_kv_store(cx: Ctx, cache: &KvView) -> Result<Emitted, CudaErro
         let x = format!("{src}[r * {} + c]", ull(floats));
         match cache.dtype {
             KvDtype::F32 => format!("        ((float*)({dst}))[c] = {x};\n"),
+            KvDtype::F16 => format!("        ((__half*)({dst}))[c] = __float2half_rn({x});\n"),
             KvDtype::Bf16 => {
                 format!("        ((__nv_bfloat16*)({dst}))[c] = __float2bfloat16_rn({x});\n")
             }

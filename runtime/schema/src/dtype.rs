@@ -281,6 +281,8 @@ impl FromStr for DType {
 ///
 /// A row is one token's keys (or values) of one KV head, `head_dim` values:
 /// - [`KvDtype::F32`]: `head_dim` f32 (4 bytes a value, exact);
+/// - [`KvDtype::F16`]: `head_dim` IEEE binary16, rounded to nearest even (2 bytes a value;
+///   magnitudes past 65504 round to infinity, below 2^-14 to subnormals);
 /// - [`KvDtype::Bf16`]: `head_dim` bfloat16, rounded to nearest even (2 bytes a value);
 /// - [`KvDtype::Q8_0`]: `head_dim` i8 `q`, then one f32 scale `d` per 32 values (1.125 bytes a
 ///   value): `d = max|x| / 127` over each 32 values and `q = x / d` rounded to nearest even
@@ -295,6 +297,10 @@ pub enum KvDtype {
     #[default]
     #[serde(rename = "f32")]
     F32,
+    /// IEEE 754 binary16 (llama.cpp's default cache type): ten bits of mantissa, values
+    /// beyond ±65504 become infinite.
+    #[serde(rename = "f16")]
+    F16,
     /// bfloat16.
     #[serde(rename = "bf16")]
     Bf16,
@@ -305,7 +311,7 @@ pub enum KvDtype {
 
 impl KvDtype {
     /// Every KV dtype.
-    pub const ALL: [KvDtype; 3] = [KvDtype::F32, KvDtype::Bf16, KvDtype::Q8_0];
+    pub const ALL: [KvDtype; 4] = [KvDtype::F32, KvDtype::F16, KvDtype::Bf16, KvDtype::Q8_0];
 
     /// Values per scale of [`KvDtype::Q8_0`].
     pub const Q8_BLOCK: u64 = 32;
@@ -314,6 +320,7 @@ impl KvDtype {
     pub fn name(self) -> &'static str {
         match self {
             KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
             KvDtype::Bf16 => "bf16",
             KvDtype::Q8_0 => "q8_0",
         }
@@ -324,7 +331,7 @@ impl KvDtype {
     pub fn row_bytes(self, head_dim: u64) -> u64 {
         match self {
             KvDtype::F32 => head_dim * 4,
-            KvDtype::Bf16 => head_dim * 2,
+            KvDtype::F16 | KvDtype::Bf16 => head_dim * 2,
             KvDtype::Q8_0 => head_dim + head_dim / Self::Q8_BLOCK * 4,
         }
     }
@@ -368,6 +375,11 @@ impl KvDtype {
     pub fn round_row(self, row: &mut [f32]) {
         match self {
             KvDtype::F32 => {}
+            KvDtype::F16 => {
+                for v in row {
+                    *v = half::f16::from_f32(*v).to_f32();
+                }
+            }
             KvDtype::Bf16 => {
                 for v in row {
                     *v = f32::from_bits(u32::from(Self::bf16_bits(*v)) << 16);
@@ -390,6 +402,11 @@ impl KvDtype {
             KvDtype::F32 => {
                 for (o, v) in out.chunks_exact_mut(4).zip(row) {
                     o.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            KvDtype::F16 => {
+                for (o, v) in out.chunks_exact_mut(2).zip(row) {
+                    o.copy_from_slice(&half::f16::from_f32(*v).to_le_bytes());
                 }
             }
             KvDtype::Bf16 => {
@@ -419,6 +436,11 @@ impl KvDtype {
                 .take(head_dim)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                 .collect(),
+            KvDtype::F16 => bytes
+                .chunks_exact(2)
+                .take(head_dim)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
             KvDtype::Bf16 => bytes
                 .chunks_exact(2)
                 .take(head_dim)
@@ -447,7 +469,7 @@ impl fmt::Display for KvDtype {
 impl FromStr for KvDtype {
     type Err = String;
 
-    /// `f32`, `bf16` or `q8_0` (`f16` is refused by name: bf16 keeps f32's range).
+    /// `f32`, `f16`, `bf16` or `q8_0`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         KvDtype::ALL
             .into_iter()
@@ -487,11 +509,13 @@ mod kv_tests {
             let mut want = row.clone();
             dt.round_row(&mut want);
             assert_eq!(dt.decode_row(&bytes, 64), want, "{dt}");
-            // Half a step of the type: 2^-8 of a value in bf16, 1/254 of the largest in q8_0.
+            // Half a step of the type: 2^-11 of a value in f16 (these are normal), 2^-8 in
+            // bf16, 1/254 of the largest in q8_0.
             let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
             for (a, b) in row.iter().zip(&want) {
                 let bound = match dt {
                     KvDtype::F32 => 0.0,
+                    KvDtype::F16 => a.abs() / 2048.0,
                     KvDtype::Bf16 => a.abs() / 256.0,
                     KvDtype::Q8_0 => amax / 254.0 * 1.0001,
                 };
@@ -504,9 +528,10 @@ mod kv_tests {
         assert!(KvDtype::Q8_0.check_head_dim(80).is_err());
         assert!(KvDtype::Q8_0.check_head_dim(576).is_ok());
         assert_eq!("Q8_0".parse::<KvDtype>(), Ok(KvDtype::Q8_0));
-        assert!("f16"
+        assert_eq!("f16".parse::<KvDtype>(), Ok(KvDtype::F16));
+        assert!("fp8"
             .parse::<KvDtype>()
             .unwrap_err()
-            .contains("f32, bf16, q8_0"));
+            .contains("f32, f16, bf16, q8_0"));
     }
 }

@@ -8,10 +8,10 @@
 
 use std::arch::x86_64::*;
 
-use super::kernels::{values_scalar, Kernels};
+use super::kernels::{values_scalar, Half, Kernels};
 use crate::math::exp8;
 use crate::matmul::blocks::hsum;
-use crate::matmul::tile::{Bf16, Bf16Rows, F32Rows, Strided};
+use crate::matmul::tile::{Bf16, Bf16Rows, F16Rows, F32Rows, Strided, F16};
 
 pub(super) struct Avx2;
 
@@ -52,6 +52,14 @@ impl Rows8 for Strided<Bf16> {
             let h = _mm_loadu_si128(self.ptr.add(j * self.stride + d).cast());
             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
         }
+    }
+}
+
+impl Rows8 for Strided<F16> {
+    #[inline(always)]
+    unsafe fn load8(self, j: usize, d: usize) -> __m256 {
+        // SAFETY: as the trait requires; the caller has F16C beside AVX2.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(self.ptr.add(j * self.stride + d).cast())) }
     }
 }
 
@@ -319,11 +327,12 @@ impl Kernels for Avx2 {
     }
 
     #[inline(always)]
-    unsafe fn scores_bf16(
+    unsafe fn scores_half(
         q: *const f32,
         nq: usize,
         hd: usize,
-        k: Bf16Rows,
+        half: Half,
+        k: Strided<u16>,
         n: usize,
         out: *mut f32,
         ld: usize,
@@ -331,13 +340,31 @@ impl Kernels for Avx2 {
         if !hd.is_multiple_of(8) {
             return false;
         }
-        // SAFETY: as the trait's contract; the loads widen bf16 in registers.
-        unsafe { scores_in_place(q, nq, hd, k, n, out, ld) };
+        let stride = k.stride;
+        // SAFETY: as the trait's contract; the loads widen 16-bit values in registers.
+        unsafe {
+            match half {
+                Half::Bf16 => {
+                    let k = Bf16Rows {
+                        ptr: k.ptr.cast(),
+                        stride,
+                    };
+                    scores_in_place(q, nq, hd, k, n, out, ld)
+                }
+                Half::F16 => {
+                    let k = F16Rows {
+                        ptr: k.ptr.cast(),
+                        stride,
+                    };
+                    scores_in_place(q, nq, hd, k, n, out, ld)
+                }
+            }
+        };
         true
     }
 
     #[inline(always)]
-    unsafe fn values_bf16(
+    unsafe fn values_half(
         scores: &[f32],
         ld: usize,
         nq: usize,
@@ -345,18 +372,32 @@ impl Kernels for Avx2 {
         keys: usize,
         page_size: usize,
         slot: usize,
+        half: Half,
         values: &dyn Fn(usize) -> *const u16,
         acc: &mut Vec<f32>,
     ) -> bool {
         if !hd.is_multiple_of(8) {
             return false;
         }
-        let rows = |pg: usize| Bf16Rows {
-            ptr: values(pg).cast(),
-            stride: slot,
-        };
-        // SAFETY: as the trait's contract; the loads widen bf16 in registers.
-        unsafe { values_in_place(scores, ld, nq, hd, keys, page_size, &rows, acc) };
+        // SAFETY: as the trait's contract; the loads widen 16-bit values in registers.
+        unsafe {
+            match half {
+                Half::Bf16 => {
+                    let rows = |pg: usize| Bf16Rows {
+                        ptr: values(pg).cast(),
+                        stride: slot,
+                    };
+                    values_in_place(scores, ld, nq, hd, keys, page_size, &rows, acc)
+                }
+                Half::F16 => {
+                    let rows = |pg: usize| F16Rows {
+                        ptr: values(pg).cast(),
+                        stride: slot,
+                    };
+                    values_in_place(scores, ld, nq, hd, keys, page_size, &rows, acc)
+                }
+            }
+        }
         true
     }
 

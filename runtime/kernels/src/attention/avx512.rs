@@ -4,9 +4,9 @@
 
 use std::arch::x86_64::*;
 
-use super::kernels::{values_scalar, Kernels};
+use super::kernels::{values_scalar, Half, Kernels};
 use crate::math::exp16;
-use crate::matmul::tile::{self, lane_mask, Bf16, Bf16Rows, Elem, F32Rows};
+use crate::matmul::tile::{self, lane_mask, Bf16, Bf16Rows, Elem, F16Rows, F32Rows, Strided, F16};
 
 pub(super) struct Avx512;
 
@@ -32,21 +32,41 @@ impl Kernels for Avx512 {
         }
     }
     #[inline(always)]
-    unsafe fn scores_bf16(
+    unsafe fn scores_half(
         q: *const f32,
         nq: usize,
         hd: usize,
-        k: Bf16Rows,
+        half: Half,
+        k: Strided<u16>,
         n: usize,
         out: *mut f32,
         ld: usize,
     ) -> bool {
-        // SAFETY: as the trait's contract; the register tiles widen bf16 as they load it.
-        unsafe { tile::matmul(q, nq, hd, k, n, out, ld) };
+        let stride = k.stride;
+        // SAFETY: as the trait's contract; the register tiles widen 16-bit values as they
+        // load them.
+        unsafe {
+            match half {
+                Half::Bf16 => {
+                    let k = Bf16Rows {
+                        ptr: k.ptr.cast(),
+                        stride,
+                    };
+                    tile::matmul(q, nq, hd, k, n, out, ld)
+                }
+                Half::F16 => {
+                    let k = F16Rows {
+                        ptr: k.ptr.cast(),
+                        stride,
+                    };
+                    tile::matmul(q, nq, hd, k, n, out, ld)
+                }
+            }
+        };
         true
     }
     #[inline(always)]
-    unsafe fn values_bf16(
+    unsafe fn values_half(
         scores: &[f32],
         ld: usize,
         nq: usize,
@@ -54,23 +74,21 @@ impl Kernels for Avx512 {
         keys: usize,
         page_size: usize,
         slot: usize,
+        half: Half,
         values: &dyn Fn(usize) -> *const u16,
         acc: &mut Vec<f32>,
     ) -> bool {
-        let values = |pg: usize| values(pg).cast::<Bf16>();
+        if hd != 64 && hd != 128 {
+            return false;
+        }
         let args = (scores, ld, nq, keys, page_size, slot);
         acc.clear();
         acc.resize(nq * hd, 0.0);
-        // SAFETY: as the trait's contract; the loads widen bf16 in registers.
+        // SAFETY: as the trait's contract; the loads widen 16-bit values in registers.
         unsafe {
-            match hd {
-                64 => values_in_registers::<Bf16, 4, 6>(
-                    args.0, args.1, args.2, args.3, args.4, args.5, &values, acc,
-                ),
-                128 => values_in_registers::<Bf16, 8, 3>(
-                    args.0, args.1, args.2, args.3, args.4, args.5, &values, acc,
-                ),
-                _ => return false,
+            match half {
+                Half::Bf16 => values_16::<Bf16>(args, hd, &|pg| values(pg).cast(), acc),
+                Half::F16 => values_16::<F16>(args, hd, &|pg| values(pg).cast(), acc),
             }
         }
         true
@@ -156,6 +174,28 @@ unsafe fn weighted_values(
                 values_in_registers::<f32, 8, 3>(scores, ld, nq, keys, page_size, slot, values, acc)
             }
             _ => values_scalar(scores, ld, nq, hd, keys, page_size, slot, values, acc),
+        }
+    }
+}
+
+/// [`values_in_registers`] over 16-bit rows of `E`, head size 64 or 128.
+///
+/// # Safety
+/// As [`values_in_registers`].
+#[inline(always)]
+unsafe fn values_16<E: Elem>(
+    args: (&[f32], usize, usize, usize, usize, usize),
+    hd: usize,
+    values: &dyn Fn(usize) -> *const E,
+    acc: &mut [f32],
+) {
+    let (scores, ld, nq, keys, page_size, slot) = args;
+    // SAFETY: the caller's contract.
+    unsafe {
+        if hd == 64 {
+            values_in_registers::<E, 4, 6>(scores, ld, nq, keys, page_size, slot, values, acc)
+        } else {
+            values_in_registers::<E, 8, 3>(scores, ld, nq, keys, page_size, slot, values, acc)
         }
     }
 }

@@ -2,7 +2,16 @@
 //! versions fall back on for head sizes they do not cover.
 #![allow(clippy::needless_range_loop)]
 
-use crate::matmul::tile::{Bf16Rows, F32Rows};
+use crate::matmul::tile::{F32Rows, Strided};
+
+/// A 16-bit KV cache type the kernels may read where it lies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Half {
+    /// bfloat16.
+    Bf16,
+    /// IEEE binary16.
+    F16,
+}
 
 /// What an instruction set gives [`super::attention`]'s loop: the scores matmul, the softmax of a row and the
 /// weighted sum of the values.
@@ -23,31 +32,33 @@ pub(super) trait Kernels {
         ld: usize,
         next: (F32Rows, usize),
     );
-    /// As [`Kernels::scores`] over bf16 key rows read where they are; false (nothing written)
-    /// where this instruction set widens them first instead.
+    /// As [`Kernels::scores`] over 16-bit key rows (`half`, their bits at `k`) read where
+    /// they are; false (nothing written) where this instruction set or head size widens them
+    /// first instead.
     ///
     /// # Safety
     /// As [`Kernels::scores`].
     #[allow(clippy::too_many_arguments)]
-    unsafe fn scores_bf16(
+    unsafe fn scores_half(
         _q: *const f32,
         _nq: usize,
         _hd: usize,
-        _k: Bf16Rows,
+        _half: Half,
+        _k: Strided<u16>,
         _n: usize,
         _out: *mut f32,
         _ld: usize,
     ) -> bool {
         false
     }
-    /// As [`Kernels::values`] over bf16 value rows read where they are (`slot` in bf16
+    /// As [`Kernels::values`] over 16-bit value rows (`half`) read where they are (`slot` in
     /// values, `values(pg)` the page's first row); false (nothing written) where this
     /// instruction set or head size widens them first instead.
     ///
     /// # Safety
     /// As [`Kernels::values`].
     #[allow(clippy::too_many_arguments)]
-    unsafe fn values_bf16(
+    unsafe fn values_half(
         _scores: &[f32],
         _ld: usize,
         _nq: usize,
@@ -55,6 +66,7 @@ pub(super) trait Kernels {
         _keys: usize,
         _page_size: usize,
         _slot: usize,
+        _half: Half,
         _values: &dyn Fn(usize) -> *const u16,
         _acc: &mut Vec<f32>,
     ) -> bool {

@@ -16,7 +16,7 @@ mod avx512;
 mod kernels;
 
 use crate::matmul::tile::{self, F32Rows};
-use kernels::Kernels;
+use kernels::{Half, Kernels};
 use maxc_schema::{KvDtype, KvView};
 
 /// Query rows of one sequence per work item.
@@ -434,6 +434,12 @@ unsafe fn widen(
                 KvDtype::F32 => {
                     std::ptr::copy_nonoverlapping(row.cast::<f32>(), out.as_mut_ptr(), width)
                 }
+                KvDtype::F16 => {
+                    let h = std::slice::from_raw_parts(row.cast::<[u8; 2]>(), width);
+                    for (o, h) in out.iter_mut().zip(h) {
+                        *o = half::f16::from_le_bytes(*h).to_f32();
+                    }
+                }
                 KvDtype::Bf16 => {
                     let h = std::slice::from_raw_parts(row.cast::<[u8; 2]>(), width);
                     for (o, h) in out.iter_mut().zip(h) {
@@ -463,6 +469,11 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
     let ostride = shape.heads * vd;
     let dtype = shape.cache.dtype;
     let wide = dtype == KvDtype::F32;
+    let half = match dtype {
+        KvDtype::Bf16 => Some(Half::Bf16),
+        KvDtype::F16 => Some(Half::F16),
+        KvDtype::F32 | KvDtype::Q8_0 => None,
+    };
     // A slot's bytes: rows of one KV head at consecutive positions are this far apart.
     let slot_bytes = shape.cache.slot_bytes() as usize;
     let kvh = it.head / (shape.heads / shape.kv_heads());
@@ -536,14 +547,16 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
                 };
                 (rows_of(pg, 0), next)
             } else {
-                // bf16 keys read where they are, where the instruction set can.
-                let bf16 = tile::Bf16Rows {
+                // 16-bit keys read where they are, where the instruction set can.
+                let k16 = tile::Strided::<u16> {
                     ptr: page_ptr(pg, 0).cast(),
                     stride: slot_bytes / 2,
                 };
                 let out = scores.as_mut_ptr().add(t0);
-                if dtype == KvDtype::Bf16 && K::scores_bf16(qs.as_ptr(), nq, hd, bf16, n, out, ld) {
-                    continue;
+                if let Some(half) = half {
+                    if K::scores_half(qs.as_ptr(), nq, hd, half, k16, n, out, ld) {
+                        continue;
+                    }
                 }
                 widen(dtype, page_ptr(pg, 0), slot_bytes, n, hd, hd, rows);
                 let k = F32Rows {
@@ -603,8 +616,8 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
                 &values,
                 acc,
             );
-        } else if dtype == KvDtype::Bf16
-            && K::values_bf16(
+        } else if half.is_some_and(|half| {
+            K::values_half(
                 &scores[from..],
                 ld,
                 nq,
@@ -612,11 +625,12 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
                 keys - from,
                 shape.page_size(),
                 slot_bytes / 2,
+                half,
                 &|pg: usize| value_page(pg + first_page).cast::<u16>(),
                 acc,
             )
-        {
-            // bf16 values read where they are.
+        }) {
+            // 16-bit values read where they are.
         } else {
             // A page at a time: its value rows widened, their weighted sum added.
             acc.clear();
