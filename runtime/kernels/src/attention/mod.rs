@@ -602,7 +602,25 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
             page_ptr(pg, 1)
         };
         // Values: out = (scores · V) / sum, from page `first_page` on (the scores and the
-        // pages shifted by it). With one plane the value block is the key block.
+        // pages shifted by it). With one plane the value block is the key block. 16-bit
+        // values are read where they are where the kernels can (called outside any closure:
+        // a closure's body does not inherit the instruction set, its intrinsics would not
+        // inline).
+        let in_place = match half {
+            Some(h) => K::values_half(
+                &scores[from..],
+                ld,
+                nq,
+                vd,
+                keys - from,
+                shape.page_size(),
+                slot_bytes / 2,
+                h,
+                &|pg: usize| value_page(pg + first_page).cast::<u16>(),
+                acc,
+            ),
+            None => false,
+        };
         if wide {
             let values = |pg: usize| value_page(pg + first_page).cast::<f32>();
             K::values(
@@ -616,22 +634,7 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
                 &values,
                 acc,
             );
-        } else if half.is_some_and(|half| {
-            K::values_half(
-                &scores[from..],
-                ld,
-                nq,
-                vd,
-                keys - from,
-                shape.page_size(),
-                slot_bytes / 2,
-                half,
-                &|pg: usize| value_page(pg + first_page).cast::<u16>(),
-                acc,
-            )
-        }) {
-            // 16-bit values read where they are.
-        } else {
+        } else if !in_place {
             // A page at a time: its value rows widened, their weighted sum added.
             acc.clear();
             acc.resize(nq * vd, 0.0);
