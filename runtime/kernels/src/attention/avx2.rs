@@ -1,9 +1,9 @@
-//! [`super::attention`]'s kernels on AVX2 + FMA (eight lanes, sixteen registers), reading f32
-//! and bf16 rows where they lie in the cache (bf16 widened in registers): the scores of three
+//! [`super::attention`]'s kernels on AVX2 + FMA (eight lanes, sixteen registers), reading f32,
+//! f16 and bf16 rows where they lie in the cache (16-bit values widened in registers): the scores of three
 //! queries against four keys at a time (each key vector loaded once for the three, the twelve
 //! dot products' lanes summed four at a time), the softmax with an eight-lane `exp`, and the
 //! weighted values a page at a time with the accumulators in registers. A head size that is
-//! not a multiple of eight runs scalar loops (bf16 then widened a page at a time).
+//! not a multiple of eight runs scalar loops (16-bit rows then widened a page at a time).
 #![allow(clippy::needless_range_loop)]
 
 use std::arch::x86_64::*;
@@ -27,7 +27,8 @@ unsafe fn lanes(n: usize) -> __m256 {
     }
 }
 
-/// Rows the AVX2 kernels read where they lie: f32, or bf16 widened in registers.
+/// Rows the AVX2 kernels read where they lie: f32, or bf16 and f16 (F16C) widened in
+/// registers.
 trait Rows8: Copy {
     /// Values `d..d + 8` of row `j`, as f32.
     ///
