@@ -275,20 +275,28 @@ fn serving_outlasts_idle_time_and_ends_with_an_error_not_a_hang_when_rank_1_dies
     let served = http(port, &request).unwrap();
     assert!(served.starts_with("HTTP/1.1 200"), "after idling: {served}");
     let rank1 = rank_pid(job.id(), 1).expect("rank 1 runs under mpirun");
-    // Health, polled until the server is gone: 503 before the job ends (`mpirun` passes its
-    // SIGTERM on to rank 0 once it notices rank 1's death, and rank 0 drains).
-    let poller = std::thread::spawn(move || {
-        let mut seen = Vec::new();
-        let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(60) {
-            match http(port, health) {
-                Ok(r) => seen.push(r.get(9..12).unwrap_or("").to_string()),
-                Err(_) if seen.last().is_some_and(|s| s != "200") => break,
-                Err(_) => {}
+    // Health, polled until the server is gone. Once the client has heard its error, health
+    // never says 200 again: 503 while rank 0 drains (`mpirun` passes its SIGTERM on to rank 0
+    // once it notices rank 1's death), then nothing. Whether a poll lands inside that window
+    // is a race with mpirun, so a job that ends before any 503 is seen is accepted.
+    let ended = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let poller = std::thread::spawn({
+        let ended = ended.clone();
+        move || {
+            let mut seen = Vec::new();
+            let t = Instant::now();
+            while t.elapsed() < Duration::from_secs(60) {
+                let asked = Instant::now();
+                match http(port, health) {
+                    Ok(r) => seen.push((asked, r.get(9..12).unwrap_or("").to_string())),
+                    Err(_) if seen.last().is_some_and(|(_, s)| s != "200") => break,
+                    Err(_) if ended.load(std::sync::atomic::Ordering::SeqCst) => break,
+                    Err(_) => {}
+                }
+                std::thread::sleep(Duration::from_millis(25));
             }
-            std::thread::sleep(Duration::from_millis(25));
+            seen
         }
-        seen
     });
     // SAFETY: a plain kill of our own child's child.
     unsafe { libc::kill(rank1 as i32, libc::SIGKILL) };
@@ -297,6 +305,7 @@ fn serving_outlasts_idle_time_and_ends_with_an_error_not_a_hang_when_rank_1_dies
     if let Ok(r) = http(port, &request) {
         assert!(!r.starts_with("HTTP/1.1 200"), "{r}");
     }
+    let failed = Instant::now();
     assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
     while job.try_wait().unwrap().is_none() {
         assert!(
@@ -305,13 +314,19 @@ fn serving_outlasts_idle_time_and_ends_with_an_error_not_a_hang_when_rank_1_dies
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+    ended.store(true, std::sync::atomic::Ordering::SeqCst);
     let out = job.wait_with_output().unwrap();
     assert!(!out.status.success());
     let seen = poller.join().unwrap();
-    let first_503 = seen.iter().position(|s| s == "503");
+    let statuses: Vec<&str> = seen.iter().map(|(_, s)| s.as_str()).collect();
+    let first_503 = statuses.iter().position(|&s| s == "503");
     assert!(
-        first_503.is_some_and(|i| seen[i..].iter().all(|s| s == "503")),
-        "health after rank 1 died: {seen:?}"
+        first_503.is_none_or(|i| statuses[i..].iter().all(|&s| s == "503")),
+        "health after rank 1 died: {statuses:?}"
+    );
+    assert!(
+        seen.iter().all(|(asked, s)| s != "200" || *asked < failed),
+        "health said 200 after the client heard its error: {statuses:?}"
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
