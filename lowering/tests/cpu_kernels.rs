@@ -699,11 +699,12 @@ impl Step {
         )
     }
 
-    /// Index of `(layer, which, position, kv head, 0)` of sequence `b` in the cache.
+    /// Index of `(layer, which, kv head, position, 0)` of sequence `b` in the cache (pages
+    /// head-major).
     fn index(&self, c: &Cache, b: usize, which: usize, pos: usize, kvh: usize) -> usize {
         let page = self.lookup[b * self.max_pages + pos / self.page_size] as usize;
         let slot = pos % self.page_size;
-        ((((page * c.num_layers + c.layer) * 2 + which) * self.page_size + slot) * c.kv_heads + kvh)
+        ((((page * c.num_layers + c.layer) * 2 + which) * c.kv_heads + kvh) * self.page_size + slot)
             * c.head_dim
     }
 }

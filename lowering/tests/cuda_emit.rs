@@ -308,13 +308,18 @@ fn kv_store_addresses_pages_through_the_lookup_table() {
             "if (page_index >= max_num_pages) return;",
             "kv_lookup_table[b * max_num_pages + page_index]",
             "(maxc_u64)page_entry >= total_num_pages",
-            // [pages, num_layers, 2, page_size, kv_heads × head_dim], in bytes: layer 2 of 3,
-            // K then V. A page is 3 × 2 × 16 × 256 × 4 = 98304 bytes; layer 2's keys start
-            // (2·2 + 0)·16·1024 = 65536 bytes in, its values (2·2 + 1)·16·1024 = 81920.
-            "kv_cache + page * 98304ULL + 65536ULL + slot * 1024ULL",
-            "kv_cache + page * 98304ULL + 81920ULL + slot * 1024ULL",
-            "((float*)(k_dst))[c] = k[r * 256ULL + c];",
-            "((float*)(v_dst))[c] = v[r * 256ULL + c];",
+            // [pages, num_layers, 2, kv_heads, page_size, head_dim], in bytes: layer 2 of 3,
+            // K then V. A page is 3 × 2 × 2 × 16 × 128 × 4 = 98304 bytes; layer 2's keys start
+            // (2·2 + 0)·2·16·512 = 65536 bytes in, its values (2·2 + 1)·2·16·512 = 81920; a
+            // head's row is 512 bytes, its 16 rows 8192.
+            "kv_cache + page * 98304ULL + 65536ULL + slot * 512ULL",
+            "kv_cache + page * 98304ULL + 81920ULL + slot * 512ULL",
+            "const float x = k[r * 256ULL + c];",
+            "const float x = v[r * 256ULL + c];",
+            "unsigned char* row = k_dst + (c / 128ULL) * 8192ULL;",
+            "unsigned char* row = v_dst + (c / 128ULL) * 8192ULL;",
+            "const maxc_u64 e = c % 128ULL;",
+            "((float*)row)[e] = x;",
         ],
     );
     assert!(k.source.contains("const float* __restrict__ k,"));
@@ -358,11 +363,11 @@ fn attention_maps_query_heads_to_kv_heads_and_pages() {
             "kv_lookup_table[b * max_num_pages + page_index]",
             "if (page_index >= max_num_pages) continue;",
             "(maxc_u64)page_entry >= total_num_pages) continue;",
-            // A page is 2 × 2 × 16 × 256 × 4 = 65536 bytes; layer 1's keys start
-            // (1·2 + 0)·16·1024 = 32768 bytes in, its values (1·2 + 1)·16·1024 = 49152; a
-            // KV head's row is 512 bytes.
-            "kv_cache + page * 65536ULL + 32768ULL + slot * 1024ULL + kv_head * 512ULL",
-            "kv_cache + page * 65536ULL + 49152ULL + slot * 1024ULL + kv_head * 512ULL",
+            // A page is 2 × 2 × 2 × 16 × 128 × 4 = 65536 bytes; layer 1's keys start
+            // (1·2 + 0)·2·16·512 = 32768 bytes in, its values (1·2 + 1)·2·16·512 = 49152; a
+            // KV head's row is 512 bytes and its rows (16) 8192, head-major.
+            "kv_cache + page * 65536ULL + 32768ULL + slot * 512ULL + kv_head * 8192ULL",
+            "kv_cache + page * 65536ULL + 49152ULL + slot * 512ULL + kv_head * 8192ULL",
             "maxc_warp_sum(dot) * 0.125f",
             "expf(m - m_new)",
             "acc[e] = acc[e] * corr + w * ((const float*)(v_ptr))[d];",

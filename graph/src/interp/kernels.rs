@@ -132,9 +132,8 @@ impl LayerView<'_> {
     fn at(&self, kv: usize, b: usize, pos: usize, h: usize) -> usize {
         let l = self.l;
         let page = self.lookup[b * self.pages_per_seq + pos / l.page_size] as usize;
-        ((((page * l.num_layers + self.slot) * l.planes + kv) * l.page_size + pos % l.page_size)
-            * l.num_kv_heads
-            + h)
+        ((((page * l.num_layers + self.slot) * l.planes + kv) * l.num_kv_heads + h) * l.page_size
+            + pos % l.page_size)
             * l.head_dim
     }
 }

@@ -41,7 +41,7 @@ pub struct KvCache {
     pub layout: KvLayout,
     /// Pages.
     pub num_pages: usize,
-    /// `[num_pages, layers, planes, page_size, kv_heads, head_dim]`.
+    /// `[num_pages, layers, planes, kv_heads, page_size, head_dim]`.
     pub data: Vec<f32>,
 }
 

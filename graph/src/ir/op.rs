@@ -35,7 +35,8 @@ impl std::fmt::Display for TensorType {
 }
 
 /// Layout of a role's paged KV cache. The cache tensor is
-/// `[total_num_pages, num_layers, planes, page_size, num_kv_heads, head_dim]`: a page holds
+/// `[total_num_pages, num_layers, planes, num_kv_heads, page_size, head_dim]` (a KV head's rows
+/// back to back within a page): a page holds
 /// the keys and values (`planes` 2) or the one latent (`planes` 1, multi-head latent
 /// attention) of the `num_layers` layers of one [`KvGroup`]. Every group draws pages from the
 /// one pool and has its own lookup-table input; a sliding group hands back the pages its window

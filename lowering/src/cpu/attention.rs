@@ -174,13 +174,10 @@ fn attend(kb: &mut KernelBuilder, ctx: &Context, head: &Head, b: Value, p: Value
     let (first_page, _) = cache.page_and_slot(kb, lo);
     kb.for_range(first_page, pages, 1, |kb, pg| {
         let page = seqs.page(kb, b, pg);
-        let head_off =
-            kb.b.ins()
-                .imul_imm_s(head.kv_head, cache.row_bytes() as i64);
         let k_block = cache.block(kb, cache_ptr, page, 0);
-        let k_block = kb.b.ins().iadd(k_block, head_off);
+        let k_block = cache.head(kb, k_block, head.kv_head);
         let v_block = cache.block(kb, cache_ptr, page, 1);
-        let v_block = kb.b.ins().iadd(v_block, head_off);
+        let v_block = cache.head(kb, v_block, head.kv_head);
         let first = kb.b.ins().imul(pg, page_size);
         let left = kb.b.ins().isub(positions, first);
         let full = kb.b.ins().icmp(IntCC::SignedGreaterThan, left, page_size);

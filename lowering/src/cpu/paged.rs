@@ -33,8 +33,10 @@ pub(crate) fn cache_view(kind: &'static str, body: &KernelBody) -> Result<KvView
 pub(crate) trait CacheAddr {
     /// Address of the keys (`which = 0`) or values (`which = 1`) of this layer in `page`.
     fn block(&self, kb: &mut KernelBuilder, cache: Value, page: Value, which: u64) -> Value;
-    /// Address of `slot` in a key or value block.
-    fn slot(&self, kb: &mut KernelBuilder, block: Value, slot: Value) -> Value;
+    /// Address of KV head `kvh`'s rows in a key or value block.
+    fn head(&self, kb: &mut KernelBuilder, block: Value, kvh: Value) -> Value;
+    /// Address of `slot`'s row in a KV head's rows.
+    fn slot(&self, kb: &mut KernelBuilder, head: Value, slot: Value) -> Value;
     /// `(p / page_size, p % page_size)` for a non-negative position `p`.
     fn page_and_slot(&self, kb: &mut KernelBuilder, p: Value) -> (Value, Value);
 }
@@ -45,8 +47,12 @@ impl CacheAddr for KvView {
         kb.offset(page_base, self.block_offset(which))
     }
 
-    fn slot(&self, kb: &mut KernelBuilder, block: Value, slot: Value) -> Value {
-        kb.addr(block, slot, self.slot_bytes())
+    fn head(&self, kb: &mut KernelBuilder, block: Value, kvh: Value) -> Value {
+        kb.addr(block, kvh, self.head_stride())
+    }
+
+    fn slot(&self, kb: &mut KernelBuilder, head: Value, slot: Value) -> Value {
+        kb.addr(head, slot, self.pos_stride())
     }
 
     fn page_and_slot(&self, kb: &mut KernelBuilder, p: Value) -> (Value, Value) {
@@ -324,20 +330,13 @@ pub(crate) fn emit_kv_store(kb: &mut KernelBuilder, cache: &KvView) -> Result<()
         for (which, &src) in srcs.iter().enumerate() {
             let which = which as u64;
             let block = cache.block(kb, cache_ptr, page, which);
-            let dst = cache.slot(kb, block, slot);
             let src_row = kb.addr(src, r, floats * 4);
-            if cache.dtype == KvDtype::F32 {
-                // The row's KV heads are contiguous in both: one copy.
-                kb.map_cols(floats, |kb, ty, c| {
-                    let x = kb.load_f32(ty, src_row, c);
-                    kb.store_f32(x, dst, c);
-                });
-                continue;
-            }
+            // Each KV head's row goes to its own run of the page (head-major).
             let (lo, hi) = (kb.i64c(0), kb.i64c(cache.kv_heads));
             kb.for_range(lo, hi, 1, |kb, h| {
                 let src_head = kb.addr(src_row, h, cache.head_dim * 4);
-                let dst_head = kb.addr(dst, h, cache.row_bytes());
+                let head = cache.head(kb, block, h);
+                let dst_head = cache.slot(kb, head, slot);
                 store_row(kb, cache, src_head, dst_head);
             });
         }

@@ -90,8 +90,8 @@ ${LOCATE}    // Grouped-query attention: query heads [g * ${GROUP}, (g + 1) * ${
     float l = 0.0f;
     // Warp-uniform loop: every lane of a warp sees the same positions and pages.
     for (long long pos = ${FIRST}warp; pos <= p; pos += ${WARPS}) {
-${PAGE}        const unsigned char* k_ptr = ${K_PTR} + kv_head * ${ROW_BYTES};
-        const unsigned char* v_ptr = ${V_PTR} + kv_head * ${ROW_BYTES};
+${PAGE}        const unsigned char* k_ptr = ${K_PTR} + kv_head * ${HEAD_STRIDE};
+        const unsigned char* v_ptr = ${V_PTR} + kv_head * ${HEAD_STRIDE};
         float dot = 0.0f;
 #pragma unroll
         for (unsigned e = 0; e < ${PER_LANE}; ++e) {
@@ -143,7 +143,7 @@ ${PAGE}        const unsigned char* k_ptr = ${K_PTR} + kv_head * ${ROW_BYTES};
             ("PAGE", page_lookup(cache, "pos", "continue;", "        ")),
             ("K_PTR", slot_ptr(cache, "page", "slot", 0)),
             ("V_PTR", slot_ptr(cache, "page", "slot", 1)),
-            ("ROW_BYTES", ull(cache.row_bytes())),
+            ("HEAD_STRIDE", ull(cache.head_stride())),
             ("K_AT_D", load_cached(cache, "k_ptr", "d")),
             ("V_AT_D", load_cached(cache, "v_ptr", "d")),
             ("HEADS", ull(heads)),

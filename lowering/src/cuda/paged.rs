@@ -16,15 +16,16 @@ pub(crate) fn cache_view(cx: Ctx, body: &KernelBody) -> Result<KvView, CudaError
     Ok(view)
 }
 
-/// The C expression (a byte pointer) of the first row of `slot` in the keys (`which` = 0) or
-/// values (1) of the view's layer in cache page `page` (both `maxc_u64` expressions); the
+/// The C expression (a byte pointer) of KV head 0's row at `slot` in the keys (`which` = 0) or
+/// values (1) of the view's layer in cache page `page` (both `maxc_u64` expressions); KV head
+/// `h`'s row is `h * head_stride` bytes on ([`KvView::head_stride`], the page head-major). The
 /// cache buffer is `kv_cache`, bytes.
 pub(crate) fn slot_ptr(cache: &KvView, page: &str, slot: &str, which: u64) -> String {
     format!(
-        "kv_cache + {page} * {pb} + {bo} + {slot} * {sb}",
+        "kv_cache + {page} * {pb} + {bo} + {slot} * {rb}",
         pb = ull(cache.page_bytes()),
         bo = ull(cache.block_offset(which)),
-        sb = ull(cache.slot_bytes()),
+        rb = ull(cache.pos_stride()),
     )
 }
 
@@ -113,34 +114,39 @@ pub(crate) fn emit_kv_store(cx: Ctx, cache: &KvView) -> Result<Emitted, CudaErro
     let floats = cache.kv_heads * cache.head_dim;
     let threads = source::row_threads(floats, 256);
     let two = cache.planes == 2;
+    // Value `c` of the row is value `c % head_dim` of KV head `c / head_dim`, whose row is
+    // that head's stride on from head 0's.
     let store = |dst: &str, src: &str| -> String {
         let x = format!("{src}[r * {} + c]", ull(floats));
-        match cache.dtype {
-            KvDtype::F32 => format!("        ((float*)({dst}))[c] = {x};\n"),
-            KvDtype::F16 => format!("        ((__half*)({dst}))[c] = __float2half_rn({x});\n"),
-            KvDtype::Bf16 => {
-                format!("        ((__nv_bfloat16*)({dst}))[c] = __float2bfloat16_rn({x});\n")
-            }
+        let put = match cache.dtype {
+            KvDtype::F32 => "((float*)row)[e] = x;\n".to_string(),
+            KvDtype::F16 => "((__half*)row)[e] = __float2half_rn(x);\n".to_string(),
+            KvDtype::Bf16 => "((__nv_bfloat16*)row)[e] = __float2bfloat16_rn(x);\n".to_string(),
             KvDtype::Q8_0 => fill(
-                r#"        {
-            const float x = ${X};
-            float amax = fabsf(x);
+                r#"float amax = fabsf(x);
             for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
             const float d = amax / 127.0f;
-            unsigned char* row = ${DST} + (c / ${HD}) * ${ROW};
-            const maxc_u64 e = c % ${HD};
             ((signed char*)row)[e] = (signed char)(d == 0.0f ? 0 : __float2int_rn(x / d));
             if ((e & 31u) == 0) ((float*)(row + ${HD}))[e >> 5] = d;
-        }
 "#,
-                &[
-                    ("X", x),
-                    ("DST", dst.to_string()),
-                    ("HD", ull(cache.head_dim)),
-                    ("ROW", ull(cache.row_bytes())),
-                ],
+                &[("HD", ull(cache.head_dim))],
             ),
-        }
+        };
+        fill(
+            r#"        {
+            const float x = ${X};
+            unsigned char* row = ${DST} + (c / ${HD}) * ${HS};
+            const maxc_u64 e = c % ${HD};
+            ${PUT}        }
+"#,
+            &[
+                ("X", x),
+                ("DST", dst.to_string()),
+                ("HD", ull(cache.head_dim)),
+                ("HS", ull(cache.head_stride())),
+                ("PUT", put),
+            ],
+        )
     };
     let (v_dst, v_store) = if two {
         (

@@ -458,11 +458,16 @@ pub enum KernelBody {
     },
 }
 
-/// One layer's view of the paged KV cache `[pages, num_layers, planes, page_size, kv_heads,
+/// One layer's view of the paged KV cache `[pages, num_layers, planes, kv_heads, page_size,
 /// row]`, each row `head_dim` values in `dtype` ([`KvDtype::row_bytes`]): what a
 /// [`KernelBody::KvStore`] or [`KernelBody::Attention`] reads of its body
 /// ([`KernelBody::kv_view`]), the one definition of the cache's addressing that both backends,
 /// the validator and the executors use. Offsets and sizes are in bytes.
+///
+/// Head-major within a page: a KV head's rows for the page's positions lie back to back, so
+/// decode attention, which reads one head's keys and values over many positions, reads
+/// contiguous runs of `page_size` rows that the hardware prefetchers follow (a token-major
+/// page put each head's row a slot of every head apart).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvView {
     /// The layer's slot in the cache.
@@ -492,9 +497,9 @@ impl KvView {
         Ok(view)
     }
 
-    /// The shape of one page in rows, `[num_layers, planes, page_size, kv_heads]`.
+    /// The shape of one page in rows, `[num_layers, planes, kv_heads, page_size]`.
     pub fn page_rows(&self) -> [u64; 4] {
-        [self.num_layers, self.planes, self.page_size, self.kv_heads]
+        [self.num_layers, self.planes, self.kv_heads, self.page_size]
     }
 
     /// Checks that every size is non-zero, the layer lies in the cache, rows of `head_dim`
@@ -536,14 +541,21 @@ impl KvView {
         self.dtype.row_bytes(self.head_dim)
     }
 
-    /// Bytes of one token's slot (every KV head).
-    pub fn slot_bytes(&self) -> u64 {
-        self.kv_heads * self.row_bytes()
+    /// Bytes from one position's row of a KV head to the next position's in a page: the rows
+    /// of one head lie back to back.
+    pub fn pos_stride(&self) -> u64 {
+        self.row_bytes()
+    }
+
+    /// Bytes of one KV head's rows in a layer's keys (or values) of a page, and so the distance
+    /// from one head's rows to the next head's.
+    pub fn head_stride(&self) -> u64 {
+        self.page_size * self.row_bytes()
     }
 
     /// Bytes of one layer's keys (or values) in a page.
     pub fn block_bytes(&self) -> u64 {
-        self.page_size * self.slot_bytes()
+        self.kv_heads * self.head_stride()
     }
 
     /// Bytes of one page (every layer's planes).
@@ -562,8 +574,8 @@ impl KvView {
     pub fn offset(&self, page: u64, which: u64, pos: u64, kvh: u64) -> u64 {
         page * self.page_bytes()
             + self.block_offset(which)
-            + pos * self.slot_bytes()
-            + kvh * self.row_bytes()
+            + kvh * self.head_stride()
+            + pos * self.pos_stride()
     }
 }
 

@@ -32,8 +32,10 @@ pub use manifest::{
 
 /// The artifact format this runtime reads and the exporter writes. Bumped on any change to a
 /// bincode type (bincode records no field names, so an older file cannot be read as a newer
-/// type); readers refuse every other version and ask for a recompile.
-pub const FORMAT_VERSION: u32 = 10;
+/// type) and on any change to what the kernels of one artifact agree on with the runtime's
+/// library kernels, such as the KV cache's layout (11: head-major pages); readers refuse every
+/// other version and ask for a recompile.
+pub const FORMAT_VERSION: u32 = 11;
 
 /// Lowercase hex sha256 of `bytes`, as the manifest records files.
 pub fn sha256_hex(bytes: &[u8]) -> String {
@@ -192,8 +194,8 @@ impl RopeTable {
     }
 }
 
-/// Layout of a role's paged KV cache, `[pages, num_layers, planes, page_size, kv_heads,
-/// row]` (a row `head_dim` values in `dtype`, [`KvDtype::row_bytes`]): two planes (keys, then values), or one (multi-head latent attention's latent,
+/// Layout of a role's paged KV cache, `[pages, num_layers, planes, kv_heads, page_size,
+/// row]` (head-major within a page, [`KvView`]; a row `head_dim` values in `dtype`, [`KvDtype::row_bytes`]): two planes (keys, then values), or one (multi-head latent attention's latent,
 /// whose first elements are also its values).
 ///
 /// The decoder's layers are split into [`KvGroup`]s of `num_layers` layers each, every group's

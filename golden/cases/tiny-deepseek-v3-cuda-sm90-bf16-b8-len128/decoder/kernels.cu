@@ -842,7 +842,12 @@ extern "C" __global__ void __launch_bounds__(96) kv_store_c5f8012f(
     const maxc_u64 page = (maxc_u64)page_entry;
     unsigned char* k_dst = kv_cache + page * 20480ULL + 0ULL + slot * 320ULL;
     for (maxc_u64 c = threadIdx.x; c < 80ULL; c += blockDim.x) {
-        ((float*)(k_dst))[c] = k[r * 80ULL + c];
+        {
+            const float x = k[r * 80ULL + c];
+            unsigned char* row = k_dst + (c / 80ULL) * 5120ULL;
+            const maxc_u64 e = c % 80ULL;
+            ((float*)row)[e] = x;
+        }
     }
 }
 
@@ -889,8 +894,8 @@ extern "C" __global__ void __launch_bounds__(128) attention_b21913aa(
         const int page_entry = kv_lookup_table[b * max_num_pages + page_index];
         if (page_entry < 0 || (maxc_u64)page_entry >= total_num_pages) continue;
         const maxc_u64 page = (maxc_u64)page_entry;
-        const unsigned char* k_ptr = kv_cache + page * 20480ULL + 0ULL + slot * 320ULL + kv_head * 320ULL;
-        const unsigned char* v_ptr = kv_cache + page * 20480ULL + 0ULL + slot * 320ULL + kv_head * 320ULL;
+        const unsigned char* k_ptr = kv_cache + page * 20480ULL + 0ULL + slot * 320ULL + kv_head * 5120ULL;
+        const unsigned char* v_ptr = kv_cache + page * 20480ULL + 0ULL + slot * 320ULL + kv_head * 5120ULL;
         float dot = 0.0f;
 #pragma unroll
         for (unsigned e = 0; e < 3; ++e) {

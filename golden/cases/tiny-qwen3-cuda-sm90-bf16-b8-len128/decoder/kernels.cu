@@ -485,11 +485,21 @@ extern "C" __global__ void __launch_bounds__(128) kv_store_6124e0b1(
     const int page_entry = kv_lookup_table[b * max_num_pages + page_index];
     if (page_entry < 0 || (maxc_u64)page_entry >= total_num_pages) return;
     const maxc_u64 page = (maxc_u64)page_entry;
-    unsigned char* k_dst = kv_cache + page * 65536ULL + 0ULL + slot * 512ULL;
-    unsigned char* v_dst = kv_cache + page * 65536ULL + 8192ULL + slot * 512ULL;
+    unsigned char* k_dst = kv_cache + page * 65536ULL + 0ULL + slot * 256ULL;
+    unsigned char* v_dst = kv_cache + page * 65536ULL + 8192ULL + slot * 256ULL;
     for (maxc_u64 c = threadIdx.x; c < 128ULL; c += blockDim.x) {
-        ((float*)(k_dst))[c] = k[r * 128ULL + c];
-        ((float*)(v_dst))[c] = v[r * 128ULL + c];
+        {
+            const float x = k[r * 128ULL + c];
+            unsigned char* row = k_dst + (c / 64ULL) * 4096ULL;
+            const maxc_u64 e = c % 64ULL;
+            ((float*)row)[e] = x;
+        }
+        {
+            const float x = v[r * 128ULL + c];
+            unsigned char* row = v_dst + (c / 64ULL) * 4096ULL;
+            const maxc_u64 e = c % 64ULL;
+            ((float*)row)[e] = x;
+        }
     }
 }
 
@@ -536,8 +546,8 @@ extern "C" __global__ void __launch_bounds__(128) attention_b6343fd7(
         const int page_entry = kv_lookup_table[b * max_num_pages + page_index];
         if (page_entry < 0 || (maxc_u64)page_entry >= total_num_pages) continue;
         const maxc_u64 page = (maxc_u64)page_entry;
-        const unsigned char* k_ptr = kv_cache + page * 65536ULL + 0ULL + slot * 512ULL + kv_head * 256ULL;
-        const unsigned char* v_ptr = kv_cache + page * 65536ULL + 8192ULL + slot * 512ULL + kv_head * 256ULL;
+        const unsigned char* k_ptr = kv_cache + page * 65536ULL + 0ULL + slot * 256ULL + kv_head * 4096ULL;
+        const unsigned char* v_ptr = kv_cache + page * 65536ULL + 8192ULL + slot * 256ULL + kv_head * 4096ULL;
         float dot = 0.0f;
 #pragma unroll
         for (unsigned e = 0; e < 2; ++e) {

@@ -431,11 +431,21 @@ extern "C" __global__ void __launch_bounds__(64) kv_store_d4845dd5(
     const int page_entry = kv_lookup_table[b * max_num_pages + page_index];
     if (page_entry < 0 || (maxc_u64)page_entry >= total_num_pages) return;
     const maxc_u64 page = (maxc_u64)page_entry;
-    unsigned char* k_dst = kv_cache + page * 16384ULL + 0ULL + slot * 256ULL;
-    unsigned char* v_dst = kv_cache + page * 16384ULL + 4096ULL + slot * 256ULL;
+    unsigned char* k_dst = kv_cache + page * 16384ULL + 0ULL + slot * 128ULL;
+    unsigned char* v_dst = kv_cache + page * 16384ULL + 4096ULL + slot * 128ULL;
     for (maxc_u64 c = threadIdx.x; c < 64ULL; c += blockDim.x) {
-        ((float*)(k_dst))[c] = k[r * 64ULL + c];
-        ((float*)(v_dst))[c] = v[r * 64ULL + c];
+        {
+            const float x = k[r * 64ULL + c];
+            unsigned char* row = k_dst + (c / 32ULL) * 2048ULL;
+            const maxc_u64 e = c % 32ULL;
+            ((float*)row)[e] = x;
+        }
+        {
+            const float x = v[r * 64ULL + c];
+            unsigned char* row = v_dst + (c / 32ULL) * 2048ULL;
+            const maxc_u64 e = c % 32ULL;
+            ((float*)row)[e] = x;
+        }
     }
 }
 
@@ -482,8 +492,8 @@ extern "C" __global__ void __launch_bounds__(128) attention_e8dc96a7(
         const int page_entry = kv_lookup_table[b * max_num_pages + page_index];
         if (page_entry < 0 || (maxc_u64)page_entry >= total_num_pages) continue;
         const maxc_u64 page = (maxc_u64)page_entry;
-        const unsigned char* k_ptr = kv_cache + page * 16384ULL + 0ULL + slot * 256ULL + kv_head * 128ULL;
-        const unsigned char* v_ptr = kv_cache + page * 16384ULL + 4096ULL + slot * 256ULL + kv_head * 128ULL;
+        const unsigned char* k_ptr = kv_cache + page * 16384ULL + 0ULL + slot * 128ULL + kv_head * 2048ULL;
+        const unsigned char* v_ptr = kv_cache + page * 16384ULL + 4096ULL + slot * 128ULL + kv_head * 2048ULL;
         float dot = 0.0f;
 #pragma unroll
         for (unsigned e = 0; e < 1; ++e) {

@@ -267,8 +267,8 @@ unsafe fn values_block<E: Elem, const D: usize, const Q: usize>(
             };
             for s in 0..n {
                 let v = base.add(s * slot);
-                // Value rows are one KV head's among several (strided): prefetched a few
-                // dozen rows ahead, into the next page near the end of this one.
+                // Value rows prefetched a few dozen rows ahead, into the next page (anywhere in
+                // the cache) near the end of this one.
                 let ahead = s + tile::STRIDED_AHEAD;
                 let pv = if ahead < n {
                     base.add(ahead * slot)

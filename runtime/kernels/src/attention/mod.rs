@@ -218,7 +218,7 @@ unsafe fn attention_on(
             }
             // A sequence's spans at the same keys next to each other, every KV head's: a
             // thread's consecutive items then read one stretch of the cache's pages, each
-            // token's slot (all KV heads' rows) whole, rather than one head's rows of it.
+            // page's block (all KV heads' rows) whole, rather than one head's part of it.
             split.sort_by_key(|(key, _)| *key);
             items = split.into_iter().map(|(_, it)| it).collect();
             parts = vec![0f32; items.len() * group * (shape.value_dim + 2)];
@@ -273,8 +273,9 @@ unsafe fn attention_on(
                 }
             }
             while let Some(it) = mine.next() {
-                // A decode row's keys and values are a short strided read the hardware does
-                // not see coming: the next item's are fetched while this one computes (unless
+                // A decode row's keys and values are short runs on pages anywhere in the
+                // cache, which the hardware does not see coming: the next item's are fetched
+                // while this one computes (unless
                 // it reads the same rows: another query head of the same group).
                 if let (true, Some(next)) = (single_rows, mine.peek()) {
                     let group = shape.heads / shape.kv_heads();
@@ -317,10 +318,10 @@ fn prefetch_item(p: &Ptrs, seqs: &Seqs, shape: Shape, it: &Item) {
     }
     let kvh = (it.head / (shape.heads / shape.kv_heads())) as u64;
     let row_bytes = shape.cache.row_bytes() as usize;
-    let slot = shape.cache.slot_bytes() as usize;
+    let stride = shape.cache.pos_stride() as usize;
     let end = keys.min(k0 + PREFETCH_ROWS);
     for which in 0..shape.cache.planes {
-        // A page at a time: its rows are one slot apart.
+        // A page at a time: a head's rows lie back to back in a page, the pages anywhere.
         let mut pos = k0;
         while pos < end {
             let page = seqs.lookup[it.seq * seqs.pages_per_seq + pos / ps] as u64;
@@ -328,7 +329,7 @@ fn prefetch_item(p: &Ptrs, seqs: &Seqs, shape: Shape, it: &Item) {
             let base = p
                 .cache
                 .wrapping_add(shape.cache.offset(page, which, (pos % ps) as u64, kvh) as usize);
-            prefetch_rows(base, slot, n, row_bytes);
+            prefetch_rows(base, stride, n, row_bytes);
             pos += n;
         }
     }
@@ -474,8 +475,8 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
         KvDtype::F16 => Some(Half::F16),
         KvDtype::F32 | KvDtype::Q8_0 => None,
     };
-    // A slot's bytes: rows of one KV head at consecutive positions are this far apart.
-    let slot_bytes = shape.cache.slot_bytes() as usize;
+    // Rows of one KV head at consecutive positions of a page are this far apart.
+    let stride = shape.cache.pos_stride() as usize;
     let kvh = it.head / (shape.heads / shape.kv_heads());
     let first_pos = seqs.cache_lengths[it.seq] as usize + it.row - seqs.offsets[it.seq] as usize;
     // The keys read: every one up to the last row's position, or a split row's span.
@@ -499,7 +500,7 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
     }
     let scores = &mut scores[..nq * ld];
     // SAFETY (pointer arithmetic below): rows, heads and pages in bounds as the caller
-    // guarantees; a page's keys and values for this layer and KV head are `slot` apart.
+    // guarantees; a page's keys and values for this layer and KV head are `stride` apart.
     unsafe {
         for r in 0..it.rows {
             for g in 0..it.group {
@@ -517,7 +518,7 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
         // An f32 cache's rows, read where they are.
         let rows_of = |pg: usize, which: usize| F32Rows {
             ptr: page_ptr(pg, which).cast::<f32>(),
-            stride: slot_bytes / 4,
+            stride: stride / 4,
         };
         // The first position row `r` sees; pages before the block's first are not read.
         let lo = |r: usize| {
@@ -532,11 +533,11 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
         for pg in first_page..pages {
             let t0 = pg * shape.page_size();
             let n = shape.page_size().min(keys - t0);
-            // The next page's keys fetched into L2 while this one's are scored (each head's
-            // rows a strided read the hardware prefetchers do not follow).
+            // The next page's keys fetched into L2 while this one's are scored (a page's rows
+            // are one run the hardware prefetchers follow, but the next page lies anywhere).
             if pg + 1 < pages {
                 let n1 = shape.page_size().min(keys - t0 - n);
-                prefetch_rows(page_ptr(pg + 1, 0), slot_bytes, n1, row_bytes);
+                prefetch_rows(page_ptr(pg + 1, 0), stride, n1, row_bytes);
             }
             let (k, next) = if wide {
                 let next = if pg + 1 < pages {
@@ -550,7 +551,7 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
                 // 16-bit keys read where they are, where the instruction set can.
                 let k16 = tile::Strided::<u16> {
                     ptr: page_ptr(pg, 0).cast(),
-                    stride: slot_bytes / 2,
+                    stride: stride / 2,
                 };
                 let out = scores.as_mut_ptr().add(t0);
                 if let Some(half) = half {
@@ -558,7 +559,7 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
                         continue;
                     }
                 }
-                widen(dtype, page_ptr(pg, 0), slot_bytes, n, hd, hd, rows);
+                widen(dtype, page_ptr(pg, 0), stride, n, hd, hd, rows);
                 let k = F32Rows {
                     ptr: rows.as_ptr(),
                     stride: hd,
@@ -597,7 +598,7 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
             if pg + 1 < pages {
                 let t1 = (pg + 1) * shape.page_size();
                 let n1 = shape.page_size().min(keys - t1);
-                prefetch_rows(page_ptr(pg + 1, 1), slot_bytes, n1, row_bytes);
+                prefetch_rows(page_ptr(pg + 1, 1), stride, n1, row_bytes);
             }
             page_ptr(pg, 1)
         };
@@ -614,7 +615,7 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
                 vd,
                 keys - from,
                 shape.page_size(),
-                slot_bytes / 2,
+                stride / 2,
                 h,
                 &|pg: usize| value_page(pg + first_page).cast::<u16>(),
                 acc,
@@ -630,7 +631,7 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
                 vd,
                 keys - from,
                 shape.page_size(),
-                slot_bytes / 4,
+                stride / 4,
                 &values,
                 acc,
             );
@@ -642,7 +643,7 @@ unsafe fn attend<K: Kernels>(p: Ptrs, seqs: &Seqs, shape: Shape, it: Item, scrat
                 let t0 = pg * shape.page_size();
                 let n = shape.page_size().min(keys - t0);
                 let v = value_page(pg);
-                widen(dtype, v, slot_bytes, n, hd, vd, rows);
+                widen(dtype, v, stride, n, hd, vd, rows);
                 let v = rows.as_ptr();
                 K::values(&scores[t0..], ld, nq, vd, n, n, vd, &|_| v, page_acc);
                 for (a, b) in acc.iter_mut().zip(page_acc.iter()) {
@@ -699,8 +700,9 @@ mod tests_support {
     ) -> Vec<f32> {
         let (hd, h, vd) = (shape.head_dim(), shape.heads, shape.value_dim);
         let planes = shape.cache.planes as usize;
-        let slot = shape.kv_heads() * hd;
-        let block = shape.page_size() * slot;
+        // Pages head-major: a KV head's rows back to back.
+        let run = shape.page_size() * hd;
+        let block = shape.kv_heads() * run;
         let page_floats = (shape.cache.num_layers as usize) * planes * block;
         let mut out = vec![0.0; rows * h * vd];
         for b in 0..seqs.cache_lengths.len() {
@@ -714,8 +716,8 @@ mod tests_support {
                         page * page_floats
                             + ((shape.cache.layer as usize) * planes + which.min(planes - 1))
                                 * block
-                            + (t % shape.page_size()) * slot
-                            + kvh * hd
+                            + kvh * run
+                            + (t % shape.page_size()) * hd
                     };
                     let qv = &q[(r * h + head) * hd..][..hd];
                     let lo = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
