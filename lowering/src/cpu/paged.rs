@@ -233,6 +233,22 @@ fn f16_bits(kb: &mut KernelBuilder, x: Value) -> Value {
     kb.b.ins().bor(h, sign)
 }
 
+/// The bf16 bits of f32 `x` (an I32 whose low 16 bits are stored): rounded to nearest even,
+/// NaN kept NaN (quiet).
+fn bf16_bits(kb: &mut KernelBuilder, x: Value) -> Value {
+    let bits = kb.bitcast(I32, x);
+    let lsb = kb.b.ins().ushr_imm_u(bits, 16);
+    let lsb = kb.b.ins().band_imm_u(lsb, 1);
+    let bias = kb.b.ins().iadd_imm_s(lsb, 0x7fff);
+    let rounded = kb.b.ins().iadd(bits, bias);
+    let rounded = kb.b.ins().ushr_imm_u(rounded, 16);
+    // NaN stays NaN (quiet): its upper half with the quiet bit set.
+    let upper = kb.b.ins().ushr_imm_u(bits, 16);
+    let quiet = kb.b.ins().bor_imm_u(upper, 0x40);
+    let nan = kb.b.ins().fcmp(FloatCC::Unordered, x, x);
+    kb.b.ins().select(nan, quiet, rounded)
+}
+
 /// Stores the `head_dim` f32 values at `src` as one cached row at `dst` in `view`'s dtype,
 /// rounded as [`KvDtype::round_row`] says (bf16: to nearest even; q8_0: per 32 values
 /// `d = max|x| / 127`, `q = x / d` to nearest even, 0 where `d` is 0).
@@ -243,30 +259,15 @@ fn store_row(kb: &mut KernelBuilder, view: &KvView, src: Value, dst: Value) {
             let x = kb.load_f32(ty, src, c);
             kb.store_f32(x, dst, c);
         }),
-        KvDtype::F16 => {
+        KvDtype::F16 | KvDtype::Bf16 => {
             let (lo, hi) = (kb.i64c(0), kb.i64c(hd));
             kb.for_range(lo, hi, 1, |kb, c| {
                 let x = kb.load_f32(F32, src, c);
-                let h = f16_bits(kb, x);
-                let addr = kb.addr(dst, c, 2);
-                kb.b.ins().istore16(MEM, h, addr, 0);
-            });
-        }
-        KvDtype::Bf16 => {
-            let (lo, hi) = (kb.i64c(0), kb.i64c(hd));
-            kb.for_range(lo, hi, 1, |kb, c| {
-                let x = kb.load_f32(F32, src, c);
-                let bits = kb.bitcast(I32, x);
-                let lsb = kb.b.ins().ushr_imm_u(bits, 16);
-                let lsb = kb.b.ins().band_imm_u(lsb, 1);
-                let bias = kb.b.ins().iadd_imm_s(lsb, 0x7fff);
-                let rounded = kb.b.ins().iadd(bits, bias);
-                let rounded = kb.b.ins().ushr_imm_u(rounded, 16);
-                // NaN stays NaN (quiet): its upper half with the quiet bit set.
-                let upper = kb.b.ins().ushr_imm_u(bits, 16);
-                let quiet = kb.b.ins().bor_imm_u(upper, 0x40);
-                let nan = kb.b.ins().fcmp(FloatCC::Unordered, x, x);
-                let h = kb.b.ins().select(nan, quiet, rounded);
+                let h = if view.dtype == KvDtype::F16 {
+                    f16_bits(kb, x)
+                } else {
+                    bf16_bits(kb, x)
+                };
                 let addr = kb.addr(dst, c, 2);
                 kb.b.ins().istore16(MEM, h, addr, 0);
             });

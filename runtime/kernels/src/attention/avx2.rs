@@ -372,7 +372,7 @@ impl Kernels for Avx2 {
         hd: usize,
         keys: usize,
         page_size: usize,
-        slot: usize,
+        stride: usize,
         half: Half,
         values: &dyn Fn(usize) -> *const u16,
         acc: &mut Vec<f32>,
@@ -386,14 +386,14 @@ impl Kernels for Avx2 {
                 Half::Bf16 => {
                     let rows = |pg: usize| Bf16Rows {
                         ptr: values(pg).cast(),
-                        stride: slot,
+                        stride,
                     };
                     values_in_place(scores, ld, nq, hd, keys, page_size, &rows, acc)
                 }
                 Half::F16 => {
                     let rows = |pg: usize| F16Rows {
                         ptr: values(pg).cast(),
-                        stride: slot,
+                        stride,
                     };
                     values_in_place(scores, ld, nq, hd, keys, page_size, &rows, acc)
                 }
@@ -447,7 +447,7 @@ impl Kernels for Avx2 {
         hd: usize,
         keys: usize,
         page_size: usize,
-        slot: usize,
+        stride: usize,
         values: &dyn Fn(usize) -> *const f32,
         acc: &mut Vec<f32>,
     ) {
@@ -456,11 +456,11 @@ impl Kernels for Avx2 {
             if !hd.is_multiple_of(8) {
                 acc.clear();
                 acc.resize(nq * hd, 0.0);
-                return values_scalar(scores, ld, nq, hd, keys, page_size, slot, values, acc);
+                return values_scalar(scores, ld, nq, hd, keys, page_size, stride, values, acc);
             }
             let rows = |pg: usize| F32Rows {
                 ptr: values(pg),
-                stride: slot,
+                stride,
             };
             values_in_place(scores, ld, nq, hd, keys, page_size, &rows, acc)
         }

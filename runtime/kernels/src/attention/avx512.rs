@@ -73,7 +73,7 @@ impl Kernels for Avx512 {
         hd: usize,
         keys: usize,
         page_size: usize,
-        slot: usize,
+        stride: usize,
         half: Half,
         values: &dyn Fn(usize) -> *const u16,
         acc: &mut Vec<f32>,
@@ -81,7 +81,7 @@ impl Kernels for Avx512 {
         if hd != 64 && hd != 128 {
             return false;
         }
-        let args = (scores, ld, nq, keys, page_size, slot);
+        let args = (scores, ld, nq, keys, page_size, stride);
         acc.clear();
         acc.resize(nq * hd, 0.0);
         // SAFETY: as the trait's contract; the loads widen 16-bit values in registers.
@@ -106,12 +106,12 @@ impl Kernels for Avx512 {
         hd: usize,
         keys: usize,
         page_size: usize,
-        slot: usize,
+        stride: usize,
         values: &dyn Fn(usize) -> *const f32,
         acc: &mut Vec<f32>,
     ) {
         // SAFETY: as the trait's contract.
-        unsafe { weighted_values(scores, ld, nq, hd, keys, page_size, slot, values, acc) }
+        unsafe { weighted_values(scores, ld, nq, hd, keys, page_size, stride, values, acc) }
     }
 }
 
@@ -148,7 +148,7 @@ unsafe fn softmax_row(row: &mut [f32], valid: usize, scale: f32) -> (f32, f32) {
 }
 
 /// `acc[q, :] = Σ_t scores[q, t] · V[t, :]` for `q < nq`, `t < keys`, value rows of page `pg`
-/// at `values(pg)`, `slot` apart (AVX-512).
+/// at `values(pg)`, `stride` apart (AVX-512).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn weighted_values(
@@ -158,7 +158,7 @@ unsafe fn weighted_values(
     hd: usize,
     keys: usize,
     page_size: usize,
-    slot: usize,
+    stride: usize,
     values: &dyn Fn(usize) -> *const f32,
     acc: &mut Vec<f32>,
 ) {
@@ -167,13 +167,13 @@ unsafe fn weighted_values(
     // SAFETY: the caller has AVX-512F; value rows hold `hd` values.
     unsafe {
         match hd {
-            64 => {
-                values_in_registers::<f32, 4, 6>(scores, ld, nq, keys, page_size, slot, values, acc)
-            }
-            128 => {
-                values_in_registers::<f32, 8, 3>(scores, ld, nq, keys, page_size, slot, values, acc)
-            }
-            _ => values_scalar(scores, ld, nq, hd, keys, page_size, slot, values, acc),
+            64 => values_in_registers::<f32, 4, 6>(
+                scores, ld, nq, keys, page_size, stride, values, acc,
+            ),
+            128 => values_in_registers::<f32, 8, 3>(
+                scores, ld, nq, keys, page_size, stride, values, acc,
+            ),
+            _ => values_scalar(scores, ld, nq, hd, keys, page_size, stride, values, acc),
         }
     }
 }
@@ -189,13 +189,13 @@ unsafe fn values_16<E: Elem>(
     values: &dyn Fn(usize) -> *const E,
     acc: &mut [f32],
 ) {
-    let (scores, ld, nq, keys, page_size, slot) = args;
+    let (scores, ld, nq, keys, page_size, stride) = args;
     // SAFETY: the caller's contract.
     unsafe {
         if hd == 64 {
-            values_in_registers::<E, 4, 6>(scores, ld, nq, keys, page_size, slot, values, acc)
+            values_in_registers::<E, 4, 6>(scores, ld, nq, keys, page_size, stride, values, acc)
         } else {
-            values_in_registers::<E, 8, 3>(scores, ld, nq, keys, page_size, slot, values, acc)
+            values_in_registers::<E, 8, 3>(scores, ld, nq, keys, page_size, stride, values, acc)
         }
     }
 }
@@ -209,7 +209,7 @@ unsafe fn values_in_registers<E: Elem, const D: usize, const Q: usize>(
     nq: usize,
     keys: usize,
     page_size: usize,
-    slot: usize,
+    stride: usize,
     values: &dyn Fn(usize) -> *const E,
     acc: &mut [f32],
 ) {
@@ -218,7 +218,7 @@ unsafe fn values_in_registers<E: Elem, const D: usize, const Q: usize>(
         let qn = Q.min(nq - q0);
         // One instance per query count, so that every accumulator is a register (a count
         // known only at run time kept them on the stack).
-        let args = (scores, ld, q0, keys, page_size, slot, values);
+        let args = (scores, ld, q0, keys, page_size, stride, values);
         // SAFETY: the caller's contract; rows `q0..q0 + qn` exist.
         unsafe {
             match qn {
@@ -251,7 +251,7 @@ unsafe fn values_block<E: Elem, const D: usize, const Q: usize>(
     args: ValuesArgs<E>,
     acc: &mut [f32],
 ) {
-    let (scores, ld, q0, keys, page_size, slot, values) = args;
+    let (scores, ld, q0, keys, page_size, stride, values) = args;
     let hd = 16 * D;
     // SAFETY: the caller has AVX-512F; rows `q0..q0 + Q` and keys `..keys` in bounds.
     unsafe {
@@ -266,14 +266,14 @@ unsafe fn values_block<E: Elem, const D: usize, const Q: usize>(
                 std::ptr::null()
             };
             for s in 0..n {
-                let v = base.add(s * slot);
+                let v = base.add(s * stride);
                 // Value rows prefetched a few dozen rows ahead, into the next page (anywhere in
                 // the cache) near the end of this one.
                 let ahead = s + tile::STRIDED_AHEAD;
                 let pv = if ahead < n {
-                    base.add(ahead * slot)
+                    base.add(ahead * stride)
                 } else {
-                    next.wrapping_add((ahead - n) * slot)
+                    next.wrapping_add((ahead - n) * stride)
                 };
                 if ahead < n || (!next.is_null() && t0 + ahead < keys) {
                     for d in 0..D {

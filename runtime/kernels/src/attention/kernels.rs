@@ -51,7 +51,7 @@ pub(super) trait Kernels {
     ) -> bool {
         false
     }
-    /// As [`Kernels::values`] over 16-bit value rows (`half`) read where they are (`slot` in
+    /// As [`Kernels::values`] over 16-bit value rows (`half`) read where they are (`stride` in
     /// values, `values(pg)` the page's first row); false (nothing written) where this
     /// instruction set or head size widens them first instead.
     ///
@@ -65,7 +65,7 @@ pub(super) trait Kernels {
         _hd: usize,
         _keys: usize,
         _page_size: usize,
-        _slot: usize,
+        _stride: usize,
         _half: Half,
         _values: &dyn Fn(usize) -> *const u16,
         _acc: &mut Vec<f32>,
@@ -90,7 +90,7 @@ pub(super) trait Kernels {
         hd: usize,
         keys: usize,
         page_size: usize,
-        slot: usize,
+        stride: usize,
         values: &dyn Fn(usize) -> *const f32,
         acc: &mut Vec<f32>,
     );
@@ -110,13 +110,13 @@ pub(super) unsafe fn values_scalar(
     hd: usize,
     keys: usize,
     page_size: usize,
-    slot: usize,
+    stride: usize,
     values: &dyn Fn(usize) -> *const f32,
     acc: &mut [f32],
 ) {
     for t in 0..keys {
         // SAFETY: as the function's contract: value rows hold `hd` values.
-        let v = unsafe { values(t / page_size).add((t % page_size) * slot) };
+        let v = unsafe { values(t / page_size).add((t % page_size) * stride) };
         for q in 0..nq {
             let w = scores[q * ld + t];
             if w != 0.0 {
