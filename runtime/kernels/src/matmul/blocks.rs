@@ -174,7 +174,9 @@ unsafe fn k_bytes(qs: &[u8; 128], qh: Option<&[u8; 32]>, g: usize) -> __m256i {
 
 /// Register tiles on blocks for steps of 1 to 21 rows (AVX-512): each 32 values of a block are
 /// dequantized once (`d·q + m`, the values of `Block::dequantize`) into two f32 vectors held
-/// in registers for every row of the tile, its scales converted once per block; up to eight
+/// in registers for every row of the tile, its scales converted once per block (the 4-bit
+/// formats look their values up with `vpermps` in a table of the sixteen `d·q + m`, built once
+/// per 32-value group: no conversion per value, the same bits); up to eight
 /// rows by two weight rows (or one row by four) of sixteen-lane accumulators, summed once at
 /// the end. Activations stay f32.
 #[cfg(target_arch = "x86_64")]
@@ -214,49 +216,78 @@ mod avx512 {
         }
     }
 
-    /// Low and high nibbles of 16 bytes as f32 (elements 0..16 and 16..32).
+    /// `d·q + m` for `q` = 0..16: a 4-bit index's values, looked up with `vpermps` instead of
+    /// converted and scaled per value (the same `fma(q, d, m)`, so the same bits). (The 5-bit
+    /// formats keep converting: a second table's masked lookups measured slower than the
+    /// conversion.)
     #[inline(always)]
-    unsafe fn nibbles(qs: &[u8; 16]) -> (__m512, __m512) {
-        // SAFETY: 16 bytes, read unaligned; the caller has AVX-512F.
+    unsafe fn table(d: __m512, m: __m512) -> __m512 {
+        // SAFETY: the caller has AVX-512F.
         unsafe {
-            let w = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.as_ptr().cast()));
+            let q = _mm512_setr_ps(
+                0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0,
+                15.0,
+            );
+            _mm512_fmadd_ps(q, d, m)
+        }
+    }
+
+    /// 16 bytes widened to 32-bit lanes: as indices, `vpermps` reads their low nibbles (bits
+    /// 0..4), and after a shift right by 4 their high ones.
+    #[inline(always)]
+    unsafe fn widen(qs: &[u8; 16]) -> __m512i {
+        // SAFETY: 16 bytes, read unaligned; the caller has AVX-512F.
+        unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.as_ptr().cast())) }
+    }
+
+    /// The low and high nibbles of 16 bytes (elements 0..16 and 16..32) looked up in `t`.
+    #[inline(always)]
+    unsafe fn nibbles(qs: &[u8; 16], t: __m512) -> (__m512, __m512) {
+        // SAFETY: the caller has AVX-512F.
+        unsafe {
+            let w = widen(qs);
             (
-                _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(0x0F))),
-                _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4)),
+                _mm512_permutexvar_ps(w, t),
+                _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), t),
             )
         }
     }
 
     impl Dequant for BlockQ4_1 {
-        type Scales = ();
+        /// `d·q + m` for the sixteen `q`.
+        type Scales = __m512;
         const GROUPS: usize = 1;
         #[inline(always)]
-        unsafe fn scales(&self) {}
-        #[inline(always)]
-        unsafe fn values(&self, _: &(), _: usize) -> (__m512, __m512) {
+        unsafe fn scales(&self) -> __m512 {
             // SAFETY: the caller's features.
             unsafe {
                 let (d, m) = pair(self.d, self.m);
-                let (lo, hi) = nibbles(&self.qs);
-                (_mm512_fmadd_ps(lo, d, m), _mm512_fmadd_ps(hi, d, m))
+                table(d, m)
             }
+        }
+        #[inline(always)]
+        unsafe fn values(&self, t: &__m512, _: usize) -> (__m512, __m512) {
+            // SAFETY: the caller's features.
+            unsafe { nibbles(&self.qs, *t) }
         }
     }
 
     impl Dequant for BlockQ4_0 {
-        type Scales = ();
+        /// `d·q − 8·d` for the sixteen `q`.
+        type Scales = __m512;
         const GROUPS: usize = 1;
         #[inline(always)]
-        unsafe fn scales(&self) {}
-        #[inline(always)]
-        unsafe fn values(&self, _: &(), _: usize) -> (__m512, __m512) {
+        unsafe fn scales(&self) -> __m512 {
             // SAFETY: the caller's features.
             unsafe {
                 let (d, _) = pair(self.d, [0, 0]);
-                let m = _mm512_mul_ps(d, _mm512_set1_ps(-8.0));
-                let (lo, hi) = nibbles(&self.qs);
-                (_mm512_fmadd_ps(lo, d, m), _mm512_fmadd_ps(hi, d, m))
+                table(d, _mm512_mul_ps(d, _mm512_set1_ps(-8.0)))
             }
+        }
+        #[inline(always)]
+        unsafe fn values(&self, t: &__m512, _: usize) -> (__m512, __m512) {
+            // SAFETY: the caller's features.
+            unsafe { nibbles(&self.qs, *t) }
         }
     }
 
@@ -361,7 +392,8 @@ mod avx512 {
     }
 
     /// Group `g` of a K super-block's nibbles (`2c`: the low nibbles of `qs[32c..32c + 32]`,
-    /// `2c + 1`: their high nibbles) as integers, values 0..16 and 16..32.
+    /// `2c + 1`: their high nibbles), values 0..16 and 16..32, as indices of a 16-entry table
+    /// (`vpermps` reads bits 0..4 of each lane).
     #[inline(always)]
     unsafe fn k_nibbles(qs: &[u8; 128], g: usize) -> (__m512i, __m512i) {
         // SAFETY: 32 bytes of qs at 32·(g / 2), read unaligned; the caller has AVX-512F.
@@ -370,8 +402,7 @@ mod avx512 {
             let a = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast()));
             let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(16).cast()));
             if g.is_multiple_of(2) {
-                let low = _mm512_set1_epi32(0x0F);
-                (_mm512_and_si512(a, low), _mm512_and_si512(b, low))
+                (a, b)
             } else {
                 (_mm512_srli_epi32(a, 4), _mm512_srli_epi32(b, 4))
             }
@@ -454,11 +485,8 @@ mod avx512 {
             // SAFETY: the caller's features.
             unsafe {
                 let (a, b) = k_nibbles(&self.qs, g);
-                let (sc, m) = (_mm512_set1_ps(s[g]), _mm512_set1_ps(s[8 + g]));
-                (
-                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sc, m),
-                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), sc, m),
-                )
+                let t = table(_mm512_set1_ps(s[g]), _mm512_set1_ps(s[8 + g]));
+                (_mm512_permutexvar_ps(a, t), _mm512_permutexvar_ps(b, t))
             }
         }
     }
