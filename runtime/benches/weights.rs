@@ -30,6 +30,7 @@ fn main() {
         DType::Q4_0,
         DType::Q4_1,
         DType::Q5_0,
+        DType::Q5_1,
         DType::Q4K,
         DType::Q5K,
         DType::Q6K,
