@@ -44,6 +44,7 @@ fn busy_threads_narrow_the_width_and_their_end_widens_it_again() {
         return;
     }
     let changes = pool::width_changes();
+    let before = cpus_allowed();
     // Quiet: the whole width.
     step_until(Duration::from_millis(300), || false);
     let stop = Arc::new(AtomicBool::new(false));
@@ -73,7 +74,13 @@ fn busy_threads_narrow_the_width_and_their_end_widens_it_again() {
             seen.extend(ids.into_inner().expect("ids"));
         }
         let narrow_again = pool::between_steps(1);
-        (threads, seen.len(), narrow_again)
+        // A width of one that waits for its CPU beside the busy threads pairs on that CPU:
+        // both threads pinned to it (this one, the caller, among them).
+        let pinned = (pool::threads() == 1 || pool::paired()).then(|| {
+            step_until(Duration::from_secs(10), pool::paired);
+            (pool::paired(), cpus_allowed())
+        });
+        (threads, seen.len(), narrow_again, pinned)
     });
     stop.store(true, Ordering::Relaxed);
     for b in busy {
@@ -84,18 +91,36 @@ fn busy_threads_narrow_the_width_and_their_end_widens_it_again() {
         "{} busy threads beside {max} pool threads: the width stayed {max}",
         2 * max
     );
-    let (threads, seen, narrow_again) = whole.expect("checked while narrow");
+    let (threads, seen, narrow_again, pinned) = whole.expect("checked while narrow");
+    if let Some((paired, cpus)) = &pinned {
+        assert!(
+            *paired,
+            "a width of one beside {} busy threads never paired",
+            2 * max
+        );
+        assert_eq!(cpus.len(), 1, "the paired caller may run on CPUs {cpus:?}");
+    }
     assert_eq!(threads, max, "a prefill-sized step's threads while narrow");
     assert!(
         seen >= 2,
         "a prefill-sized step ran on {seen} thread(s) of {max}"
     );
+    // (Or two, pinned to one CPU: a width of one that waits for its CPU pairs.)
     assert!(
-        narrow_again < max,
-        "the next decode-sized step took {narrow_again} threads"
+        narrow_again < max || pool::paired(),
+        "the next decode-sized step took {narrow_again} threads on several CPUs"
     );
     let (idle0, t0) = (idle_seconds(), Instant::now());
-    let widened = step_until(Duration::from_secs(10), || pool::threads() == max);
+    let widened = step_until(Duration::from_secs(10), || {
+        pool::threads() == max && !pool::paired()
+    });
+    if widened && pinned.is_some() {
+        assert_eq!(
+            cpus_allowed(),
+            before,
+            "the pair ended, and its caller's CPUs"
+        );
+    }
     if widened {
         assert!(pool::width_changes() >= changes + 2);
         return;
@@ -123,4 +148,19 @@ fn idle_seconds() -> f64 {
         .map(|f| f.parse().expect("a tick count"))
         .collect();
     (fields[3] + fields[4]) / 100.0
+}
+
+/// The CPUs this thread may run on (`Cpus_allowed_list` of `/proc/thread-self/status`).
+fn cpus_allowed() -> Vec<usize> {
+    let status = std::fs::read_to_string("/proc/thread-self/status").expect("its status");
+    let list = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .expect("Cpus_allowed_list");
+    let mut cpus = Vec::new();
+    for part in list.trim().split(',') {
+        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
+        cpus.extend(lo.trim().parse::<usize>().expect("a CPU")..=hi.trim().parse().expect("a CPU"));
+    }
+    cpus
 }

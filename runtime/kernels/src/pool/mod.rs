@@ -23,9 +23,11 @@
 //! A job split across two threads waits for both, and one whose worker is descheduled while it
 //! holds a chunk waits a whole time slice of the other process; so while other processes keep
 //! the pool's threads waiting for a CPU, fewer threads run the decode steps and the rest sleep,
-//! until a CPU stands idle again. Prefill steps ([`WHOLE_WIDTH_ROWS`] rows or more) still take
-//! every thread: their launches are long and split finely, so each thread's share of the CPUs
-//! adds to the step's.
+//! until a CPU stands idle again; a width of one that still waits for its CPU (more busy
+//! processes than the other CPUs hold) becomes two threads pinned to its CPU, whose share of
+//! it is then two threads', and whose steps never wait for another CPU. Prefill steps
+//! ([`WHOLE_WIDTH_ROWS`] rows or more) still take every thread: their launches are long and
+//! split finely, so each thread's share of the CPUs adds to the step's.
 
 mod width;
 
@@ -80,6 +82,8 @@ struct Shared {
     /// Whether the current step splits across every thread whatever the width (a step of at
     /// least [`WHOLE_WIDTH_ROWS`] rows): every worker takes part while it is set.
     whole: std::sync::atomic::AtomicBool,
+    /// Whether the width is a pair of threads pinned to one CPU (`width.rs`, Pairing).
+    paired: std::sync::atomic::AtomicBool,
     widened: Condvar,
     /// Bumped for every job; sleeping and spinning workers look for a new one.
     epoch: AtomicU64,
@@ -212,6 +216,7 @@ fn pool() -> &'static Pool {
         let shared: &'static Shared = Box::leak(Box::new(Shared {
             width: AtomicUsize::new(threads),
             whole: std::sync::atomic::AtomicBool::new(false),
+            paired: std::sync::atomic::AtomicBool::new(false),
             widened: Condvar::new(),
             epoch: AtomicU64::new(0),
             current: Mutex::new(Current {
@@ -427,7 +432,18 @@ pub fn between_steps(rows: usize) -> usize {
             let now = Instant::now();
             if now.duration_since(a.start) >= WINDOW {
                 let width = s.width.load(Ordering::Acquire);
-                let next = a.judge(s, width, now, OWN_WORK.load(Ordering::Acquire) > 0);
+                let paired = a.paired;
+                let mut next = a.judge(s, width, now, OWN_WORK.load(Ordering::Acquire) > 0);
+                if a.paired != paired {
+                    let want = a.paired;
+                    let pinned = a.pin(s, want);
+                    tracing::debug!(paired = a.paired, pinned, "CPU threads: a pair on one CPU");
+                    if a.paired && !pinned {
+                        a.paired = false;
+                        next = width;
+                    }
+                    s.paired.store(a.paired, Ordering::Release);
+                }
                 if next != width {
                     a.changes += 1;
                     let _g = s.sleep.lock().unwrap_or_else(|e| e.into_inner());
@@ -450,6 +466,12 @@ pub fn between_steps(rows: usize) -> usize {
         s.widened.notify_all();
     }
     threads()
+}
+
+/// Whether the width is now a pair of threads pinned to one CPU: a width of one waited for its
+/// CPU beside other processes, so two threads share that CPU instead (`width.rs`, Pairing).
+pub fn paired() -> bool {
+    pool().shared.paired.load(Ordering::Acquire)
 }
 
 /// Whether the width follows the CPUs the threads get (more than one thread, Linux's
