@@ -48,9 +48,9 @@ const PAIR_AT_ONCE: f64 = 0.6;
 ///   moves the other processes to the other CPUs and the pair's share of its CPU is two
 ///   threads' (the fair share of a process of two threads), while a step never waits for a
 ///   thread on another CPU. On 2 cores beside two busy processes one thread had a core or half
-///   of one as the scheduler placed it (38-51% of quiet decode in five runs); two threads that
-///   shared a core decoded at 59%. The pair ends, and the threads spread out again, when a CPU
-///   stands idle.
+///   of one as the scheduler placed it: each run's decode 38-51% of quiet over three runs of
+///   `bench-contention.sh`, and 47-59% over four paired. The pair ends, and the threads spread
+///   out again, when a CPU stands idle (a width of one never pairs while one does).
 pub(super) struct Adapt {
     max: usize,
     /// The window's start, and the waits then: the caller's (by its thread) and the workers'.
@@ -339,7 +339,13 @@ impl Adapt {
             }
             return width;
         }
-        if width == 1 && self.max >= 2 && matches!(idle, Idle::Cpus(_) | Idle::Pending) {
+        let waits = match idle {
+            // A CPU stands idle: widen (below), whatever the thread waited.
+            Idle::Cpus(cpus) => cpus < 0.5,
+            Idle::Pending => true,
+            Idle::Unknown => false,
+        };
+        if width == 1 && self.max >= 2 && waits {
             self.pair_votes = if had < PAIR_BELOW {
                 self.pair_votes + 1
             } else {
@@ -479,7 +485,10 @@ mod tests {
         assert!(a.paired);
         assert_eq!(a.decide(2, 2.0, Idle::Cpus(0.9), ms(400)), 2);
         assert!(!a.paired);
-        // Half a CPU in one window pairs at once.
+        // Half a CPU in one window pairs at once, unless a CPU stands idle: then it widens.
+        let mut a = Adapt::new(2);
+        assert_eq!(a.decide(1, 0.5, Idle::Cpus(0.8), ms(0)), 2);
+        assert!(!a.paired);
         let mut a = Adapt::new(2);
         assert_eq!(a.decide(1, 0.5, Idle::Pending, ms(0)), 2);
         assert!(a.paired);
