@@ -50,7 +50,8 @@ const PAIR_AT_ONCE: f64 = 0.6;
 ///   thread on another CPU. On 2 cores beside two busy processes one thread had a core or half
 ///   of one as the scheduler placed it: each run's decode 38-51% of quiet over three runs of
 ///   `bench-contention.sh`, and 47-59% over four paired. The pair ends, and the threads spread
-///   out again, when a CPU stands idle (a width of one never pairs while one does).
+///   out again, when a CPU stands idle; a width of one pairs only once an idle window has shown
+///   none standing idle.
 pub(super) struct Adapt {
     max: usize,
     /// The window's start, and the waits then: the caller's (by its thread) and the workers'.
@@ -339,19 +340,16 @@ impl Adapt {
             }
             return width;
         }
-        let waits = match idle {
-            // A CPU stands idle: widen (below), whatever the thread waited.
-            Idle::Cpus(cpus) => cpus < 0.5,
-            Idle::Pending => true,
-            Idle::Unknown => false,
-        };
-        if width == 1 && self.max >= 2 && waits {
+        if width == 1 && self.max >= 2 {
             self.pair_votes = if had < PAIR_BELOW {
                 self.pair_votes + 1
             } else {
                 0
             };
-            if self.pair_votes >= 2 || had < PAIR_AT_ONCE {
+            // Only once an idle window has shown no CPU standing idle: where one does, the
+            // thread's wait is the balancer's placement, and widening (below) is right.
+            let none_idle = matches!(idle, Idle::Cpus(cpus) if cpus < 0.5);
+            if none_idle && (self.pair_votes >= 2 || had < PAIR_AT_ONCE) {
                 self.pair_votes = 0;
                 self.paired = true;
                 self.idle = None;
@@ -452,7 +450,8 @@ mod tests {
         // Waiting even at width 1 never goes below 1.
         assert_eq!(a.decide(2, 0.4, Idle::Pending, ms(275)), 2);
         assert_eq!(a.decide(2, 0.4, Idle::Pending, ms(300)), 1);
-        // (A width of one that waits that long for its CPU becomes a pair: see below.)
+        // (A width of one that waits that long for its CPU, no CPU idle, becomes a pair: see
+        // below.)
         assert_eq!(a.decide(1, -0.2, Idle::Cpus(0.0), ms(375)), 2);
         assert!(a.paired);
         // Many cores, one busy process: all but one.
@@ -472,11 +471,14 @@ mod tests {
             assert_eq!(a.decide(1, 0.97, Idle::Cpus(0.0), ms(25 * i)), 1);
         }
         assert!(!a.paired);
-        // Two: it shares its CPU. One window below PAIR_BELOW is a blip; two pair it.
-        assert_eq!(a.decide(1, 0.7, Idle::Pending, ms(100)), 1);
+        // Two: it shares its CPU. One window below PAIR_BELOW is a blip; two pair it, once an
+        // idle window has shown no CPU standing idle.
+        assert_eq!(a.decide(1, 0.7, Idle::Cpus(0.0), ms(100)), 1);
         assert_eq!(a.decide(1, 0.95, Idle::Cpus(0.0), ms(125)), 1);
         assert_eq!(a.decide(1, 0.7, Idle::Pending, ms(150)), 1);
-        assert_eq!(a.decide(1, 0.75, Idle::Pending, ms(175)), 2);
+        assert_eq!(a.decide(1, 0.75, Idle::Pending, ms(175)), 1);
+        assert!(!a.paired);
+        assert_eq!(a.decide(1, 0.75, Idle::Cpus(0.1), ms(200)), 2);
         assert!(a.paired);
         // Paired, the threads wait for each other (had: the width): it holds while no CPU
         // stands idle, and ends, spreading out, once one does.
@@ -490,7 +492,8 @@ mod tests {
         assert_eq!(a.decide(1, 0.5, Idle::Cpus(0.8), ms(0)), 2);
         assert!(!a.paired);
         let mut a = Adapt::new(2);
-        assert_eq!(a.decide(1, 0.5, Idle::Pending, ms(0)), 2);
+        assert_eq!(a.decide(1, 0.5, Idle::Pending, ms(0)), 1);
+        assert_eq!(a.decide(1, 0.5, Idle::Cpus(0.0), ms(75)), 2);
         assert!(a.paired);
         // Without the CPUs' idle times (nothing would end the pair) it never pairs (it probes
         // the whole width instead, as below).
@@ -501,7 +504,7 @@ mod tests {
         }
         // Many cores: a pair on one CPU that widens to every idle CPU when they come free.
         let mut a = Adapt::new(16);
-        assert_eq!(a.decide(1, 0.5, Idle::Pending, ms(0)), 2);
+        assert_eq!(a.decide(1, 0.5, Idle::Cpus(0.2), ms(0)), 2);
         assert_eq!(a.decide(2, 2.0, Idle::Cpus(3.2), ms(100)), 5);
         assert!(!a.paired);
     }
