@@ -204,6 +204,19 @@ pub fn run(args: Args) -> Result<()> {
             maxc_runtime::kernels::pool::width(),
             maxc_runtime::kernels::pool::width_changes()
         );
+        let spec = maxc_runtime::kernels::pool::speculation();
+        if spec.jobs > 0 {
+            eprintln!(
+                "maxc generate: a helper thread beside busy processes: {} matmuls split into {} \
+                 chunks, {} done by the helper, {} taken back from it; the caller moved CPUs {} \
+                 times",
+                spec.jobs,
+                spec.chunks,
+                spec.helped,
+                spec.taken_back,
+                maxc_runtime::kernels::pool::lead_moves()
+            );
+        }
     }
     if let Some((depth, st)) = stats {
         let rates: Vec<String> = st

@@ -171,6 +171,14 @@ pub struct CpuExecutor {
 // thread that built it, and `&mut self` serializes steps.
 unsafe impl Send for CpuExecutor {}
 
+impl Drop for CpuExecutor {
+    fn drop(&mut self) {
+        // A helper thread may still be inside a speculative matmul chunk it lost to its caller
+        // (`pool::run_speculative`), reading this executor's weights: they outlive it.
+        pool::quiesce();
+    }
+}
+
 fn to_f32(dtype: DType, bytes: &[u8]) -> Option<Vec<f32>> {
     match dtype {
         DType::F32 => None,
@@ -668,6 +676,8 @@ impl CpuExecutor {
     ) -> Result<Option<Vec<LaunchTiming>>> {
         let mut args: Vec<*mut u8> = Vec::new();
         let mut timings = self.profile.as_ref().map(|_| Vec::new());
+        // Matmuls may run as speculative jobs (the weights outlive them: `Drop`).
+        let _speculate = pool::allow_speculation();
         for (i, launch) in self.program.launches.iter().enumerate() {
             let kernel = &self.program.kernels[launch.kernel as usize];
             args.clear();

@@ -369,6 +369,63 @@ fn stream_split(
     });
 }
 
+/// The most chunks a speculative block-tile matmul splits into (`pool::run_speculative`): a
+/// chunk the helper is descheduled in costs the caller that share of the launch.
+const SPECULATIVE_CHUNKS: usize = 8;
+/// Weight bytes per chunk of a speculative matmul, at least: a smaller chunk costs more in
+/// claims, copies and commits than the helper saves (a matmul of less than two runs on the
+/// caller alone).
+const SPECULATIVE_CHUNK_BYTES: usize = 64 << 10;
+
+/// `out[rows, n] = x[rows, k] · wᵀ` with the tile kernel `f`, as a speculative job of `chunks`
+/// chunks (`pool::run_speculative`).
+#[allow(clippy::too_many_arguments)]
+fn tiles_speculative(
+    f: blocks::StreamFn,
+    x: &[f32],
+    w: &[u8],
+    out: &mut [f32],
+    rows: usize,
+    n: usize,
+    k: usize,
+    chunks: usize,
+) {
+    assert!(x.len() >= rows * k && out.len() >= rows * n);
+    let spec = crate::pool::Spec {
+        compute: tiles_chunk,
+        inputs: [(x.as_ptr().cast(), rows * k * 4), (std::ptr::null(), 0)],
+        data: [f as usize, w.as_ptr() as usize, w.len(), k],
+        out: out.as_mut_ptr(),
+        rows,
+        n,
+    };
+    crate::pool::run_speculative(chunks.min(n), &spec);
+}
+
+/// A chunk of a speculative block-tile matmul: `data` holds the tile kernel, the weights'
+/// address and length, and `k`; `inputs[0]` the activations.
+///
+/// # Safety
+/// `data` as [`run`] writes it for the tile path, the weights still valid; `out` spans
+/// `(rows − 1)·n + cols.len()` values.
+unsafe fn tiles_chunk(
+    spec: &crate::pool::Spec,
+    inputs: &[&[u8]; crate::pool::SPEC_INPUTS],
+    out: &mut [f32],
+    cols: std::ops::Range<usize>,
+) {
+    // SAFETY: `data[0]` is a `StreamFn` cast to an address by `run`.
+    let f = unsafe { std::mem::transmute::<usize, blocks::StreamFn>(spec.data[0]) };
+    let x = inputs[0];
+    // SAFETY: the activations are f32 (the job's, or the helper's 8-byte aligned copy), and
+    // the weights are `data[2]` bytes at `data[1]`, alive while the job runs.
+    unsafe {
+        let x = std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len() / 4);
+        let w = std::slice::from_raw_parts(spec.data[1] as *const u8, spec.data[2]);
+        f(x, w, out, spec.rows, spec.n, spec.data[3], cols)
+    }
+}
+
 thread_local! {
     /// The calling thread's quantized activations (bytes, scales, sums), kept between calls.
     #[cfg(target_arch = "x86_64")]
@@ -745,6 +802,14 @@ fn run(
             let f = hand
                 .tiles
                 .expect("the tile path is chosen only where there are tiles");
+            let spec_chunks = (w.len() / SPECULATIVE_CHUNK_BYTES).min(SPECULATIVE_CHUNKS);
+            if spec_chunks >= 2 && crate::pool::speculating() {
+                // A caller with a helper that shares its CPU with other processes
+                // (`pool::speculating`): chunks the helper takes but is descheduled in are
+                // taken back, not waited for.
+                tiles_speculative(f, x, w, out, rows, n, k, spec_chunks);
+                return;
+            }
             // SAFETY: `HandKernels::of` chose it for this CPU's features and this format.
             stream_split(w.len(), out, rows, n, threads, &|o, cols| unsafe {
                 f(x, w, o, rows, n, k, cols)
@@ -877,6 +942,55 @@ mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    fn a_speculative_tile_matmul_gives_the_same_bits_as_the_split_one() {
+        let (n, k) = (70, 256);
+        let x: Vec<f32> = (0..8 * k)
+            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let mut tried = 0;
+        for dtype in DType::ALL.into_iter().filter(|d| d.is_quantized()) {
+            let Some(f) = HandKernels::of(dtype, k, isa()).tiles else {
+                continue;
+            };
+            tried += 1;
+            let (be, bb) = dtype.block();
+            let mut w: Vec<u8> = (0..n * k / be * bb)
+                .map(|i| ((i * 131) % 251) as u8)
+                .collect();
+            // Small finite f16 scales wherever a block may keep one.
+            let small = half::f16::from_f32(0.01).to_le_bytes();
+            for blk in w.chunks_exact_mut(bb) {
+                match dtype {
+                    DType::Q6K => blk[bb - 2..].copy_from_slice(&small),
+                    _ => {
+                        blk[..2].copy_from_slice(&small);
+                        blk[2..4].copy_from_slice(&small);
+                    }
+                }
+            }
+            for rows in [1, 3, 8] {
+                let mut want = vec![0.0f32; rows * n];
+                // SAFETY: the tiles this CPU has, on whole blocks.
+                stream_split(w.len(), &mut want, rows, n, 1, &|o, cols| unsafe {
+                    f(&x, &w, o, rows, n, k, cols)
+                });
+                for chunks in [2, 5, 8] {
+                    let mut got = vec![f32::NAN; rows * n];
+                    tiles_speculative(f, &x, &w, &mut got, rows, n, k, chunks);
+                    let same = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{dtype:?}, {rows} rows, {chunks} chunks");
+                }
+            }
+        }
+        if tried == 0 {
+            eprintln!("skipped: this CPU has no block tiles");
+        }
     }
 
     #[test]

@@ -29,13 +29,19 @@
 //! ([`WHOLE_WIDTH_ROWS`] rows or more) still take every thread: their launches are long and
 //! split finely, so each thread's share of the CPUs adds to the step's.
 
+mod spec;
 mod width;
+
+pub use spec::{
+    allow as allow_speculation, quiesce, run as run_speculative, speculating, speculation, Allow,
+    Spec, SpecFn, Speculation, SPEC_INPUTS,
+};
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use width::{run_delay_ns, Adapt, WINDOW};
+use width::{run_delay_ns, Adapt, Place, WINDOW};
 
 thread_local! {
     /// Whether this thread is running a chunk of a job (where [`run`] must not wait for the
@@ -67,10 +73,12 @@ const WAIT_SPIN: Duration = Duration::from_micros(50);
 type Job = dyn Fn(usize) + Sync;
 
 /// The current job: its function (lifetime erased; called only by a thread that claimed one of
-/// its chunks, which its caller waits for), its epoch and its chunk count.
+/// its chunks, which its caller waits for) or its speculative job (`spec.rs`), its epoch and
+/// its chunk count.
 #[derive(Clone, Copy)]
 struct Current {
     job: Option<&'static Job>,
+    spec: Option<Spec>,
     epoch: u32,
     chunks: usize,
 }
@@ -84,6 +92,11 @@ struct Shared {
     whole: std::sync::atomic::AtomicBool,
     /// Whether the width is a pair of threads pinned to one CPU (`width.rs`, Pairing).
     paired: std::sync::atomic::AtomicBool,
+    /// Whether the first worker, beyond a width of one, helps with speculative jobs
+    /// (`width.rs`, Leading; `spec.rs`).
+    lead: std::sync::atomic::AtomicBool,
+    /// Each chunk's state in speculative jobs (`spec.rs`).
+    states: Box<[AtomicU64]>,
     widened: Condvar,
     /// Bumped for every job; sleeping and spinning workers look for a new one.
     epoch: AtomicU64,
@@ -217,10 +230,13 @@ fn pool() -> &'static Pool {
             width: AtomicUsize::new(threads),
             whole: std::sync::atomic::AtomicBool::new(false),
             paired: std::sync::atomic::AtomicBool::new(false),
+            lead: std::sync::atomic::AtomicBool::new(false),
+            states: spec::states(),
             widened: Condvar::new(),
             epoch: AtomicU64::new(0),
             current: Mutex::new(Current {
                 job: None,
+                spec: None,
                 epoch: 0,
                 chunks: 0,
             }),
@@ -323,7 +339,11 @@ fn worker(s: &'static Shared, index: usize) {
         }
         paths[index] = Some(format!("/proc/{}", link.display()));
     }
-    let active = || index + 1 < s.width.load(Ordering::Acquire) || s.whole.load(Ordering::Acquire);
+    // Taking part in every job at this width; the first worker also helps with speculative
+    // jobs while the pool leads (`width.rs`, Leading).
+    let in_width =
+        || index + 1 < s.width.load(Ordering::Acquire) || s.whole.load(Ordering::Acquire);
+    let active = || in_width() || (index == 0 && s.lead.load(Ordering::Acquire));
     let mut seen = 0u64;
     loop {
         if !active() {
@@ -348,9 +368,10 @@ fn worker(s: &'static Shared, index: usize) {
                 break Some(e);
             }
             spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(64) {
+            if spins.is_multiple_of(64) && !(index == 0 && s.lead.load(Ordering::Relaxed)) {
                 // Spinning politely: on an oversubscribed machine the thread this one waits for
-                // may need the core.
+                // may need the core. (Not a leading pool's helper: the caller it waits for is
+                // on another CPU, and a yield would give its share of its own CPU away.)
                 std::thread::yield_now();
             }
             if spins.is_multiple_of(1024) {
@@ -373,7 +394,11 @@ fn worker(s: &'static Shared, index: usize) {
         let Some(epoch) = epoch else { continue };
         seen = epoch;
         let cur = *s.current.lock().unwrap_or_else(|e| e.into_inner());
-        claim_and_run(s, cur);
+        match cur.spec {
+            Some(spec) => spec::help(s, cur, spec),
+            None if in_width() => claim_and_run(s, cur),
+            None => {}
+        }
     }
 }
 
@@ -430,19 +455,27 @@ pub fn between_steps(rows: usize) -> usize {
     if let Some(adapt) = &p.adapt {
         if let Ok(mut a) = adapt.try_lock() {
             let now = Instant::now();
+            if a.lead && a.keep_lead(s, now) {
+                tracing::debug!(cpu = a.lead_cpu, "CPU threads: the leading caller moved");
+            }
             if now.duration_since(a.start) >= WINDOW {
                 let width = s.width.load(Ordering::Acquire);
-                let paired = a.paired;
+                let place = a.place();
                 let mut next = a.judge(s, width, now, OWN_WORK.load(Ordering::Acquire) > 0);
-                if a.paired != paired {
-                    let want = a.paired;
+                if a.place() != place {
+                    let want = a.place();
                     let pinned = a.pin(s, want);
-                    tracing::debug!(paired = a.paired, pinned, "CPU threads: a pair on one CPU");
-                    if a.paired && !pinned {
+                    tracing::debug!(?want, pinned, "CPU threads: pinned");
+                    if want != Place::Free && !pinned {
+                        a.no_lead |= a.lead;
                         a.paired = false;
+                        a.lead = false;
                         next = width;
                     }
+                    let _g = s.sleep.lock().unwrap_or_else(|e| e.into_inner());
                     s.paired.store(a.paired, Ordering::Release);
+                    s.lead.store(a.lead, Ordering::Release);
+                    s.widened.notify_all();
                 }
                 if next != width {
                     a.changes += 1;
@@ -474,10 +507,24 @@ pub fn paired() -> bool {
     pool().shared.paired.load(Ordering::Acquire)
 }
 
+/// Whether the pool leads: a width of one whose helper takes speculative chunks on the other
+/// CPUs, which it shares with other processes (`width.rs`, Leading).
+pub fn leading() -> bool {
+    pool().shared.lead.load(Ordering::Acquire)
+}
+
 /// Whether the width follows the CPUs the threads get (more than one thread, Linux's
 /// `schedstat` readable, `MAXC_ADAPT_THREADS` not `0`).
 pub fn adapts() -> bool {
     pool().adapt.is_some()
+}
+
+/// How many times a leading caller moved to its helper's CPU since the pool started.
+pub fn lead_moves() -> u64 {
+    pool()
+        .adapt
+        .as_ref()
+        .map_or(0, |a| a.lock().unwrap_or_else(|e| e.into_inner()).swaps)
 }
 
 /// How many times the width has changed since the pool started.
@@ -506,6 +553,7 @@ pub fn run<'a>(chunks: usize, f: &'a (dyn Fn(usize) + Sync + 'a)) {
     let epoch = (s.epoch.load(Ordering::Acquire) + 1) as u32;
     let cur = Current {
         job: Some(job),
+        spec: None,
         epoch,
         chunks,
     };

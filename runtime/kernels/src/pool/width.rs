@@ -26,6 +26,24 @@ const PROBE_MAX: Duration = Duration::from_secs(1);
 /// two threads on that CPU instead.
 const PAIR_BELOW: f64 = 0.8;
 const PAIR_AT_ONCE: f64 = 0.6;
+/// A width of one whose thread had at least this share of its CPU while no CPU stood idle
+/// leads: its helper takes speculative chunks from the other CPUs. A helper that had this much
+/// of a CPU has one of its own again: the pool widens.
+const LEAD_ABOVE: f64 = 0.9;
+/// A leading caller that waited for its CPU for more than this share of the time since the
+/// last step moves to its helper's CPU ([`Adapt::keep_lead`]).
+const SWAP_ABOVE: f64 = 0.25;
+
+/// Where the pool's pinned threads are ([`Adapt::pin`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Place {
+    /// Not pinned.
+    Free,
+    /// The caller and the first worker on the caller's CPU.
+    Pair,
+    /// The caller on its CPU, the first worker on the others.
+    Lead,
+}
 
 /// The width's controller.
 ///
@@ -52,6 +70,14 @@ const PAIR_AT_ONCE: f64 = 0.6;
 ///   `bench-contention.sh`, and 47-59% over four paired. The pair ends, and the threads spread
 ///   out again, when a CPU stands idle; a width of one pairs only once an idle window has shown
 ///   none standing idle.
+/// - **Leading.** A width of one whose thread has its CPU (at least [`LEAD_ABOVE`] of it) while
+///   no CPU stands idle runs beside busy processes on the other CPUs, which its second thread
+///   would share. That thread becomes a helper: the caller is pinned to its CPU, the helper to
+///   the others, and the step's block matmuls run as speculative jobs (`spec.rs`), whose chunks
+///   the helper takes while it runs and the caller takes back when it is descheduled; the rest
+///   of the step runs on the caller. It ends, unpinned, when the caller waits for its CPU
+///   (less than [`PAIR_BELOW`] of it: the width of one judges again, and may pair), or when the
+///   helper has a CPU of its own again (the width widens).
 pub(super) struct Adapt {
     max: usize,
     /// The window's start, and the waits then: the caller's (by its thread) and the workers'.
@@ -73,6 +99,21 @@ pub(super) struct Adapt {
     pub(super) paired: bool,
     /// The windows in a row in which a width of one had less than [`PAIR_BELOW`] of a CPU.
     pair_votes: u32,
+    /// Whether a width of one leads, its helper on the other CPUs (see Leading above).
+    pub(super) lead: bool,
+    /// Whether leading failed to pin its threads (it is not tried again).
+    pub(super) no_lead: bool,
+    /// The helper's wait when the window started, while leading.
+    helper: Option<u64>,
+    /// The share of its CPU the thread that waited least had over the last window, and the CPU
+    /// it last ran on: where a width of one leads from.
+    least: Option<(f64, Option<usize>)>,
+    /// The CPU a leading caller is pinned to.
+    pub(super) lead_cpu: Option<usize>,
+    /// The caller's wait at the last step, while leading ([`Adapt::keep_lead`]).
+    step_wait: Option<(Instant, u64)>,
+    /// How often a leading caller moved to its helper's CPU.
+    pub(super) swaps: u64,
     /// The paired threads and the CPUs they may run on when not paired.
     #[cfg(target_os = "linux")]
     saved: Vec<(libc::pid_t, libc::cpu_set_t)>,
@@ -172,6 +213,13 @@ impl Adapt {
             backoff: PROBE_MIN,
             paired: false,
             pair_votes: 0,
+            lead: false,
+            no_lead: std::env::var("MAXC_LEAD").is_ok_and(|v| v == "0"),
+            helper: None,
+            least: None,
+            lead_cpu: None,
+            step_wait: None,
+            swaps: 0,
             #[cfg(target_os = "linux")]
             saved: Vec::new(),
             changes: 0,
@@ -213,17 +261,30 @@ impl Adapt {
             })
     }
 
-    /// Pins the calling thread and the first worker to the CPU the calling thread last ran on
-    /// (`on`), or gives the pinned threads back the CPUs they had (`!on`); returns whether it
-    /// could (where it cannot, nothing stays pinned).
+    /// Where the pinned threads should be: nowhere in particular, a pair on one CPU, or the
+    /// caller leading on its CPU with its helper on the others.
+    pub(super) fn place(&self) -> Place {
+        if self.paired {
+            Place::Pair
+        } else if self.lead {
+            Place::Lead
+        } else {
+            Place::Free
+        }
+    }
+
+    /// Pins the calling thread to the CPU it last ran on and the first worker to that CPU too
+    /// ([`Place::Pair`]) or to the other CPUs it may run on ([`Place::Lead`]); or gives the
+    /// pinned threads back the CPUs they had ([`Place::Free`]). Returns whether it could (where
+    /// it cannot, nothing stays pinned).
     #[cfg(target_os = "linux")]
-    pub(super) fn pin(&mut self, s: &Shared, on: bool) -> bool {
+    pub(super) fn pin(&mut self, s: &Shared, place: Place) -> bool {
         const SIZE: usize = std::mem::size_of::<libc::cpu_set_t>();
         for (tid, mask) in self.saved.drain(..) {
             // SAFETY: a cpu_set_t of SIZE bytes, read by the call.
             unsafe { libc::sched_setaffinity(tid, SIZE, &mask) };
         }
-        if !on {
+        if place == Place::Free {
             return true;
         }
         let tid = |task: &str| task.rsplit('/').next()?.parse::<libc::pid_t>().ok();
@@ -235,22 +296,32 @@ impl Adapt {
             .next()
             .flatten()
             .and_then(|t| tid(&t));
-        let (Some(cpu), Some(me), Some(worker)) = (last_cpu("/proc/thread-self/stat"), me, worker)
-        else {
+        let cpu = match place {
+            Place::Lead => self.lead_cpu.or_else(|| last_cpu("/proc/thread-self/stat")),
+            _ => last_cpu("/proc/thread-self/stat"),
+        };
+        let (Some(cpu), Some(me), Some(worker)) = (cpu, me, worker) else {
             return false;
         };
-        // SAFETY: cpu_set_t is plain bits; CPU_SET writes one of them (it checks the bound).
-        let mut one: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        unsafe { libc::CPU_SET(cpu, &mut one) };
         for t in [me, worker] {
-            // SAFETY: as above; the calls read and write SIZE bytes of the sets given.
+            // SAFETY: cpu_set_t is plain bits; CPU_SET / CPU_CLR write one of them (they check
+            // the bound); the calls read and write SIZE bytes of the sets given.
             let mut mask: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-            let ok = unsafe {
-                libc::sched_getaffinity(t, SIZE, &mut mask) == 0
-                    && libc::sched_setaffinity(t, SIZE, &one) == 0
-            };
-            if !ok {
-                return !self.pin(s, false);
+            if unsafe { libc::sched_getaffinity(t, SIZE, &mut mask) } != 0 {
+                return !self.pin(s, Place::Free);
+            }
+            let mut to = mask;
+            if t == me || place == Place::Pair {
+                to = unsafe { std::mem::zeroed() };
+                unsafe { libc::CPU_SET(cpu, &mut to) };
+            } else {
+                unsafe { libc::CPU_CLR(cpu, &mut to) };
+                if unsafe { libc::CPU_COUNT(&to) } == 0 {
+                    return !self.pin(s, Place::Free);
+                }
+            }
+            if unsafe { libc::sched_setaffinity(t, SIZE, &to) } != 0 {
+                return !self.pin(s, Place::Free);
             }
             self.saved.push((t, mask));
         }
@@ -259,8 +330,8 @@ impl Adapt {
 
     /// Pinning needs Linux's affinity calls: elsewhere nothing is pinned.
     #[cfg(not(target_os = "linux"))]
-    pub(super) fn pin(&mut self, _: &Shared, on: bool) -> bool {
-        !on
+    pub(super) fn pin(&mut self, _: &Shared, place: Place) -> bool {
+        place == Place::Free
     }
 
     /// The idle CPUs (of this process's) since the idle window began, once it is long enough.
@@ -295,21 +366,55 @@ impl Adapt {
             .map(|l| l.display().to_string());
         let mine = run_delay_ns("/proc/thread-self/schedstat");
         let mut waited = 0u64;
+        // The thread that waited least, and how long: where it had its CPU while the others
+        // waited, a width of one may lead from that CPU.
+        let mut least: Option<(u64, Option<usize>)> = None;
         if let (Some((tid0, d0)), Some(tid), Some(d)) = (&self.caller, &me, mine) {
             if tid0 == tid {
-                waited += d.saturating_sub(*d0);
+                let w = d.saturating_sub(*d0);
+                waited += w;
+                least = Some((w, last_cpu("/proc/thread-self/stat")));
             }
         }
+        let tasks = Self::worker_tasks(s, width);
         for (i, w) in Self::worker_waits(s, width).into_iter().enumerate() {
             if let (Some(w), Some(Some(w0))) = (w, self.workers.get(i)) {
-                waited += w.saturating_sub(*w0);
+                let w = w.saturating_sub(*w0);
+                waited += w;
+                if least.is_none_or(|(l, _)| w < l) {
+                    let cpu = tasks[i]
+                        .as_ref()
+                        .and_then(|t| last_cpu(&format!("{t}/stat")));
+                    least = Some((w, cpu));
+                }
             }
         }
+        self.least = least.map(|(w, cpu)| (1.0 - w as f64 / wall, cpu));
         let had = if own_work || Self::sharing_one_cpu(s, width) {
             width as f64
         } else {
             width as f64 - waited as f64 / wall
         };
+        let helper_wait = Self::worker_waits(s, 2).into_iter().next().flatten();
+        if self.lead {
+            let helper_had = match (self.helper, helper_wait) {
+                (Some(w0), Some(w)) => 1.0 - w.saturating_sub(w0) as f64 / wall,
+                _ => 0.0,
+            };
+            let next = self.decide_lead(had, helper_had);
+            tracing::trace!(
+                width,
+                had,
+                helper_had,
+                next,
+                "CPU threads: a leading window judged"
+            );
+            self.start = now;
+            self.caller = me.zip(mine);
+            self.workers = Self::worker_waits(s, next);
+            self.helper = helper_wait;
+            return next;
+        }
         let idle = if (width < self.max || self.paired) && !self.probing {
             self.read_idle(now)
         } else {
@@ -321,7 +426,55 @@ impl Adapt {
         self.start = now;
         self.caller = me.zip(mine);
         self.workers = Self::worker_waits(s, next);
+        self.helper = helper_wait;
         next
+    }
+
+    /// The width after a leading window in which the caller had `had` of its CPU and the
+    /// helper `helper_had` of one: 1 while leading holds; 1, not leading, where the caller
+    /// waited for its CPU; the whole width where the helper had a CPU of its own.
+    fn decide_lead(&mut self, had: f64, helper_had: f64) -> usize {
+        self.had = had;
+        if had < PAIR_BELOW && helper_had < PAIR_BELOW {
+            // Both wait: busy processes on every CPU.
+            self.lead = false;
+            self.idle = None;
+        } else if had >= LEAD_ABOVE && helper_had >= LEAD_ABOVE {
+            // Both had a CPU: the busy process is gone.
+            self.lead = false;
+            self.idle = None;
+            return self.max;
+        }
+        // (A caller that waited beside a helper that did not: the balancer moved the busy
+        // process onto the caller's CPU, and `keep_lead` moved the caller.)
+        1
+    }
+
+    /// Between the steps of a leading pool: where the caller waited for its CPU for more than
+    /// [`SWAP_ABOVE`] of the time since the last step, the balancer has moved a busy process
+    /// onto it (with the threads pinned, the busy process is the only task it can move, and it
+    /// moves it now and then): the caller moves to the helper's CPU and the helper to the
+    /// others. Returns whether it did.
+    pub(super) fn keep_lead(&mut self, s: &Shared, now: Instant) -> bool {
+        let d = run_delay_ns("/proc/thread-self/schedstat");
+        let before = self.step_wait.replace((now, d.unwrap_or(0)));
+        let (Some((t0, d0)), Some(d)) = (before, d) else {
+            return false;
+        };
+        let wall = now.duration_since(t0).as_nanos() as f64;
+        if wall < 1e6 || (d.saturating_sub(d0) as f64) < SWAP_ABOVE * wall {
+            return false;
+        }
+        let helper = Self::worker_tasks(s, 2).into_iter().next().flatten();
+        let Some(cpu) = helper.and_then(|t| last_cpu(&format!("{t}/stat"))) else {
+            return false;
+        };
+        if Some(cpu) == self.lead_cpu {
+            return false;
+        }
+        self.lead_cpu = Some(cpu);
+        self.swaps += 1;
+        self.pin(s, Place::Lead)
     }
 
     /// The width after a window at `width` in which the threads had `had` CPUs (and, narrowed,
@@ -355,6 +508,13 @@ impl Adapt {
                 self.idle = None;
                 return 2;
             }
+            if none_idle && had >= LEAD_ABOVE && !self.no_lead {
+                self.lead = true;
+                self.step_wait = None;
+                self.lead_cpu = self.least.and_then(|(_, cpu)| cpu);
+                self.idle = None;
+                return 1;
+            }
         }
         let fits = (had.round().max(1.0) as usize).min(self.max);
         let next = if self.probing {
@@ -371,7 +531,17 @@ impl Adapt {
             match self.narrower.replace(fits) {
                 Some(before) => {
                     self.next_probe = now + self.backoff;
-                    fits.max(before)
+                    let next = fits.max(before);
+                    // One thread had its CPU while the others waited: busy processes hold the
+                    // other CPUs, and the width of one leads from that thread's CPU.
+                    if let (1, Some((least, cpu))) = (next, self.least) {
+                        if least >= LEAD_ABOVE && !self.no_lead {
+                            self.lead = true;
+                            self.step_wait = None;
+                            self.lead_cpu = cpu;
+                        }
+                    }
+                    next
                 }
                 None => width,
             }
@@ -466,6 +636,8 @@ mod tests {
         let t0 = Instant::now();
         let ms = |n| t0 + Duration::from_millis(n);
         let mut a = Adapt::new(2);
+        // (Not leading, which a width of one with its CPU does: see the next test.)
+        a.no_lead = true;
         // One busy process beside one thread: it has its CPU, and stays alone.
         for i in 0..4 {
             assert_eq!(a.decide(1, 0.97, Idle::Cpus(0.0), ms(25 * i)), 1);
@@ -507,6 +679,54 @@ mod tests {
         assert_eq!(a.decide(1, 0.5, Idle::Cpus(0.2), ms(0)), 2);
         assert_eq!(a.decide(2, 2.0, Idle::Cpus(3.2), ms(100)), 5);
         assert!(!a.paired);
+    }
+
+    #[test]
+    fn a_width_of_one_with_its_cpu_leads_until_both_threads_have_one_or_neither_has() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        // Narrowing from two threads, one of which had its CPU (on CPU 1) while the other
+        // waited: one busy process beside them, and the width of one leads from CPU 1.
+        let mut a = Adapt::new(2);
+        a.least = Some((0.97, Some(1)));
+        assert_eq!(a.decide(2, 1.2, Idle::Pending, ms(0)), 2);
+        assert_eq!(a.decide(2, 1.1, Idle::Pending, ms(25)), 1);
+        assert!(a.lead && !a.paired);
+        assert_eq!(a.lead_cpu, Some(1));
+        // Leading: it holds while the caller has its CPU and the helper half of one, and while
+        // the caller waits beside a helper that does not (the balancer moved the busy process
+        // onto the caller's CPU, and the caller moves: `keep_lead`).
+        assert_eq!(a.decide_lead(0.99, 0.5), 1);
+        assert_eq!(a.decide_lead(0.4, 0.95), 1);
+        assert!(a.lead);
+        // Both wait: busy processes on both CPUs; a width of one again (which may pair).
+        assert_eq!(a.decide_lead(0.5, 0.5), 1);
+        assert!(!a.lead);
+        // Narrowing where every thread waited (two busy processes): no lead.
+        let mut a = Adapt::new(2);
+        a.least = Some((0.6, Some(0)));
+        a.decide(2, 1.0, Idle::Pending, ms(0));
+        assert_eq!(a.decide(2, 1.0, Idle::Pending, ms(25)), 1);
+        assert!(!a.lead);
+        // A width of one with its CPU while no CPU stands idle leads; with one idle it widens.
+        assert_eq!(a.decide(1, 0.97, Idle::Pending, ms(50)), 1);
+        assert!(!a.lead);
+        assert_eq!(a.decide(1, 0.97, Idle::Cpus(0.1), ms(125)), 1);
+        assert!(a.lead);
+        // Both had a CPU: the busy process ended, and the whole width comes back.
+        assert_eq!(a.decide_lead(0.98, 0.96), 2);
+        assert!(!a.lead);
+        let mut a = Adapt::new(2);
+        assert_eq!(a.decide(1, 0.97, Idle::Cpus(0.8), ms(0)), 2);
+        assert!(!a.lead);
+        // Never where leading is off (`MAXC_LEAD=0`, or pinning failed).
+        let mut a = Adapt::new(2);
+        a.no_lead = true;
+        a.least = Some((1.0, Some(0)));
+        a.decide(2, 1.2, Idle::Pending, ms(0));
+        assert_eq!(a.decide(2, 1.2, Idle::Pending, ms(25)), 1);
+        assert_eq!(a.decide(1, 1.0, Idle::Cpus(0.0), ms(100)), 1);
+        assert!(!a.lead);
     }
 
     #[test]

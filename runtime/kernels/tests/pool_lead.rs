@@ -1,0 +1,155 @@
+//! The pool beside one busy process on two CPUs: its width of one leads, the caller pinned to
+//! its CPU and the helper to the other, the helper's speculative chunks land in the output, and
+//! once the busy process ends the whole width comes back with the threads' CPUs as they were.
+//! Its own test binary, so that no other test's threads load the CPUs while it runs.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use maxc_kernels::pool::{self, Spec, SPEC_INPUTS};
+
+/// Some arithmetic: `n` dependent multiply-adds.
+fn busy_work(n: u32) -> f64 {
+    let mut x = 1.0f64;
+    for i in 0..n {
+        x = std::hint::black_box(x * 1.000_000_1 + f64::from(i));
+    }
+    x
+}
+
+/// Each output value: its column's input times its row + 1, after some arithmetic.
+unsafe fn columns(spec: &Spec, inputs: &[&[u8]; SPEC_INPUTS], out: &mut [f32], cols: Range<usize>) {
+    // SAFETY: the inputs are f32.
+    let x = unsafe {
+        std::slice::from_raw_parts(inputs[0].as_ptr().cast::<f32>(), inputs[0].len() / 4)
+    };
+    for r in 0..spec.rows {
+        for j in cols.clone() {
+            std::hint::black_box(busy_work(20));
+            out[r * spec.n + j - cols.start] = x[j] * (r + 1) as f32;
+        }
+    }
+}
+
+/// One "step": the width judged between steps, then a speculative job (a decode step's
+/// matmul), checked.
+fn step(x: &[f32]) {
+    pool::between_steps(1);
+    let (rows, n) = (2, x.len());
+    let mut out = vec![f32::NAN; rows * n];
+    let spec = Spec {
+        compute: columns,
+        inputs: [(x.as_ptr().cast(), x.len() * 4), (std::ptr::null(), 0)],
+        data: [0; 4],
+        out: out.as_mut_ptr(),
+        rows,
+        n,
+    };
+    pool::run_speculative(8, &spec);
+    for r in 0..rows {
+        for (j, v) in x.iter().enumerate() {
+            assert_eq!(out[r * n + j], v * (r + 1) as f32, "row {r} column {j}");
+        }
+    }
+}
+
+fn step_until(x: &[f32], limit: Duration, done: impl Fn() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        step(x);
+        if done() {
+            return true;
+        }
+    }
+    false
+}
+
+#[test]
+fn beside_one_busy_process_the_caller_leads_and_its_helper_takes_chunks() {
+    let max = pool::max_threads();
+    if max != 2 || !pool::adapts() || std::env::var("MAXC_LEAD").is_ok_and(|v| v == "0") {
+        eprintln!("skipped: {} (leading is for two threads)", pool::choice());
+        return;
+    }
+    let x: Vec<f32> = (0..2000).map(|i| i as f32 * 0.25).collect();
+    step_until(&x, Duration::from_millis(300), || false);
+    let before = (cpus_allowed("thread-self"), cpus_allowed(&helper()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let busy = {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                std::hint::spin_loop();
+            }
+        })
+    };
+    let led = step_until(&x, Duration::from_secs(20), pool::leading);
+    let pinned = led.then(|| (cpus_allowed("thread-self"), cpus_allowed(&helper())));
+    let helped = pool::speculation().helped;
+    let took_part = led
+        && step_until(&x, Duration::from_secs(10), || {
+            pool::speculation().helped > helped
+        });
+    stop.store(true, Ordering::Relaxed);
+    busy.join().expect("the busy thread");
+    assert!(led, "beside one busy thread the width of one never led");
+    let (caller, helper_cpus) = pinned.expect("pinned while leading");
+    assert_eq!(
+        caller.len(),
+        1,
+        "the leading caller may run on CPUs {caller:?}"
+    );
+    assert!(
+        !helper_cpus.is_empty() && !helper_cpus.contains(&caller[0]),
+        "the helper may run on CPUs {helper_cpus:?}, the caller on {caller:?}"
+    );
+    assert!(
+        took_part,
+        "the helper committed no chunk in 10 s of leading"
+    );
+    // The busy thread ended: both threads have a CPU, and the whole width comes back.
+    let widened = step_until(&x, Duration::from_secs(10), || {
+        !pool::leading() && pool::threads() == max
+    });
+    if widened {
+        assert_eq!(
+            (cpus_allowed("thread-self"), cpus_allowed(&helper())),
+            before,
+            "the threads' CPUs after leading"
+        );
+    } else {
+        // Other processes may keep this machine's CPUs busy (a build beside the tests).
+        eprintln!("still leading beside other processes");
+    }
+}
+
+/// The pool's first worker's task (`self/task/<tid>`).
+fn helper() -> String {
+    for t in std::fs::read_dir("/proc/self/task")
+        .expect("tasks")
+        .flatten()
+    {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        if comm.trim() == "maxc-cpu-1" {
+            return format!("self/task/{}", t.file_name().to_string_lossy());
+        }
+    }
+    panic!("no maxc-cpu-1 thread");
+}
+
+/// The CPUs a task may run on (`Cpus_allowed_list` of `/proc/<task>/status`).
+fn cpus_allowed(task: &str) -> Vec<usize> {
+    let status = std::fs::read_to_string(format!("/proc/{task}/status")).expect("its status");
+    let list = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .expect("Cpus_allowed_list");
+    let mut cpus = Vec::new();
+    for part in list.trim().split(',') {
+        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
+        cpus.extend(lo.trim().parse::<usize>().expect("a CPU")..=hi.trim().parse().expect("a CPU"));
+    }
+    cpus
+}
