@@ -27,7 +27,10 @@
 //! processes than the other CPUs hold) becomes two threads pinned to its CPU, whose share of
 //! it is then two threads', and whose steps never wait for another CPU. Prefill steps
 //! ([`WHOLE_WIDTH_ROWS`] rows or more) still take every thread: their launches are long and
-//! split finely, so each thread's share of the CPUs adds to the step's.
+//! split finely, so each thread's share of the CPUs adds to the step's. With `MAXC_LEAD=1`, a
+//! width of one that has its CPU beside busy processes also leads: its first worker, pinned to
+//! the other CPUs, takes chunks of speculative jobs ([`run_speculative`], `spec.rs`), which the
+//! caller takes back rather than waits for (`width.rs`, Leading).
 
 mod spec;
 mod width;

@@ -141,7 +141,7 @@ pub fn quiesce() {
     }
 }
 
-/// Runs `spec` in `chunks` chunks (at most [`MAX_CHUNKS`]) on the calling thread and, where the
+/// Runs `spec` in `chunks` chunks (at most 64) on the calling thread and, where the
 /// pool has one, its helper; returns when every chunk's columns are in the output.
 pub fn run(chunks: usize, spec: &Spec) {
     let p = pool();

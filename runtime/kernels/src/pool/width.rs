@@ -78,6 +78,16 @@ pub(super) enum Place {
 ///   of the step runs on the caller. It ends, unpinned, when the caller waits for its CPU
 ///   (less than [`PAIR_BELOW`] of it: the width of one judges again, and may pair), or when the
 ///   helper has a CPU of its own again (the width widens).
+///
+///   Leading is off unless `MAXC_LEAD=1`. On 2 cores with the threads pinned by hand where it
+///   wants them (the busy process pinned beside the helper), a block matmul ran 1.3-1.4x as
+///   fast as on one thread (the helper computing 27-33% of its chunks). In `maxc generate`
+///   beside one unpinned busy process it gained nothing beyond the noise: in two sets of
+///   interleaved runs (12 and 20 pairs) the medians were 101.9 and 104.4 tokens/s leading,
+///   95.6 and 104.5 not. With both threads pinned, the only
+///   task the kernel's balancer can move is the busy process, and it keeps moving it between
+///   the two CPUs (onto the caller's as often as a few times a second), so the caller spends
+///   much of the time sharing its CPU or moving.
 pub(super) struct Adapt {
     max: usize,
     /// The window's start, and the waits then: the caller's (by its thread) and the workers'.
@@ -101,7 +111,8 @@ pub(super) struct Adapt {
     pair_votes: u32,
     /// Whether a width of one leads, its helper on the other CPUs (see Leading above).
     pub(super) lead: bool,
-    /// Whether leading failed to pin its threads (it is not tried again).
+    /// Whether the pool never leads: leading is off (without `MAXC_LEAD=1`), or it failed to
+    /// pin its threads (it is not tried again).
     pub(super) no_lead: bool,
     /// The helper's wait when the window started, while leading.
     helper: Option<u64>,
@@ -214,7 +225,7 @@ impl Adapt {
             paired: false,
             pair_votes: 0,
             lead: false,
-            no_lead: std::env::var("MAXC_LEAD").is_ok_and(|v| v == "0"),
+            no_lead: !std::env::var("MAXC_LEAD").is_ok_and(|v| v == "1"),
             helper: None,
             least: None,
             lead_cpu: None,
@@ -688,6 +699,7 @@ mod tests {
         // Narrowing from two threads, one of which had its CPU (on CPU 1) while the other
         // waited: one busy process beside them, and the width of one leads from CPU 1.
         let mut a = Adapt::new(2);
+        a.no_lead = false;
         a.least = Some((0.97, Some(1)));
         assert_eq!(a.decide(2, 1.2, Idle::Pending, ms(0)), 2);
         assert_eq!(a.decide(2, 1.1, Idle::Pending, ms(25)), 1);
@@ -704,6 +716,7 @@ mod tests {
         assert!(!a.lead);
         // Narrowing where every thread waited (two busy processes): no lead.
         let mut a = Adapt::new(2);
+        a.no_lead = false;
         a.least = Some((0.6, Some(0)));
         a.decide(2, 1.0, Idle::Pending, ms(0));
         assert_eq!(a.decide(2, 1.0, Idle::Pending, ms(25)), 1);
@@ -717,9 +730,10 @@ mod tests {
         assert_eq!(a.decide_lead(0.98, 0.96), 2);
         assert!(!a.lead);
         let mut a = Adapt::new(2);
+        a.no_lead = false;
         assert_eq!(a.decide(1, 0.97, Idle::Cpus(0.8), ms(0)), 2);
         assert!(!a.lead);
-        // Never where leading is off (`MAXC_LEAD=0`, or pinning failed).
+        // Never where leading is off (without `MAXC_LEAD=1`, or where pinning failed).
         let mut a = Adapt::new(2);
         a.no_lead = true;
         a.least = Some((1.0, Some(0)));
