@@ -96,6 +96,21 @@ fn check_with(
         .map(|t| t.to_i64("tokens").unwrap())
         .collect();
     let what = format!("{model} ({}) as {weights:?}, {cpu_matmul:?}", role.name());
+    // Q5_0 weights that only library matmuls read are repacked at load as Q8_0 (the same
+    // values): the comparisons below check the repacked weights against the interpreter.
+    if weights == WeightFormat::Quantize(DType::Q5_0)
+        && cpu_matmul == CpuMatmul::Auto
+        && maxc_runtime::kernels::isa::few_rows_kernels_available()
+        && std::env::var("MAXC_REPACK").map_or(true, |v| v != "0")
+    {
+        let repacked = engine.engine().cpu_repacked_weights().unwrap_or_default();
+        assert!(
+            repacked
+                .iter()
+                .any(|(from, _, to, _)| *from == DType::Q5_0 && *to == DType::Q8_0),
+            "{what}: no Q5_0 weight was repacked as Q8_0 ({repacked:?})"
+        );
+    }
 
     // Each prompt alone, then greedy decode steps of one row.
     for (i, tokens) in prompts.iter().enumerate() {

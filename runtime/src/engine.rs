@@ -440,6 +440,17 @@ impl Engine {
         }
     }
 
+    /// The weights the CPU executor repacked at load into a format its matmuls read faster:
+    /// stored format and bytes, read format and bytes; `None` on another device.
+    pub fn cpu_repacked_weights(
+        &self,
+    ) -> Option<Vec<(crate::schema::DType, usize, crate::schema::DType, usize)>> {
+        match &self.exec {
+            Executor::Cpu(e) => Some(e.repacked_weights()),
+            Executor::Cuda(_) => None,
+        }
+    }
+
     /// Whether the CPU executor's weight pointers have moved to the artifact's huge-page copy
     /// of [`crate::artifact::WeightMemory::Staged`] weights (false before, elsewhere, and on
     /// another device).

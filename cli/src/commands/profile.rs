@@ -123,6 +123,20 @@ pub fn run(args: Args) -> Result<()> {
                 .map(|(_, plan)| (plan.dtype(), plan.k() as u64, plan.describe())),
         );
     }
+    if let Some(repacked) = engine.engine().cpu_repacked_weights() {
+        let mut by: std::collections::BTreeMap<String, (usize, usize, usize)> = Default::default();
+        for (from, fb, to, tb) in repacked {
+            let e = by.entry(format!("{from:?} as {to:?}")).or_default();
+            *e = (e.0 + 1, e.1 + fb, e.2 + tb);
+        }
+        for (what, (n, fb, tb)) in by {
+            println!(
+                "weights repacked at load (MAXC_REPACK=0 keeps them): {n} {what}, {:.1} MB -> {:.1} MB",
+                fb as f64 / 1e6,
+                tb as f64 / 1e6
+            );
+        }
+    }
     // The machine's probes, measured now: a streaming read and an f32 GEMM on every core.
     let probes = Probes {
         bytes_per_s: maxc_runtime::bench::bandwidth(),

@@ -103,6 +103,11 @@ struct Param {
     /// Where a library matmul reads it as its weight: how it runs at each row count, chosen
     /// at load.
     plan: Option<matmul::MatmulPlan>,
+    /// The weight repacked at load into a format the matmuls read faster (`ptr` points into
+    /// it, `dtype` is its format): see [`repack_weights`].
+    repacked: Option<crate::hugemem::HugeBuf>,
+    /// The format the artifact stores it in.
+    stored: DType,
 }
 
 impl Param {
@@ -380,6 +385,8 @@ impl CpuExecutor {
                         dtype: view.dtype,
                         f32_copy,
                         plan: None,
+                        repacked: None,
+                        stored: view.dtype,
                     },
                 );
             }
@@ -391,6 +398,7 @@ impl CpuExecutor {
                 }
             }
         }
+        repack_weights(&program, &choices, &foreign, &mut params, &kernels);
         let (bounds, limits) = artifact.step_limits(role)?;
         let kv = Aligned::zeroed_huge(program.kv_cache_bytes(limits.bounds), "KV cache")?;
         let max_seq_len = limits.max_seq_len as usize;
@@ -799,6 +807,20 @@ impl CpuExecutor {
         self.params
             .iter()
             .filter_map(|(&id, p)| p.plan.as_ref().map(|plan| (id, plan)))
+            .collect()
+    }
+
+    /// The weights repacked at load ([`repack_weights`]): each one's stored format and bytes,
+    /// and the format and bytes it is read in, in buffer order.
+    pub fn repacked_weights(&self) -> Vec<(DType, usize, DType, usize)> {
+        self.params
+            .values()
+            .filter(|p| p.repacked.is_some())
+            .map(|p| {
+                let (_, from) = p.stored.block();
+                let (_, to) = p.dtype.block();
+                (p.stored, p.len / to * from, p.dtype, p.len)
+            })
             .collect()
     }
 
@@ -1215,6 +1237,82 @@ fn fill<T: Copy + Default>(buf: &mut [T], values: &[T]) {
     let n = values.len().min(buf.len());
     buf[..n].copy_from_slice(&values[..n]);
     buf[n..].fill(T::default());
+}
+
+/// The most bytes of stored weights [`repack_weights`] repacks unless `MAXC_REPACK=1`: small
+/// models (where Q5_0 is llama-quantize's fallback for rows that K-quants do not divide, as
+/// in SmolLM2 and Gemma 3 270M) decode compute-bound, and their larger repacked weights cost
+/// little memory; a large Q5_0 model's would cost gigabytes, and on a machine with many cores
+/// its decode is bandwidth-bound, where Q5_0's fewer bytes win.
+const REPACK_MAX_BYTES: usize = 512 << 20;
+
+/// Repacks at load the weights that only library matmuls read into the format they read faster
+/// ([`matmul::faster_format`]: Q5_0 as Q8_0, the same values), where their stored bytes are at
+/// most [`REPACK_MAX_BYTES`] in all; `MAXC_REPACK=0` keeps every weight as stored, `=1`
+/// repacks whatever the size. The repacked copies live in huge pages; the stored bytes are
+/// then not read (nor copied into the staged weights). A weight that another kernel reads (a
+/// generated matmul, an embedding gather) stays as stored.
+fn repack_weights(
+    program: &Program,
+    choices: &[KernelChoice],
+    foreign: &std::collections::BTreeSet<u32>,
+    params: &mut BTreeMap<u32, Param>,
+    kernels: &KernelOptions,
+) {
+    let mode = std::env::var("MAXC_REPACK").unwrap_or_default();
+    if mode == "0" {
+        return;
+    }
+    // Each param's readers: repackable while every one is a library matmul's weight.
+    let mut only_matmuls: BTreeMap<u32, bool> = BTreeMap::new();
+    for l in &program.launches {
+        let body = &program.kernels[l.kernel as usize].body;
+        let library_matmul = matches!(body, KernelBody::Matmul { .. })
+            && choices[l.kernel as usize] == KernelChoice::Library;
+        for (i, b) in l.buffers.iter().enumerate() {
+            if params.contains_key(b) {
+                let ok = library_matmul && i == 1;
+                *only_matmuls.entry(*b).or_insert(true) &= ok;
+            }
+        }
+    }
+    let chosen: Vec<u32> = only_matmuls
+        .into_iter()
+        .filter(|&(id, ok)| {
+            ok && !foreign.contains(&id)
+                && params[&id].plan.is_some()
+                && matmul::faster_format(params[&id].dtype).is_some()
+        })
+        .map(|(id, _)| id)
+        .collect();
+    let bytes: usize = chosen.iter().map(|id| params[id].len).sum();
+    if chosen.is_empty() || (bytes > REPACK_MAX_BYTES && mode != "1") {
+        return;
+    }
+    for id in chosen {
+        let p = params.get_mut(&id).expect("chosen from the params");
+        let Some(to) = matmul::faster_format(p.dtype) else {
+            continue;
+        };
+        let (be, bb) = p.dtype.block();
+        let (te, tb) = to.block();
+        debug_assert_eq!(be, te);
+        let len = p.len / bb * tb;
+        let Ok(mut buf) = crate::hugemem::HugeBuf::zeroed(len) else {
+            continue;
+        };
+        // SAFETY: the weight's `len` bytes, mapped or staged, read-only.
+        let src = unsafe { std::slice::from_raw_parts(p.ptr, p.len) };
+        if !matmul::repack(p.dtype, src, buf.as_mut_slice()) {
+            continue;
+        }
+        let k = p.plan.as_ref().map(|plan| plan.k()).expect("has a plan");
+        p.ptr = buf.as_slice().as_ptr();
+        p.len = len;
+        p.dtype = to;
+        p.plan = Some(matmul::MatmulPlan::new(to, k, kernels));
+        p.repacked = Some(buf);
+    }
 }
 
 /// What runs one kernel of a program on this CPU, chosen when the executor is made.
