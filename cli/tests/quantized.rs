@@ -107,7 +107,7 @@ fn check_with(
         assert!(
             repacked
                 .iter()
-                .any(|(from, _, to, _)| *from == DType::Q5_0 && *to == DType::Q8_0),
+                .any(|w| w.stored == DType::Q5_0 && w.read_as == DType::Q8_0),
             "{what}: no Q5_0 weight was repacked as Q8_0 ({repacked:?})"
         );
     }

@@ -442,9 +442,7 @@ impl Engine {
 
     /// The weights the CPU executor repacked at load into a format its matmuls read faster:
     /// stored format and bytes, read format and bytes; `None` on another device.
-    pub fn cpu_repacked_weights(
-        &self,
-    ) -> Option<Vec<(crate::schema::DType, usize, crate::schema::DType, usize)>> {
+    pub fn cpu_repacked_weights(&self) -> Option<Vec<crate::cpu::executor::RepackedWeight>> {
         match &self.exec {
             Executor::Cpu(e) => Some(e.repacked_weights()),
             Executor::Cuda(_) => None,

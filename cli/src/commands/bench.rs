@@ -62,10 +62,25 @@ fn step_cost(engine: &Session) -> (u64, u64) {
         return (0, 0);
     };
     let program = engine.engine().program();
-    program.launches.iter().fold((0, 0), |(b, f), l| {
+    let (bytes, flops) = program.launches.iter().fold((0, 0), |(b, f), l| {
         let (lb, lf) = kernel_cost(&program.kernels[l.kernel as usize].body, p);
         (b + lb, f + lf)
-    })
+    });
+    // Weights repacked at load are read in their repacked format: each matmul that reads one
+    // reads its repacked bytes, not the stored ones.
+    let repacked = engine.engine().cpu_repacked_weights().unwrap_or_default();
+    let extra: u64 = repacked
+        .iter()
+        .map(|w| {
+            let readers = program
+                .launches
+                .iter()
+                .filter(|l| l.buffers.get(1) == Some(&w.buffer))
+                .count() as u64;
+            readers * (w.read_bytes as u64).saturating_sub(w.stored_bytes as u64)
+        })
+        .sum();
+    (bytes + extra, flops)
 }
 
 /// What [`timed_decode`] measured.

@@ -125,9 +125,11 @@ pub fn run(args: Args) -> Result<()> {
     }
     if let Some(repacked) = engine.engine().cpu_repacked_weights() {
         let mut by: std::collections::BTreeMap<String, (usize, usize, usize)> = Default::default();
-        for (from, fb, to, tb) in repacked {
-            let e = by.entry(format!("{from:?} as {to:?}")).or_default();
-            *e = (e.0 + 1, e.1 + fb, e.2 + tb);
+        for w in repacked {
+            let e = by
+                .entry(format!("{:?} as {:?}", w.stored, w.read_as))
+                .or_default();
+            *e = (e.0 + 1, e.1 + w.stored_bytes, e.2 + w.read_bytes);
         }
         for (what, (n, fb, tb)) in by {
             println!(

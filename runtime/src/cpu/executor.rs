@@ -810,16 +810,22 @@ impl CpuExecutor {
             .collect()
     }
 
-    /// The weights repacked at load ([`repack_weights`]): each one's stored format and bytes,
-    /// and the format and bytes it is read in, in buffer order.
-    pub fn repacked_weights(&self) -> Vec<(DType, usize, DType, usize)> {
+    /// The weights repacked at load ([`repack_weights`]): each one's buffer id, stored format
+    /// and bytes, and the format and bytes it is read in, in buffer order.
+    pub fn repacked_weights(&self) -> Vec<RepackedWeight> {
         self.params
-            .values()
-            .filter(|p| p.repacked.is_some())
-            .map(|p| {
+            .iter()
+            .filter(|(_, p)| p.repacked.is_some())
+            .map(|(&buffer, p)| {
                 let (_, from) = p.stored.block();
                 let (_, to) = p.dtype.block();
-                (p.stored, p.len / to * from, p.dtype, p.len)
+                RepackedWeight {
+                    buffer,
+                    stored: p.stored,
+                    stored_bytes: p.len / to * from,
+                    read_as: p.dtype,
+                    read_bytes: p.len,
+                }
             })
             .collect()
     }
@@ -1237,6 +1243,19 @@ fn fill<T: Copy + Default>(buf: &mut [T], values: &[T]) {
     let n = values.len().min(buf.len());
     buf[..n].copy_from_slice(&values[..n]);
     buf[n..].fill(T::default());
+}
+
+/// A weight the CPU executor repacked at load ([`CpuExecutor::repacked_weights`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RepackedWeight {
+    /// Its buffer in the program.
+    pub buffer: u32,
+    /// The format and bytes the artifact stores it in.
+    pub stored: DType,
+    pub stored_bytes: usize,
+    /// The format and bytes the matmuls read it in.
+    pub read_as: DType,
+    pub read_bytes: usize,
 }
 
 /// The most bytes of stored weights [`repack_weights`] repacks unless `MAXC_REPACK=1`: small
