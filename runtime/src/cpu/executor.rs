@@ -103,9 +103,10 @@ struct Param {
     /// Where a library matmul reads it as its weight: how it runs at each row count, chosen
     /// at load.
     plan: Option<matmul::MatmulPlan>,
-    /// The weight repacked at load into a format the matmuls read faster (`ptr` points into
-    /// it, `dtype` is its format): see [`repack_weights`].
-    repacked: Option<crate::hugemem::HugeBuf>,
+    /// Whether the weight was repacked at load into a format the matmuls read faster (`ptr`
+    /// points into the executor's repacked weights, `dtype` is its format): see
+    /// [`repack_weights`].
+    repacked: bool,
     /// The format the artifact stores it in.
     stored: DType,
 }
@@ -168,6 +169,8 @@ pub struct CpuExecutor {
     /// Whether the weight pointers have moved to the artifact's huge-page copy (or there is
     /// none to move to).
     weights_settled: bool,
+    /// The weights repacked at load, one after another ([`repack_weights`]).
+    _repacked: Option<crate::hugemem::HugeBuf>,
 }
 
 // SAFETY: the raw pointers a `CpuExecutor` holds point into its own allocations and into the
@@ -385,7 +388,7 @@ impl CpuExecutor {
                         dtype: view.dtype,
                         f32_copy,
                         plan: None,
-                        repacked: None,
+                        repacked: false,
                         stored: view.dtype,
                     },
                 );
@@ -398,7 +401,7 @@ impl CpuExecutor {
                 }
             }
         }
-        repack_weights(&program, &choices, &foreign, &mut params, &kernels);
+        let repacked = repack_weights(&program, &choices, &foreign, &mut params, &kernels);
         let (bounds, limits) = artifact.step_limits(role)?;
         let kv = Aligned::zeroed_huge(program.kv_cache_bytes(limits.bounds), "KV cache")?;
         let max_seq_len = limits.max_seq_len as usize;
@@ -455,6 +458,7 @@ impl CpuExecutor {
             (None, None) => None,
         };
         Ok(CpuExecutor {
+            _repacked: repacked,
             weights_settled: false,
             ep: ep.map(std::sync::Mutex::new),
             comm: comm.map(std::sync::Mutex::new),
@@ -815,7 +819,7 @@ impl CpuExecutor {
     pub fn repacked_weights(&self) -> Vec<RepackedWeight> {
         self.params
             .iter()
-            .filter(|(_, p)| p.repacked.is_some())
+            .filter(|(_, p)| p.repacked)
             .map(|(&buffer, p)| {
                 let (_, from) = p.stored.block();
                 let (_, to) = p.dtype.block();
@@ -1268,8 +1272,9 @@ const REPACK_MAX_BYTES: usize = 512 << 20;
 /// Repacks at load the weights that only library matmuls read into the format they read faster
 /// ([`matmul::faster_format`]: Q5_0 as Q8_0, the same values), where their stored bytes are at
 /// most [`REPACK_MAX_BYTES`] in all; `MAXC_REPACK=0` keeps every weight as stored, `=1`
-/// repacks whatever the size. The repacked copies live in huge pages; the stored bytes are
-/// then not read (nor copied into the staged weights). A weight that another kernel reads (a
+/// repacks whatever the size. The repacked weights lie one after another in one buffer of huge
+/// pages (returned: it must outlive the params' pointers into it); the stored bytes are then
+/// not read (nor copied into the staged weights). A weight that another kernel reads (a
 /// generated matmul, an embedding gather) stays as stored.
 fn repack_weights(
     program: &Program,
@@ -1277,10 +1282,10 @@ fn repack_weights(
     foreign: &std::collections::BTreeSet<u32>,
     params: &mut BTreeMap<u32, Param>,
     kernels: &KernelOptions,
-) {
+) -> Option<crate::hugemem::HugeBuf> {
     let mode = std::env::var("MAXC_REPACK").unwrap_or_default();
     if mode == "0" {
-        return;
+        return None;
     }
     // Each param's readers: repackable while every one is a library matmul's weight.
     let mut only_matmuls: BTreeMap<u32, bool> = BTreeMap::new();
@@ -1295,43 +1300,50 @@ fn repack_weights(
             }
         }
     }
-    let chosen: Vec<u32> = only_matmuls
-        .into_iter()
-        .filter(|&(id, ok)| {
-            ok && !foreign.contains(&id)
-                && params[&id].plan.is_some()
-                && matmul::faster_format(params[&id].dtype).is_some()
-        })
-        .map(|(id, _)| id)
-        .collect();
-    let bytes: usize = chosen.iter().map(|id| params[id].len).sum();
-    if chosen.is_empty() || (bytes > REPACK_MAX_BYTES && mode != "1") {
-        return;
-    }
-    for id in chosen {
-        let p = params.get_mut(&id).expect("chosen from the params");
+    // (buffer, format, offset in the repacked weights, bytes there)
+    let mut chosen: Vec<(u32, DType, usize, usize)> = Vec::new();
+    let (mut stored, mut total) = (0usize, 0usize);
+    for (id, ok) in only_matmuls {
+        let p = &params[&id];
         let Some(to) = matmul::faster_format(p.dtype) else {
             continue;
         };
-        let (be, bb) = p.dtype.block();
-        let (te, tb) = to.block();
-        debug_assert_eq!(be, te);
-        let len = p.len / bb * tb;
-        let Ok(mut buf) = crate::hugemem::HugeBuf::zeroed(len) else {
-            continue;
-        };
-        // SAFETY: the weight's `len` bytes, mapped or staged, read-only.
-        let src = unsafe { std::slice::from_raw_parts(p.ptr, p.len) };
-        if !matmul::repack(p.dtype, src, buf.as_mut_slice()) {
+        if !ok || foreign.contains(&id) || p.plan.is_none() {
             continue;
         }
+        let (_, bb) = p.dtype.block();
+        let (_, tb) = to.block();
+        let len = p.len / bb * tb;
+        chosen.push((id, to, total, len));
+        stored += p.len;
+        // Each weight starts on a cache line.
+        total = (total + len).next_multiple_of(64);
+    }
+    if chosen.is_empty() || (stored > REPACK_MAX_BYTES && mode != "1") {
+        return None;
+    }
+    let mut buf = crate::hugemem::HugeBuf::zeroed(total).ok()?;
+    let mut done = Vec::new();
+    for &(id, to, at, len) in &chosen {
+        let p = &params[&id];
+        // SAFETY: the weight's `len` bytes, mapped or staged, read-only.
+        let src = unsafe { std::slice::from_raw_parts(p.ptr, p.len) };
+        if matmul::repack(p.dtype, src, &mut buf.as_mut_slice()[at..at + len]) {
+            done.push((id, to, at, len));
+        }
+    }
+    let base = buf.as_slice().as_ptr();
+    for (id, to, at, len) in done {
+        let p = params.get_mut(&id).expect("chosen from the params");
         let k = p.plan.as_ref().map(|plan| plan.k()).expect("has a plan");
-        p.ptr = buf.as_slice().as_ptr();
+        // SAFETY: `at + len` lies inside the buffer (`total` bytes).
+        p.ptr = unsafe { base.add(at) };
         p.len = len;
         p.dtype = to;
         p.plan = Some(matmul::MatmulPlan::new(to, k, kernels));
-        p.repacked = Some(buf);
+        p.repacked = true;
     }
+    Some(buf)
 }
 
 /// What runs one kernel of a program on this CPU, chosen when the executor is made.
