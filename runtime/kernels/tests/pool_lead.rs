@@ -10,6 +10,9 @@ use std::time::{Duration, Instant};
 
 use maxc_kernels::pool::{self, Spec, SPEC_INPUTS};
 
+mod common;
+use common::cpus_allowed_of as cpus_allowed;
+
 /// Some arithmetic: `n` dependent multiply-adds.
 fn busy_work(n: u32) -> f64 {
     let mut x = 1.0f64;
@@ -140,19 +143,4 @@ fn helper() -> String {
         }
     }
     panic!("no maxc-cpu-1 thread");
-}
-
-/// The CPUs a task may run on (`Cpus_allowed_list` of `/proc/<task>/status`).
-fn cpus_allowed(task: &str) -> Vec<usize> {
-    let status = std::fs::read_to_string(format!("/proc/{task}/status")).expect("its status");
-    let list = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-        .expect("Cpus_allowed_list");
-    let mut cpus = Vec::new();
-    for part in list.trim().split(',') {
-        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
-        cpus.extend(lo.trim().parse::<usize>().expect("a CPU")..=hi.trim().parse().expect("a CPU"));
-    }
-    cpus
 }

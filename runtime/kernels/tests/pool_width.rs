@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use maxc_kernels::pool;
 
+mod common;
+
 /// One "step": the width judged between steps, then a job split to it.
 fn step() {
     pool::between_steps(1);
@@ -150,17 +152,7 @@ fn idle_seconds() -> f64 {
     (fields[3] + fields[4]) / 100.0
 }
 
-/// The CPUs this thread may run on (`Cpus_allowed_list` of `/proc/thread-self/status`).
+/// The CPUs this thread may run on.
 fn cpus_allowed() -> Vec<usize> {
-    let status = std::fs::read_to_string("/proc/thread-self/status").expect("its status");
-    let list = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-        .expect("Cpus_allowed_list");
-    let mut cpus = Vec::new();
-    for part in list.trim().split(',') {
-        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
-        cpus.extend(lo.trim().parse::<usize>().expect("a CPU")..=hi.trim().parse().expect("a CPU"));
-    }
-    cpus
+    common::cpus_allowed_of("thread-self")
 }

@@ -377,36 +377,48 @@ impl Adapt {
             .map(|l| l.display().to_string());
         let mine = run_delay_ns("/proc/thread-self/schedstat");
         let mut waited = 0u64;
-        // The thread that waited least, and how long: where it had its CPU while the others
-        // waited, a width of one may lead from that CPU.
+        // The thread that waited least (`None`: this one, else the worker's index), and how
+        // long: where it had its CPU while the others waited, a width of one may lead from
+        // that CPU.
         let mut least: Option<(u64, Option<usize>)> = None;
         if let (Some((tid0, d0)), Some(tid), Some(d)) = (&self.caller, &me, mine) {
             if tid0 == tid {
                 let w = d.saturating_sub(*d0);
                 waited += w;
-                least = Some((w, last_cpu("/proc/thread-self/stat")));
+                least = Some((w, None));
             }
         }
-        let tasks = Self::worker_tasks(s, width);
         for (i, w) in Self::worker_waits(s, width).into_iter().enumerate() {
             if let (Some(w), Some(Some(w0))) = (w, self.workers.get(i)) {
                 let w = w.saturating_sub(*w0);
                 waited += w;
                 if least.is_none_or(|(l, _)| w < l) {
-                    let cpu = tasks[i]
-                        .as_ref()
-                        .and_then(|t| last_cpu(&format!("{t}/stat")));
-                    least = Some((w, cpu));
+                    least = Some((w, Some(i)));
                 }
             }
         }
-        self.least = least.map(|(w, cpu)| (1.0 - w as f64 / wall, cpu));
+        // Its CPU, read only where the pool may lead.
+        self.least = least.filter(|_| !self.no_lead).map(|(w, thread)| {
+            let cpu = match thread {
+                None => last_cpu("/proc/thread-self/stat"),
+                Some(i) => Self::worker_tasks(s, width)
+                    .get(i)
+                    .cloned()
+                    .flatten()
+                    .and_then(|t| last_cpu(&format!("{t}/stat"))),
+            };
+            (1.0 - w as f64 / wall, cpu)
+        });
         let had = if own_work || Self::sharing_one_cpu(s, width) {
             width as f64
         } else {
             width as f64 - waited as f64 / wall
         };
-        let helper_wait = Self::worker_waits(s, 2).into_iter().next().flatten();
+        let helper_wait = if self.no_lead {
+            None
+        } else {
+            Self::worker_waits(s, 2).into_iter().next().flatten()
+        };
         if self.lead {
             let helper_had = match (self.helper, helper_wait) {
                 (Some(w0), Some(w)) => 1.0 - w.saturating_sub(w0) as f64 / wall,
