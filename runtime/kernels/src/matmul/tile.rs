@@ -364,22 +364,22 @@ unsafe fn tile8<L: Rows, const C: usize>(
             }
             i += 16;
         }
-        for r in 0..8 {
-            let s = hsum4(
-                acc[r][0],
-                if C > 1 {
-                    acc[r][1 % C]
-                } else {
-                    _mm512_setzero_ps()
-                },
-                if C > 2 {
-                    acc[r][2 % C]
-                } else {
-                    _mm512_setzero_ps()
-                },
-                _mm512_setzero_ps(),
-            );
-            _mm_mask_storeu_ps(out.add(r * ldo), ((1u32 << C) - 1) as __mmask8, s);
+        // Sixteen accumulators at a time summed together ([`sums16`]).
+        let mut first = 0;
+        while first < 8 * C {
+            let left = (8 * C - first).min(16);
+            let mut v = [_mm512_setzero_ps(); 16];
+            for (i, s) in v.iter_mut().enumerate().take(left) {
+                let j = first + i;
+                *s = acc[j / C][j % C];
+            }
+            let mut sums = [0.0f32; 16];
+            _mm512_storeu_ps(sums.as_mut_ptr(), sums16(v));
+            for (i, s) in sums.iter().enumerate().take(left) {
+                let j = first + i;
+                *out.add(j / C * ldo + j % C) = *s;
+            }
+            first += 16;
         }
     }
 }
