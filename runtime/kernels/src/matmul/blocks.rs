@@ -551,21 +551,9 @@ mod avx512 {
             }
             // Sixteen accumulators at a time summed together (45 shuffles and adds, where
             // one at a time takes 8 each).
-            let mut first = 0;
-            while first < R * C {
-                let mut v = [_mm512_setzero_ps(); 16];
-                for (i, s) in v.iter_mut().enumerate().take((R * C - first).min(16)) {
-                    let j = first + i;
-                    *s = acc[j / C][j % C];
-                }
-                let mut sums = [0.0f32; 16];
-                _mm512_storeu_ps(sums.as_mut_ptr(), crate::matmul::tile::sums16(v));
-                for (i, s) in sums.iter().enumerate().take((R * C - first).min(16)) {
-                    let j = first + i;
-                    *out.add(j / C * n + j % C) = *s;
-                }
-                first += 16;
-            }
+            crate::matmul::tile::each_sum(acc.as_flattened(), |j, s| {
+                *out.add(j / C * n + j % C) = s
+            });
         }
     }
 

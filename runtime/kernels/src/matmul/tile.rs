@@ -240,6 +240,24 @@ pub(crate) unsafe fn sums16(v: [__m512; 16]) -> __m512 {
     }
 }
 
+/// Each vector's lane sum, handed to `put(i, sum)` for vector `i`: sixteen vectors at a time
+/// summed together ([`sums16`]).
+#[inline(always)]
+pub(crate) unsafe fn each_sum(acc: &[__m512], mut put: impl FnMut(usize, f32)) {
+    // SAFETY: the caller has AVX-512F; 16 values per store.
+    unsafe {
+        for (b, chunk) in acc.chunks(16).enumerate() {
+            let mut v = [_mm512_setzero_ps(); 16];
+            v[..chunk.len()].copy_from_slice(chunk);
+            let mut sums = [0.0f32; 16];
+            _mm512_storeu_ps(sums.as_mut_ptr(), sums16(v));
+            for (i, &s) in sums.iter().take(chunk.len()).enumerate() {
+                put(b * 16 + i, s);
+            }
+        }
+    }
+}
+
 /// The sums of four vectors' lanes, as one 128-bit vector.
 #[inline(always)]
 unsafe fn hsum4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
@@ -364,23 +382,7 @@ unsafe fn tile8<L: Rows, const C: usize>(
             }
             i += 16;
         }
-        // Sixteen accumulators at a time summed together ([`sums16`]).
-        let mut first = 0;
-        while first < 8 * C {
-            let left = (8 * C - first).min(16);
-            let mut v = [_mm512_setzero_ps(); 16];
-            for (i, s) in v.iter_mut().enumerate().take(left) {
-                let j = first + i;
-                *s = acc[j / C][j % C];
-            }
-            let mut sums = [0.0f32; 16];
-            _mm512_storeu_ps(sums.as_mut_ptr(), sums16(v));
-            for (i, s) in sums.iter().enumerate().take(left) {
-                let j = first + i;
-                *out.add(j / C * ldo + j % C) = *s;
-            }
-            first += 16;
-        }
+        each_sum(acc.as_flattened(), |j, s| *out.add(j / C * ldo + j % C) = s);
     }
 }
 
