@@ -382,7 +382,25 @@ unsafe fn tile8<L: Rows, const C: usize>(
             }
             i += 16;
         }
-        each_sum(acc.as_flattened(), |j, s| *out.add(j / C * ldo + j % C) = s);
+        // (Summed a row at a time: the float paths' sums keep the order the backends
+        // suite's cache-dtype bounds were set on.)
+        for r in 0..8 {
+            let s = hsum4(
+                acc[r][0],
+                if C > 1 {
+                    acc[r][1 % C]
+                } else {
+                    _mm512_setzero_ps()
+                },
+                if C > 2 {
+                    acc[r][2 % C]
+                } else {
+                    _mm512_setzero_ps()
+                },
+                _mm512_setzero_ps(),
+            );
+            _mm_mask_storeu_ps(out.add(r * ldo), ((1u32 << C) - 1) as __mmask8, s);
+        }
     }
 }
 
