@@ -37,8 +37,12 @@ fn main() {
     ];
     // A stack of weights larger than the caches, cycled through, so each call streams from
     // memory as decode does.
+    // MAXC_BENCH_N and MAXC_BENCH_K change the shape (a launch's fixed costs show at small n).
     let (n, k) = (
-        1536usize,
+        std::env::var("MAXC_BENCH_N")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1536usize),
         std::env::var("MAXC_BENCH_K")
             .ok()
             .and_then(|v| v.parse().ok())

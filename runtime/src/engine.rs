@@ -440,12 +440,20 @@ impl Engine {
         }
     }
 
-    /// The weights the CPU executor repacked at load into a format its matmuls read faster:
+    /// The weights the CPU executor repacked (behind the first step) into a format its matmuls read faster:
     /// stored format and bytes, read format and bytes; `None` on another device.
     pub fn cpu_repacked_weights(&self) -> Option<Vec<crate::cpu::executor::RepackedWeight>> {
         match &self.exec {
             Executor::Cpu(e) => Some(e.repacked_weights()),
             Executor::Cuda(_) => None,
+        }
+    }
+
+    /// Blocks until what CPU steps start behind the first one is made (the weights' huge-page
+    /// copy and the repacked weights), and moves to them: benchmarks measure after this.
+    pub fn settle_weights(&mut self) {
+        if let Executor::Cpu(e) = &mut self.exec {
+            e.settle_weights_now();
         }
     }
 

@@ -66,7 +66,7 @@ fn step_cost(engine: &Session) -> (u64, u64) {
         let (lb, lf) = kernel_cost(&program.kernels[l.kernel as usize].body, p);
         (b + lb, f + lf)
     });
-    // Weights repacked at load are read in their repacked format: each matmul that reads one
+    // Repacked weights are read in their repacked format: each matmul that reads one
     // reads its repacked bytes, not the stored ones.
     let repacked = engine.engine().cpu_repacked_weights().unwrap_or_default();
     let extra: u64 = repacked
@@ -260,10 +260,11 @@ pub fn run(args: Args) -> Result<()> {
     }
     loads.remove(0);
     let mut engine = args.activations.open_cpu(&args.artifact, &args.role)?;
-    // Staged weights move to huge pages behind the first step: measure after they have.
+    // Staged weights move to huge pages, and repacked ones to theirs, behind the first step:
+    // measure after they have.
     engine.step(&[(u64::MAX, &[1])])?;
     engine.release(u64::MAX);
-    engine.engine().artifact().wait_for_staged_weights();
+    engine.engine_mut().settle_weights();
     engine.engine_mut().set_profiling(true)?;
     let vocab = engine.engine().vocab_size() as i64;
     let rounds = args.rounds as usize;

@@ -103,9 +103,8 @@ struct Param {
     /// Where a library matmul reads it as its weight: how it runs at each row count, chosen
     /// at load.
     plan: Option<matmul::MatmulPlan>,
-    /// Whether the weight was repacked at load into a format the matmuls read faster (`ptr`
-    /// points into the executor's repacked weights, `dtype` is its format): see
-    /// [`repack_weights`].
+    /// Whether the weight was repacked into a format the matmuls read faster (`ptr` points
+    /// into the executor's repacked weights, `dtype` is its format): see [`Repack`].
     repacked: bool,
     /// The format the artifact stores it in.
     stored: DType,
@@ -169,7 +168,12 @@ pub struct CpuExecutor {
     /// Whether the weight pointers have moved to the artifact's huge-page copy (or there is
     /// none to move to).
     weights_settled: bool,
-    /// The weights repacked at load, one after another ([`repack_weights`]).
+    /// The weights chosen to be repacked, until their repacked copy is in place (or could not
+    /// be made).
+    repack: Option<Repack>,
+    /// The weights chosen to be repacked, which the artifact's huge-page copy leaves out.
+    unstaged: std::collections::BTreeSet<u32>,
+    /// The repacked weights, one after another ([`Repack`]).
     _repacked: Option<crate::hugemem::HugeBuf>,
 }
 
@@ -401,7 +405,11 @@ impl CpuExecutor {
                 }
             }
         }
-        let repacked = repack_weights(&program, &choices, &foreign, &mut params, &kernels);
+        let repack = Repack::choose(&program, &choices, &foreign, &params);
+        let unstaged: std::collections::BTreeSet<u32> = repack
+            .iter()
+            .flat_map(|r| r.chosen.iter().map(|c| c.buffer))
+            .collect();
         let (bounds, limits) = artifact.step_limits(role)?;
         let kv = Aligned::zeroed_huge(program.kv_cache_bytes(limits.bounds), "KV cache")?;
         let max_seq_len = limits.max_seq_len as usize;
@@ -435,11 +443,12 @@ impl CpuExecutor {
                 ints.insert(b.name.clone(), vec![0i32; n as usize]);
             }
         }
-        // The staged copy of the weights holds what this process's executors read.
+        // The staged copy of the weights holds what this process's executors read (the weights
+        // to be repacked are read in their repacked copy).
         artifact.want_weights(
             params
                 .iter()
-                .filter(|(id, _)| !foreign.contains(*id))
+                .filter(|(id, _)| !foreign.contains(*id) && !unstaged.contains(*id))
                 .filter_map(|(_, p)| artifact.weights_range(p.ptr, p.len)),
         );
         let mut run_init = |r: usize| {
@@ -458,7 +467,9 @@ impl CpuExecutor {
             (None, None) => None,
         };
         Ok(CpuExecutor {
-            _repacked: repacked,
+            _repacked: None,
+            repack,
+            unstaged,
             weights_settled: false,
             ep: ep.map(std::sync::Mutex::new),
             comm: comm.map(std::sync::Mutex::new),
@@ -614,8 +625,10 @@ impl CpuExecutor {
             };
         }
         if !self.weights_settled {
-            // Behind the first step: the weights' huge-page copy (once per artifact).
+            // Behind the first step: the weights' huge-page copy (once per artifact), and the
+            // repacked weights (the first token does not wait for either).
             self.artifact.stage_weights();
+            self.start_repack();
         }
         Ok(Logits { rows, vocab, data })
     }
@@ -625,18 +638,83 @@ impl CpuExecutor {
         self.weights_settled && self.artifact.staged_weights().is_some()
     }
 
-    /// At a step boundary: where the artifact's huge-page copy of staged weights is whole,
-    /// every weight pointer moves to the same offset in it.
+    /// Blocks until what steps start behind the first one is made (the weights' huge-page
+    /// copy and the repacked weights; both started now if no step has yet), and moves the
+    /// weight pointers to them (benchmarks and tests measure after this).
+    pub fn settle_weights_now(&mut self) {
+        self.artifact.stage_weights();
+        self.start_repack();
+        if let Some(r) = &self.repack {
+            // (Disconnected: the thread is gone without a result; `settle_weights` sees it.)
+            if let Ok(made) = r.made.recv() {
+                self.apply_repack(made);
+            }
+        }
+        self.artifact.wait_for_staged_weights();
+        self.settle_weights();
+    }
+
+    /// Starts repacking the weights chosen at load (once).
+    fn start_repack(&mut self) {
+        if let Some(r) = self.repack.as_mut() {
+            r.start(&self.params, &self.artifact);
+        }
+    }
+
+    /// Moves the repacked weights' pointers, formats and plans to the copy `made` (where it
+    /// was made; otherwise they stay as stored).
+    fn apply_repack(&mut self, made: Made) {
+        let Some(r) = self.repack.take() else {
+            return;
+        };
+        let Some((buf, wrote)) = made else {
+            tracing::warn!("weights stay as stored: their repacked copy could not be made");
+            return;
+        };
+        let base = buf.as_slice().as_ptr();
+        for (c, _) in r.chosen.iter().zip(&wrote).filter(|(_, w)| **w) {
+            let Some(p) = self.params.get_mut(&c.buffer) else {
+                continue;
+            };
+            let Some(k) = p.plan.as_ref().map(|plan| plan.k()) else {
+                continue;
+            };
+            // SAFETY: `at + len` lies inside the buffer (`Repack::total` bytes).
+            p.ptr = unsafe { base.add(c.at) };
+            p.len = c.len;
+            p.dtype = c.to;
+            p.plan = Some(matmul::MatmulPlan::new(c.to, k, &self.kernels));
+            p.repacked = true;
+        }
+        self._repacked = Some(buf);
+    }
+
+    /// At a step boundary: the repacked weights where they are made; then, where the
+    /// artifact's huge-page copy of staged weights is whole, every weight pointer moves to the
+    /// same offset in it.
     fn settle_weights(&mut self) {
+        if let Some(r) = &self.repack {
+            match r.made.try_recv() {
+                Ok(made) => self.apply_repack(made),
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => self.apply_repack(None),
+                Err(std::sync::mpsc::TryRecvError::Empty) => {}
+            }
+        }
         if self.weights_settled {
+            return;
+        }
+        // The copy lacks the stored bytes of the weights to be repacked: they move first.
+        if self.repack.is_some() {
             return;
         }
         let Some(copy) = self.artifact.staged_weights() else {
             return;
         };
         let mapped = self.artifact.weights_bytes().as_ptr_range();
-        for p in self.params.values_mut() {
-            if mapped.contains(&p.ptr) {
+        for (id, p) in self.params.iter_mut() {
+            // (A weight left out of the copy, whose repacked copy could not be made, stays
+            // where it was.)
+            if mapped.contains(&p.ptr) && !self.unstaged.contains(id) {
                 // SAFETY: `p.ptr` lies in the mapped file, and the copy has its length.
                 p.ptr = unsafe { copy.as_ptr().add(p.ptr.offset_from(mapped.start) as usize) };
             }
@@ -814,8 +892,8 @@ impl CpuExecutor {
             .collect()
     }
 
-    /// The weights repacked at load ([`repack_weights`]): each one's buffer id, stored format
-    /// and bytes, and the format and bytes it is read in, in buffer order.
+    /// The weights repacked ([`Repack`]; behind the first step): each one's buffer id, stored
+    /// format and bytes, and the format and bytes it is read in, in buffer order.
     pub fn repacked_weights(&self) -> Vec<RepackedWeight> {
         self.params
             .iter()
@@ -1249,7 +1327,7 @@ fn fill<T: Copy + Default>(buf: &mut [T], values: &[T]) {
     buf[n..].fill(T::default());
 }
 
-/// A weight the CPU executor repacked at load ([`CpuExecutor::repacked_weights`]).
+/// A weight the CPU executor repacked ([`CpuExecutor::repacked_weights`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RepackedWeight {
     /// Its buffer in the program.
@@ -1262,88 +1340,153 @@ pub struct RepackedWeight {
     pub read_bytes: usize,
 }
 
-/// The most bytes of stored weights [`repack_weights`] repacks unless `MAXC_REPACK=1`: small
+/// The most bytes of stored weights [`Repack`] repacks unless `MAXC_REPACK=1`: small
 /// models (where Q5_0 is llama-quantize's fallback for rows that K-quants do not divide, as
 /// in SmolLM2 and Gemma 3 270M) decode compute-bound, and their larger repacked weights cost
 /// little memory; a large Q5_0 model's would cost gigabytes, and on a machine with many cores
 /// its decode is bandwidth-bound, where Q5_0's fewer bytes win.
 const REPACK_MAX_BYTES: usize = 512 << 20;
 
-/// Repacks at load the weights that only library matmuls read into the format they read faster
+/// The repacked weights and which of [`Repack::chosen`] were written (`None`: no memory for
+/// them).
+type Made = Option<(crate::hugemem::HugeBuf, Vec<bool>)>;
+
+/// A weight chosen to be repacked.
+#[derive(Clone, Copy, Debug)]
+struct Chosen {
+    buffer: u32,
+    /// The format it is repacked into.
+    to: DType,
+    /// Its offset and bytes in the repacked weights.
+    at: usize,
+    len: usize,
+}
+
+/// The weights that only library matmuls read, repacked into the format they read faster
 /// ([`matmul::faster_format`]: Q5_0 as Q8_0, the same values), where their stored bytes are at
 /// most [`REPACK_MAX_BYTES`] in all; `MAXC_REPACK=0` keeps every weight as stored, `=1`
-/// repacks whatever the size. The repacked weights lie one after another in one buffer of huge
-/// pages (returned: it must outlive the params' pointers into it); the stored bytes are then
-/// not read (nor copied into the staged weights). A weight that another kernel reads (a
-/// generated matmul, an embedding gather) stays as stored.
-fn repack_weights(
-    program: &Program,
-    choices: &[KernelChoice],
-    foreign: &std::collections::BTreeSet<u32>,
-    params: &mut BTreeMap<u32, Param>,
-    kernels: &KernelOptions,
-) -> Option<crate::hugemem::HugeBuf> {
-    let mode = std::env::var("MAXC_REPACK").unwrap_or_default();
-    if mode == "0" {
-        return None;
-    }
-    // Each param's readers: repackable while every one is a library matmul's weight.
-    let mut only_matmuls: BTreeMap<u32, bool> = BTreeMap::new();
-    for l in &program.launches {
-        let body = &program.kernels[l.kernel as usize].body;
-        let library_matmul = matches!(body, KernelBody::Matmul { .. })
-            && choices[l.kernel as usize] == KernelChoice::Library;
-        for (i, b) in l.buffers.iter().enumerate() {
-            if params.contains_key(b) {
-                let ok = library_matmul && i == 1;
-                *only_matmuls.entry(*b).or_insert(true) &= ok;
+/// repacks whatever the size. A weight that another kernel reads (a generated matmul, an
+/// embedding gather) stays as stored.
+///
+/// The repacked weights lie one after another in one buffer of huge pages, made by a thread of
+/// their own behind the first step, as the artifact's huge-page copy is: a fresh page costs
+/// its first touch (on a 2-core guest, making SmolLM2 Q4_K_M's 83 MB at load took 50-100 ms
+/// of a 0.2 s start to the first token). Until they are made, the steps read the stored
+/// weights; the executor moves to them at a step boundary, before it moves to the
+/// artifact's copy (which leaves their stored bytes out).
+struct Repack {
+    chosen: Vec<Chosen>,
+    /// Bytes of the repacked weights.
+    total: usize,
+    /// What the thread made, once it is done.
+    made: std::sync::mpsc::Receiver<Made>,
+    /// The thread's end of `made`, until it starts.
+    send: Option<std::sync::mpsc::Sender<Made>>,
+}
+
+impl Repack {
+    /// The weights of `params` to repack, if any.
+    fn choose(
+        program: &Program,
+        choices: &[KernelChoice],
+        foreign: &std::collections::BTreeSet<u32>,
+        params: &BTreeMap<u32, Param>,
+    ) -> Option<Repack> {
+        let mode = std::env::var("MAXC_REPACK").unwrap_or_default();
+        if mode == "0" {
+            return None;
+        }
+        // Each param's readers: repackable while every one is a library matmul's weight.
+        let mut only_matmuls: BTreeMap<u32, bool> = BTreeMap::new();
+        for l in &program.launches {
+            let body = &program.kernels[l.kernel as usize].body;
+            let library_matmul = matches!(body, KernelBody::Matmul { .. })
+                && choices[l.kernel as usize] == KernelChoice::Library;
+            for (i, b) in l.buffers.iter().enumerate() {
+                if params.contains_key(b) {
+                    let ok = library_matmul && i == 1;
+                    *only_matmuls.entry(*b).or_insert(true) &= ok;
+                }
             }
         }
+        let mut chosen = Vec::new();
+        let (mut stored, mut total) = (0usize, 0usize);
+        for (buffer, ok) in only_matmuls {
+            let p = &params[&buffer];
+            let Some(to) = matmul::faster_format(p.dtype) else {
+                continue;
+            };
+            if !ok || foreign.contains(&buffer) || p.plan.is_none() {
+                continue;
+            }
+            let (_, bb) = p.dtype.block();
+            let (_, tb) = to.block();
+            let len = p.len / bb * tb;
+            chosen.push(Chosen {
+                buffer,
+                to,
+                at: total,
+                len,
+            });
+            stored += p.len;
+            // Each weight starts on a cache line.
+            total = (total + len).next_multiple_of(64);
+        }
+        if chosen.is_empty() || (stored > REPACK_MAX_BYTES && mode != "1") {
+            return None;
+        }
+        let (send, made) = std::sync::mpsc::channel();
+        Some(Repack {
+            chosen,
+            total,
+            made,
+            send: Some(send),
+        })
     }
-    // (buffer, format, offset in the repacked weights, bytes there)
-    let mut chosen: Vec<(u32, DType, usize, usize)> = Vec::new();
-    let (mut stored, mut total) = (0usize, 0usize);
-    for (id, ok) in only_matmuls {
-        let p = &params[&id];
-        let Some(to) = matmul::faster_format(p.dtype) else {
-            continue;
+
+    /// Starts the thread that makes the repacked weights from the stored ones of `params`
+    /// (once).
+    fn start(&mut self, params: &BTreeMap<u32, Param>, artifact: &Arc<Artifact>) {
+        let Some(send) = self.send.take() else {
+            return;
         };
-        if !ok || foreign.contains(&id) || p.plan.is_none() {
-            continue;
+        // (stored bytes' address, length, format; where and how many bytes they go to)
+        let jobs: Vec<(usize, usize, DType, usize, usize)> = self
+            .chosen
+            .iter()
+            .map(|c| {
+                let p = &params[&c.buffer];
+                (p.ptr as usize, p.len, p.dtype, c.at, c.len)
+            })
+            .collect();
+        let total = self.total;
+        // The stored bytes live in the artifact's weights, which the thread keeps alive.
+        let artifact = Arc::clone(artifact);
+        let spawned = std::thread::Builder::new()
+            .name("maxc-repack".into())
+            .spawn(move || {
+                let _artifact = artifact;
+                // The kernels' width ignores this one-off competition.
+                let _own = maxc_kernels::pool::own_work();
+                let made = crate::hugemem::HugeBuf::zeroed(total).ok().map(|mut buf| {
+                    let wrote = jobs
+                        .iter()
+                        .map(|&(ptr, len, dtype, at, out)| {
+                            // SAFETY: a weight's stored bytes, read-only, in the artifact's
+                            // weights (kept alive above).
+                            let src = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
+                            matmul::repack(dtype, src, &mut buf.as_mut_slice()[at..at + out])
+                        })
+                        .collect();
+                    (buf, wrote)
+                });
+                // (An executor dropped meanwhile no longer wants them.)
+                let _ = send.send(made);
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("weights stay as stored: no thread to repack them ({e})");
         }
-        let (_, bb) = p.dtype.block();
-        let (_, tb) = to.block();
-        let len = p.len / bb * tb;
-        chosen.push((id, to, total, len));
-        stored += p.len;
-        // Each weight starts on a cache line.
-        total = (total + len).next_multiple_of(64);
     }
-    if chosen.is_empty() || (stored > REPACK_MAX_BYTES && mode != "1") {
-        return None;
-    }
-    let mut buf = crate::hugemem::HugeBuf::zeroed(total).ok()?;
-    let mut done = Vec::new();
-    for &(id, to, at, len) in &chosen {
-        let p = &params[&id];
-        // SAFETY: the weight's `len` bytes, mapped or staged, read-only.
-        let src = unsafe { std::slice::from_raw_parts(p.ptr, p.len) };
-        if matmul::repack(p.dtype, src, &mut buf.as_mut_slice()[at..at + len]) {
-            done.push((id, to, at, len));
-        }
-    }
-    let base = buf.as_slice().as_ptr();
-    for (id, to, at, len) in done {
-        let p = params.get_mut(&id).expect("chosen from the params");
-        let k = p.plan.as_ref().map(|plan| plan.k()).expect("has a plan");
-        // SAFETY: `at + len` lies inside the buffer (`total` bytes).
-        p.ptr = unsafe { base.add(at) };
-        p.len = len;
-        p.dtype = to;
-        p.plan = Some(matmul::MatmulPlan::new(to, k, kernels));
-        p.repacked = true;
-    }
-    Some(buf)
 }
 
 /// What runs one kernel of a program on this CPU, chosen when the executor is made.
