@@ -545,6 +545,27 @@ pub(crate) fn pack_transposed(x: &[f32], rows: usize, k: usize) -> Vec<f32> {
     xt
 }
 
+/// [`packed_tile`]'s multiply-adds for one value of `k`, `i`.
+#[inline(always)]
+unsafe fn packed_step<const C: usize>(
+    acc: &mut [[__m512; 2]; C],
+    xt: *const f32,
+    k: usize,
+    w: *const f32,
+    i: usize,
+) {
+    // SAFETY: as `packed_tile`'s caller guarantees, for `i < k`.
+    unsafe {
+        let a0 = _mm512_loadu_ps(xt.add(i * MP));
+        let a1 = _mm512_loadu_ps(xt.add(i * MP + 16));
+        for j in 0..C {
+            let b = _mm512_set1_ps(*w.add(j * k + i));
+            acc[j][0] = _mm512_fmadd_ps(a0, b, acc[j][0]);
+            acc[j][1] = _mm512_fmadd_ps(a1, b, acc[j][1]);
+        }
+    }
+}
+
 /// One tile of the packed kernel: `out[m * ldo + j] = Σ_i xt[i][m] · w[j * k + i]` for
 /// `m < mrows`, `j < C`: 32 rows in two vectors times `C` broadcast weights per `i`, `2·C`
 /// accumulators, no horizontal sums.
@@ -561,14 +582,16 @@ unsafe fn packed_tile<const C: usize>(
     // rows of C values at stride ldo.
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); 2]; C];
-        for i in 0..k {
-            let a0 = _mm512_loadu_ps(xt.add(i * MP));
-            let a1 = _mm512_loadu_ps(xt.add(i * MP + 16));
-            for j in 0..C {
-                let b = _mm512_set1_ps(*w.add(j * k + i));
-                acc[j][0] = _mm512_fmadd_ps(a0, b, acc[j][0]);
-                acc[j][1] = _mm512_fmadd_ps(a1, b, acc[j][1]);
-            }
+        // Two values of k per pass (the loop's own instructions halved: on the Intel guest a
+        // 32 × 12 tile from L1 ran at 0.94 of the FMA peak this way, 0.86 one at a time).
+        let mut i = 0;
+        while i + 2 <= k {
+            packed_step::<C>(&mut acc, xt, k, w, i);
+            packed_step::<C>(&mut acc, xt, k, w, i + 1);
+            i += 2;
+        }
+        if i < k {
+            packed_step::<C>(&mut acc, xt, k, w, i);
         }
         let mut buf = [[0.0f32; MP]; C];
         for j in 0..C {
