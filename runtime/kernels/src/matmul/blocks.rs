@@ -201,6 +201,19 @@ mod avx512 {
         /// # Safety
         /// AVX-512F/BW and F16C must be available; `g < GROUPS`.
         unsafe fn values(&self, scales: &Self::Scales, g: usize) -> (__m512, __m512);
+        /// Whether the block's scales come from its first four bytes alone, read as an f16
+        /// pair `d`, `m` (Q4_1 and Q5_1): [`tile`] then converts the heads of a run of blocks
+        /// together (see [`Heads`]) and passes each block's to [`Dequant::head_values`].
+        const HEAD: bool = false;
+        /// The block's values (as [`Dequant::values`]) from its head's `d` and `m`, each
+        /// broadcast; called only where [`Dequant::HEAD`].
+        ///
+        /// # Safety
+        /// AVX-512F/BW must be available.
+        #[inline(always)]
+        unsafe fn head_values(&self, _d: __m512, _m: __m512) -> (__m512, __m512) {
+            unreachable!("only the formats whose scales are their head")
+        }
     }
 
     /// The f16 pair `a`, `b` as two broadcast f32 vectors, converted together.
@@ -291,6 +304,12 @@ mod avx512 {
         unsafe fn values(&self, t: &__m512, _: usize) -> (__m512, __m512) {
             // SAFETY: the caller's features.
             unsafe { nibbles(&self.qs, *t) }
+        }
+        const HEAD: bool = true;
+        #[inline(always)]
+        unsafe fn head_values(&self, d: __m512, m: __m512) -> (__m512, __m512) {
+            // SAFETY: the caller's features.
+            unsafe { nibbles(&self.qs, table(d, m)) }
         }
     }
 
@@ -387,6 +406,14 @@ mod avx512 {
             // SAFETY: the caller's features.
             unsafe {
                 let (d, m) = pair_at(self);
+                self.head_values(d, m)
+            }
+        }
+        const HEAD: bool = true;
+        #[inline(always)]
+        unsafe fn head_values(&self, d: __m512, m: __m512) -> (__m512, __m512) {
+            // SAFETY: the caller's features.
+            unsafe {
                 let (lo, hi) = nibbles5(&self.qs, self.qh);
                 (
                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m),
@@ -513,6 +540,150 @@ mod avx512 {
         }
     }
 
+    /// Blocks whose heads [`Heads`] converts at once.
+    const HEAD_RUN: usize = 16;
+    /// The most rows whose tiles convert their heads by runs ([`Heads`]); larger ones
+    /// convert each block's own.
+    const HEAD_ROWS: usize = 4;
+
+    /// The heads (f16 `d`, `m`: [`Dequant::HEAD`]) of a run of up to [`HEAD_RUN`] blocks of
+    /// `C` weight rows, gathered and converted to f32 together. One block's pair converted
+    /// alone and broadcast took six shuffle-port instructions per block (the conversion, two
+    /// broadcasts and a lane move), as many as its values' lookups: the pairs are written to
+    /// memory here and read back as broadcasts, which the load ports do. Weights bench
+    /// (1536 × 576, two threads, Intel guest, interleaved): Q4_1 at one row 34.8-37.7 µs →
+    /// 29.6-32.7, at four 49.4-51.4 → 46.3-47.9; Q5_1 at one row 45.3-48.2 → 40.5-43.0. At
+    /// eight rows no faster (those tiles are not bound by the shuffle port), nor Q4_0, Q5_0
+    /// and Q8_0, whose head is a lone `d` (three instructions): they convert each block's.
+    struct Heads<const C: usize> {
+        /// Each block's `d` then `m`, sixteen values (eight blocks) a vector.
+        f32s: [[__m512; HEAD_RUN / 8]; C],
+    }
+
+    impl<const C: usize> Heads<C> {
+        #[inline(always)]
+        unsafe fn new() -> Self {
+            // SAFETY: AVX-512F, the caller's.
+            Heads {
+                f32s: [[unsafe { _mm512_setzero_ps() }; HEAD_RUN / 8]; C],
+            }
+        }
+
+        /// Converts the heads of blocks `b0..b0 + len` of the `C` weight rows at `w` (rows
+        /// `nb` blocks apart). (Stored one at a time and read back as a vector, the heads
+        /// waited for the stores to reach the cache, a stall per run: they are gathered.)
+        ///
+        /// # Safety
+        /// AVX-512F and F16C; the blocks exist and are at least four bytes each; `len <=
+        /// HEAD_RUN`.
+        #[inline(always)]
+        unsafe fn convert<B: Block>(&mut self, w: *const B, nb: usize, b0: usize, len: usize) {
+            const { assert!(HEAD_RUN == 16) };
+            // SAFETY: as the contract: the mask reads only the run's blocks. The stores are
+            // volatile so that the compiler keeps them and reads the values back from memory,
+            // rather than extracting them from the registers with shuffles.
+            unsafe {
+                let size = std::mem::size_of::<B>() as i32;
+                let at = _mm512_mullo_epi32(
+                    _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                    _mm512_set1_epi32(size),
+                );
+                let mask = (((1u32 << len) - 1) & 0xFFFF) as __mmask16;
+                for c in 0..C {
+                    let base = w.add(c * nb + b0).cast::<u8>();
+                    let raw = _mm512_mask_i32gather_epi32::<1>(
+                        _mm512_setzero_si512(),
+                        mask,
+                        at,
+                        base.cast(),
+                    );
+                    let lo = _mm512_cvtph_ps(_mm512_castsi512_si256(raw));
+                    let hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(raw));
+                    std::ptr::write_volatile(&mut self.f32s[c][0], lo);
+                    std::ptr::write_volatile(&mut self.f32s[c][1], hi);
+                }
+            }
+        }
+
+        /// Block `i` of the run in weight row `c`: its `d` and `m`, broadcast.
+        #[inline(always)]
+        unsafe fn pair(&self, c: usize, i: usize) -> (__m512, __m512) {
+            // SAFETY: the caller has AVX-512F.
+            unsafe {
+                let p = self.f32s[c].as_ptr().cast::<f32>().add(2 * i);
+                (_mm512_set1_ps(*p), _mm512_set1_ps(*p.add(1)))
+            }
+        }
+    }
+
+    /// Block `b` of the tile's `C` weight rows (their scales `scales`) against `R` rows of
+    /// `x`, into `acc`.
+    #[inline(always)]
+    unsafe fn block<B: Dequant, const R: usize, const C: usize>(
+        x: *const f32,
+        k: usize,
+        w: *const B,
+        nb: usize,
+        b: usize,
+        scales: &[B::Scales; C],
+        acc: &mut [[__m512; C]; R],
+    ) {
+        // SAFETY: as `tile`'s contract.
+        unsafe {
+            for g in 0..B::GROUPS {
+                let mut wv = [[_mm512_setzero_ps(); 2]; C];
+                for c in 0..C {
+                    let (lo, hi) = (*w.add(c * nb + b)).values(&scales[c], g);
+                    wv[c] = [lo, hi];
+                }
+                fmas::<R, C>(x, k, b * B::ELEMS + g * QK, &wv, acc);
+            }
+        }
+    }
+
+    /// The values of block `b` of the tile's `C` weight rows, each from its head.
+    #[inline(always)]
+    unsafe fn head_values<B: Dequant, const C: usize>(
+        w: *const B,
+        nb: usize,
+        b: usize,
+        heads: &Heads<C>,
+    ) -> [[__m512; 2]; C] {
+        // SAFETY: as `tile`'s contract; B::HEAD, so one group.
+        unsafe {
+            let i = b % HEAD_RUN;
+            let mut wv = [[_mm512_setzero_ps(); 2]; C];
+            for c in 0..C {
+                let (d, m) = heads.pair(c, i);
+                let (lo, hi) = (*w.add(c * nb + b)).head_values(d, m);
+                wv[c] = [lo, hi];
+            }
+            wv
+        }
+    }
+
+    /// Block `b`'s values `wv` of the tile's `C` weight rows against `R` rows of `x`.
+    #[inline(always)]
+    unsafe fn fmas<const R: usize, const C: usize>(
+        x: *const f32,
+        k: usize,
+        at: usize,
+        wv: &[[__m512; 2]; C],
+        acc: &mut [[__m512; C]; R],
+    ) {
+        // SAFETY: as `tile`'s contract: 32 values at `at` of each row.
+        unsafe {
+            for r in 0..R {
+                let px = x.add(r * k + at);
+                let (x0, x1) = (_mm512_loadu_ps(px), _mm512_loadu_ps(px.add(16)));
+                for c in 0..C {
+                    acc[r][c] = _mm512_fmadd_ps(x0, wv[c][0], acc[r][c]);
+                    acc[r][c] = _mm512_fmadd_ps(x1, wv[c][1], acc[r][c]);
+                }
+            }
+        }
+    }
+
     /// `out[r·n + c] = Σ_i x[r·k + i] · w_c[i]` for `r < R`, `c < C`: `w` points at the first
     /// block of weight row 0 of the tile (rows `nb` blocks apart); `next` is the next tile's
     /// first byte and length, prefetched a little per block.
@@ -534,31 +705,32 @@ mod avx512 {
             let mut acc = [[_mm512_setzero_ps(); C]; R];
             let lines = next.1.div_ceil(64).div_ceil(nb.max(1));
             let mut line = 0;
-            for b in 0..nb {
-                for _ in 0..lines {
-                    crate::matmul::tile::prefetch_ahead(next, line);
-                    line += 1;
-                }
-                // (A loop, not `array::from_fn`: a closure does not inherit this function's
-                // target features, and its intrinsics would not be inlined.)
-                let mut scales = [(*w.add(b)).scales(); C];
-                for c in 1..C {
-                    scales[c] = (*w.add(c * nb + b)).scales();
-                }
-                for g in 0..B::GROUPS {
-                    let mut wv = [[_mm512_setzero_ps(); 2]; C];
-                    for c in 0..C {
-                        let (lo, hi) = (*w.add(c * nb + b)).values(&scales[c], g);
-                        wv[c] = [lo, hi];
+            if B::HEAD && R <= HEAD_ROWS {
+                // One loop over the blocks, converting a run's heads as it starts (as two
+                // nested loops, the compiler kept the accumulators in memory).
+                let mut heads = Heads::<C>::new();
+                for b in 0..nb {
+                    if b % HEAD_RUN == 0 {
+                        heads.convert(w, nb, b, HEAD_RUN.min(nb - b));
                     }
-                    for r in 0..R {
-                        let px = x.add(r * k + b * B::ELEMS + g * QK);
-                        let (x0, x1) = (_mm512_loadu_ps(px), _mm512_loadu_ps(px.add(16)));
-                        for c in 0..C {
-                            acc[r][c] = _mm512_fmadd_ps(x0, wv[c][0], acc[r][c]);
-                            acc[r][c] = _mm512_fmadd_ps(x1, wv[c][1], acc[r][c]);
-                        }
+                    for _ in 0..lines {
+                        crate::matmul::tile::prefetch_ahead(next, line);
+                        line += 1;
                     }
+                    let wv = head_values::<B, C>(w, nb, b, &heads);
+                    fmas::<R, C>(x, k, b * QK, &wv, &mut acc);
+                }
+            } else {
+                for b in 0..nb {
+                    for _ in 0..lines {
+                        crate::matmul::tile::prefetch_ahead(next, line);
+                        line += 1;
+                    }
+                    let mut scales = [(*w.add(b)).scales(); C];
+                    for c in 1..C {
+                        scales[c] = (*w.add(c * nb + b)).scales();
+                    }
+                    block::<B, R, C>(x, k, w, nb, b, &scales, &mut acc);
                 }
             }
             if R * C < 8 {
