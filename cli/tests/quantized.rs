@@ -96,18 +96,27 @@ fn check_with(
         .map(|t| t.to_i64("tokens").unwrap())
         .collect();
     let what = format!("{model} ({}) as {weights:?}, {cpu_matmul:?}", role.name());
-    // Q5_0 weights that only library matmuls read are repacked as Q8_0 (the same values)
-    // behind the first step: the first prompt runs on the stored weights, the rest (and the
-    // ragged batch) on the repacked ones, all against the interpreter.
-    let repacks = weights == WeightFormat::Quantize(DType::Q5_0)
+    // Weights that only library matmuls read (and, in panels, gathers) are repacked behind the
+    // first step where this CPU reads them faster so (Q5_0 as Q8_0, the same values; bf16 and
+    // f16 in column panels with AVX-512): the first prompt runs on the stored weights, the
+    // rest (and the ragged batch) on the repacked ones, all against the interpreter.
+    let stored = match weights {
+        WeightFormat::Quantize(d) | WeightFormat::Float(d) => Some(d),
+        WeightFormat::Keep => None,
+    };
+    let repacking = stored.and_then(|d| {
+        maxc_runtime::kernels::matmul::repacking(d, &Default::default()).map(|r| (d, r))
+    });
+    let repacks = repacking.is_some()
         && cpu_matmul == CpuMatmul::Auto
         && maxc_runtime::kernels::isa::few_rows_kernels_available()
         && std::env::var("MAXC_REPACK").map_or(true, |v| v != "0");
     let repacked = |engine: &RuntimeSession| {
         let repacked = engine.engine().cpu_repacked_weights().unwrap_or_default();
-        repacked
-            .iter()
-            .any(|w| w.stored == DType::Q5_0 && w.read_as == DType::Q8_0)
+        repacked.iter().any(|w| {
+            repacking
+                .is_some_and(|(d, r)| w.stored == d && w.read_as == r.to && w.layout == r.layout)
+        })
     };
     assert!(!repacked(&engine), "{what}: repacked before the first step");
 
@@ -139,7 +148,7 @@ fn check_with(
             let list = engine.engine().cpu_repacked_weights();
             assert!(
                 repacked(&engine),
-                "{what}: no Q5_0 weight was repacked as Q8_0 ({list:?})"
+                "{what}: no weight was repacked as {repacking:?} ({list:?})"
             );
         }
     }
@@ -184,6 +193,11 @@ macro_rules! formats {
             fn q4_k() {
                 check($model, $role, $prefix, DType::Q4K);
             }
+            #[test]
+            fn bf16() {
+                let bf16 = WeightFormat::Float(DType::BF16);
+                check_with($model, $role, $prefix, bf16, CpuMatmul::Auto);
+            }
         }
     };
 }
@@ -210,6 +224,18 @@ mod policies {
                 "",
                 WeightFormat::Keep,
                 CpuMatmul::Generated,
+            );
+        }
+    }
+    #[test]
+    fn f16_weights() {
+        for model in ["tiny-llama", "tiny-gemma3"] {
+            check_with(
+                model,
+                GraphRole::Decoder,
+                "",
+                WeightFormat::Float(DType::F16),
+                CpuMatmul::Auto,
             );
         }
     }

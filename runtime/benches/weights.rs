@@ -1,10 +1,11 @@
 //! `cargo bench -p maxc-runtime --bench weights`: the weight kernels at SmolLM2's decode and
 //! prefill shapes, per storage format: time per call, weight bytes streamed per second, and the
 //! ratio to the memory-bandwidth probe of `maxc bench` measured in the same run, and each hand
-//! kernel's speed-up over the generic one.
+//! kernel's speed-up over the generic one. Where an executor repacks the format at load
+//! (`matmul::repacking`: Q5_0 as Q8_0, bf16 in column panels), the repacked weights' time too.
 
 use maxc_kernels::isa::isa_name;
-use maxc_kernels::matmul::matmul;
+use maxc_kernels::matmul::{matmul, repack, repacked_len, repacking, MatmulPlan};
 use maxc_kernels::options::{Activations, KernelOptions};
 use maxc_runtime::bench::bandwidth;
 use maxc_runtime::schema::DType;
@@ -26,6 +27,7 @@ fn main() {
     let formats = [
         DType::F32,
         DType::BF16,
+        DType::F16,
         DType::Q8_0,
         DType::Q4_0,
         DType::Q4_1,
@@ -81,7 +83,7 @@ fn main() {
             for (c, w) in store.as_mut_slice().chunks_exact_mut(bytes).enumerate() {
                 for (i, b) in w.iter_mut().enumerate() {
                     *b = ((i * 131 + c * 7) % 251) as u8;
-                    if (dtype == DType::F32 || dtype == DType::BF16)
+                    if matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
                         && i % dtype.size() == dtype.size() - 1
                     {
                         // Small finite values.
@@ -90,6 +92,16 @@ fn main() {
                 }
             }
             let ws: Vec<&[u8]> = store.chunks_exact(bytes).collect();
+            // The repacked copies, where the format has a repacked form here.
+            let repacked = repacking(dtype, &KernelOptions::default()).map(|r| {
+                let len = repacked_len(r, n, k).next_multiple_of(64);
+                let mut buf = maxc_runtime::hugemem::HugeBuf::zeroed(copies * len).unwrap();
+                for (w, dst) in ws.iter().zip(buf.as_mut_slice().chunks_exact_mut(len)) {
+                    assert!(repack(dtype, r, w, &mut dst[..repacked_len(r, n, k)], n, k));
+                }
+                let plan = MatmulPlan::with_layout(r.to, k, r.layout, &KernelOptions::default());
+                (buf, len, plan)
+            });
             // Activations 64-byte aligned, as the executor's arena lays them out (a vector
             // load that crosses a cache line costs about twice one that does not).
             let mut x_store = vec![0.0f32; rows * k + 16];
@@ -125,7 +137,8 @@ fn main() {
             };
             // Interleaved, so that the machine's drift hits every variant alike.
             let (mut ss, mut gs, mut ps, mut ts, mut ks) = (vec![], vec![], vec![], vec![], vec![]);
-            let (mut qs, mut is) = (vec![], vec![]);
+            let (mut qs, mut is, mut rs) = (vec![], vec![], vec![]);
+            let mut out_repacked = vec![0.0f32; rows * n];
             let best = KernelOptions::default();
             for _ in 0..3 {
                 ss.push(time(best));
@@ -157,12 +170,31 @@ fn main() {
                     activations: Activations::I16,
                     ..best
                 }));
+                if let Some((buf, len, plan)) = &repacked {
+                    let reps: Vec<f64> = (0..5)
+                        .map(|_| {
+                            let t = Instant::now();
+                            for c in 0..calls {
+                                let w = &buf.as_slice()[(c % copies) * len..][..*len];
+                                plan.run(x, w, &mut out_repacked, rows, n, threads);
+                            }
+                            t.elapsed().as_secs_f64() / calls as f64
+                        })
+                        .collect();
+                    rs.push(median(reps));
+                }
             }
             let (s, generic, panels) = (median(ss), median(gs), median(ps));
             let (tiles, packed, q8, i16) = (median(ts), median(ks), median(qs), median(is));
             let gbs = bytes as f64 / s;
+            let repacked = if rs.is_empty() {
+                String::new()
+            } else {
+                let r = median(rs);
+                format!("  repacked {:>7.1} us ({:.2}x)", r * 1e6, s / r)
+            };
             println!(
-                "  {:>5}  {:>8.1} us  {:>6.1} GB/s  {:>5.2} of bandwidth  {:>6.1} GFLOP/s  {:>5.2}x the generic kernel  {:>5.2}x panels  tiles {:>7.1} us  packed {:>7.1} us  q8 activations {:>7.1} us ({:.2}x)  i16 activations {:>7.1} us ({:.2}x)",
+                "  {:>5}  {:>8.1} us  {:>6.1} GB/s  {:>5.2} of bandwidth  {:>6.1} GFLOP/s  {:>5.2}x the generic kernel  {:>5.2}x panels  tiles {:>7.1} us  packed {:>7.1} us  q8 activations {:>7.1} us ({:.2}x)  i16 activations {:>7.1} us ({:.2}x){}",
                 dtype.name(),
                 s * 1e6,
                 gbs / 1e9,
@@ -175,7 +207,8 @@ fn main() {
                 q8 * 1e6,
                 s / q8,
                 i16 * 1e6,
-                s / i16
+                s / i16,
+                repacked
             );
         }
     }

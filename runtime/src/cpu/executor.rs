@@ -106,8 +106,9 @@ struct Param {
     /// Whether the weight was repacked into a format the matmuls read faster (`ptr` points
     /// into the executor's repacked weights, `dtype` is its format): see [`Repack`].
     repacked: bool,
-    /// The format the artifact stores it in.
+    /// The format the artifact stores it in, and its bytes there.
     stored: DType,
+    stored_len: usize,
 }
 
 impl Param {
@@ -302,7 +303,7 @@ impl CpuExecutor {
                 max
             }
         });
-        let choices: Vec<KernelChoice> = program
+        let mut choices: Vec<KernelChoice> = program
             .kernels
             .iter()
             .zip(&fns)
@@ -394,6 +395,7 @@ impl CpuExecutor {
                         plan: None,
                         repacked: false,
                         stored: view.dtype,
+                        stored_len: bytes.len(),
                     },
                 );
             }
@@ -405,7 +407,12 @@ impl CpuExecutor {
                 }
             }
         }
-        let repack = Repack::choose(&program, &choices, &foreign, &params);
+        let repack = Repack::choose(&program, &choices, &foreign, &params, &kernels);
+        // A table repacked in panels is gathered by the library kernel, which reads them.
+        for &k in repack.iter().flat_map(|r| &r.gathers) {
+            choices[k as usize] = KernelChoice::Library;
+            fns[k as usize] = None;
+        }
         let unstaged: std::collections::BTreeSet<u32> = repack
             .iter()
             .flat_map(|r| r.chosen.iter().map(|c| c.buffer))
@@ -676,14 +683,17 @@ impl CpuExecutor {
             let Some(p) = self.params.get_mut(&c.buffer) else {
                 continue;
             };
-            let Some(k) = p.plan.as_ref().map(|plan| plan.k()) else {
-                continue;
-            };
             // SAFETY: `at + len` lies inside the buffer (`Repack::total` bytes).
             p.ptr = unsafe { base.add(c.at) };
+            p.stored_len = p.len;
             p.len = c.len;
-            p.dtype = c.to;
-            p.plan = Some(matmul::MatmulPlan::new(c.to, k, &self.kernels));
+            p.dtype = c.to.to;
+            p.plan = Some(matmul::MatmulPlan::with_layout(
+                c.to.to,
+                c.k,
+                c.to.layout,
+                &self.kernels,
+            ));
             p.repacked = true;
         }
         self._repacked = Some(buf);
@@ -898,16 +908,16 @@ impl CpuExecutor {
         self.params
             .iter()
             .filter(|(_, p)| p.repacked)
-            .map(|(&buffer, p)| {
-                let (_, from) = p.stored.block();
-                let (_, to) = p.dtype.block();
-                RepackedWeight {
-                    buffer,
-                    stored: p.stored,
-                    stored_bytes: p.len / to * from,
-                    read_as: p.dtype,
-                    read_bytes: p.len,
-                }
+            .map(|(&buffer, p)| RepackedWeight {
+                buffer,
+                stored: p.stored,
+                stored_bytes: p.stored_len,
+                read_as: p.dtype,
+                read_bytes: p.len,
+                layout: p
+                    .plan
+                    .as_ref()
+                    .map_or(matmul::Layout::Rows, |plan| plan.layout()),
             })
             .collect()
     }
@@ -984,7 +994,10 @@ impl CpuExecutor {
                 // SAFETY: the table's mapped bytes; validated to hold `vocab` rows of `cols`.
                 let table = unsafe { std::slice::from_raw_parts(p.ptr, p.len) };
                 let table_rows =
-                    p.len as u64 / src_dtype.bytes_for(cols as u64).unwrap_or(1).max(1);
+                    p.stored_len as u64 / src_dtype.bytes_for(cols as u64).unwrap_or(1).max(1);
+                // A table that is also a matmul's weight may be repacked in panels.
+                let panels =
+                    p.plan.as_ref().map(|plan| plan.layout()) == Some(matmul::Layout::Columns);
                 let out =
                     unsafe { std::slice::from_raw_parts_mut(args[2].cast::<f32>(), rows * cols) };
                 for (r, o) in out.chunks_exact_mut(cols).enumerate() {
@@ -1002,7 +1015,11 @@ impl CpuExecutor {
                     };
                     match src {
                         Some(i) => {
-                            matmul::gather_row(table, *src_dtype, cols, i as usize, o);
+                            if panels {
+                                matmul::cols::gather_row(*src_dtype, table, cols, i as usize, o);
+                            } else {
+                                matmul::gather_row(table, *src_dtype, cols, i as usize, o);
+                            }
                             if *scale != 1.0 {
                                 o.iter_mut().for_each(|v| *v *= scale);
                             }
@@ -1335,9 +1352,10 @@ pub struct RepackedWeight {
     /// The format and bytes the artifact stores it in.
     pub stored: DType,
     pub stored_bytes: usize,
-    /// The format and bytes the matmuls read it in.
+    /// The format, bytes and layout the matmuls read it in.
     pub read_as: DType,
     pub read_bytes: usize,
+    pub layout: maxc_kernels::matmul::Layout,
 }
 
 /// The most bytes of stored weights [`Repack`] repacks unless `MAXC_REPACK=1`: small
@@ -1351,12 +1369,24 @@ const REPACK_MAX_BYTES: usize = 512 << 20;
 /// them).
 type Made = Option<(crate::hugemem::HugeBuf, Vec<bool>)>;
 
+/// What the repacking thread reads and writes for one weight.
+struct Job {
+    /// The stored bytes' address and length, and their format.
+    ptr: usize,
+    len: usize,
+    dtype: DType,
+    chosen: Chosen,
+}
+
 /// A weight chosen to be repacked.
 #[derive(Clone, Copy, Debug)]
 struct Chosen {
     buffer: u32,
-    /// The format it is repacked into.
-    to: DType,
+    /// The format and layout it is repacked into.
+    to: matmul::Repacking,
+    /// Its shape, `[n, k]`.
+    n: usize,
+    k: usize,
     /// Its offset and bytes in the repacked weights.
     at: usize,
     len: usize,
@@ -1376,6 +1406,8 @@ struct Chosen {
 /// artifact's copy (which leaves their stored bytes out).
 struct Repack {
     chosen: Vec<Chosen>,
+    /// The gather kernels that read a weight repacked in panels (they run the library's).
+    gathers: Vec<u32>,
     /// Bytes of the repacked weights.
     total: usize,
     /// What the thread made, once it is done.
@@ -1391,52 +1423,77 @@ impl Repack {
         choices: &[KernelChoice],
         foreign: &std::collections::BTreeSet<u32>,
         params: &BTreeMap<u32, Param>,
+        kernels: &KernelOptions,
     ) -> Option<Repack> {
         let mode = std::env::var("MAXC_REPACK").unwrap_or_default();
         if mode == "0" {
             return None;
         }
-        // Each param's readers: repackable while every one is a library matmul's weight.
+        // Each param's readers: repackable while every one is a library matmul's weight, or
+        // (into panels, which the library gather reads too) a gather's table: the gather then
+        // runs the library kernel.
         let mut only_matmuls: BTreeMap<u32, bool> = BTreeMap::new();
+        let mut gathers: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
         for l in &program.launches {
             let body = &program.kernels[l.kernel as usize].body;
             let library_matmul = matches!(body, KernelBody::Matmul { .. })
                 && choices[l.kernel as usize] == KernelChoice::Library;
+            let gather = matches!(body, KernelBody::Gather { .. });
             for (i, b) in l.buffers.iter().enumerate() {
                 if params.contains_key(b) {
-                    let ok = library_matmul && i == 1;
+                    let ok = (library_matmul && i == 1) || (gather && i == 0);
                     *only_matmuls.entry(*b).or_insert(true) &= ok;
+                    if gather && i == 0 {
+                        gathers.entry(*b).or_default().push(l.kernel);
+                    }
                 }
             }
         }
+        let mut gather_kernels = Vec::new();
         let mut chosen = Vec::new();
-        let (mut stored, mut total) = (0usize, 0usize);
+        let (mut grown, mut total) = (0usize, 0usize);
         for (buffer, ok) in only_matmuls {
             let p = &params[&buffer];
-            let Some(to) = matmul::faster_format(p.dtype) else {
+            let Some(plan) = p.plan.as_ref() else {
                 continue;
             };
-            if !ok || foreign.contains(&buffer) || p.plan.is_none() {
+            let Some(to) = matmul::repacking(p.dtype, kernels) else {
+                continue;
+            };
+            let panels = to.layout == matmul::Layout::Columns;
+            if !ok || foreign.contains(&buffer) || (gathers.contains_key(&buffer) && !panels) {
                 continue;
             }
-            let (_, bb) = p.dtype.block();
-            let (_, tb) = to.block();
-            let len = p.len / bb * tb;
+            gather_kernels.extend(gathers.get(&buffer).into_iter().flatten());
+            let k = plan.k();
+            let row = p.dtype.bytes_for(k as u64).unwrap_or(0) as usize;
+            if row == 0 || !p.len.is_multiple_of(row) {
+                continue;
+            }
+            let n = p.len / row;
+            let len = matmul::repacked_len(to, n, k);
             chosen.push(Chosen {
                 buffer,
                 to,
+                n,
+                k,
                 at: total,
                 len,
             });
-            stored += p.len;
+            if len > p.len + p.len / 8 {
+                grown += p.len;
+            }
             // Each weight starts on a cache line.
             total = (total + len).next_multiple_of(64);
         }
-        if chosen.is_empty() || (stored > REPACK_MAX_BYTES && mode != "1") {
+        if chosen.is_empty() || (grown > REPACK_MAX_BYTES && mode != "1") {
             return None;
         }
+        gather_kernels.sort_unstable();
+        gather_kernels.dedup();
         let (send, made) = std::sync::mpsc::channel();
         Some(Repack {
+            gathers: gather_kernels,
             chosen,
             total,
             made,
@@ -1450,13 +1507,17 @@ impl Repack {
         let Some(send) = self.send.take() else {
             return;
         };
-        // (stored bytes' address, length, format; where and how many bytes they go to)
-        let jobs: Vec<(usize, usize, DType, usize, usize)> = self
+        let jobs: Vec<Job> = self
             .chosen
             .iter()
             .map(|c| {
                 let p = &params[&c.buffer];
-                (p.ptr as usize, p.len, p.dtype, c.at, c.len)
+                Job {
+                    ptr: p.ptr as usize,
+                    len: p.len,
+                    dtype: p.dtype,
+                    chosen: *c,
+                }
             })
             .collect();
         let total = self.total;
@@ -1471,11 +1532,14 @@ impl Repack {
                 let made = crate::hugemem::HugeBuf::zeroed(total).ok().map(|mut buf| {
                     let wrote = jobs
                         .iter()
-                        .map(|&(ptr, len, dtype, at, out)| {
+                        .map(|j| {
+                            let c = &j.chosen;
                             // SAFETY: a weight's stored bytes, read-only, in the artifact's
                             // weights (kept alive above).
-                            let src = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
-                            matmul::repack(dtype, src, &mut buf.as_mut_slice()[at..at + out])
+                            let src =
+                                unsafe { std::slice::from_raw_parts(j.ptr as *const u8, j.len) };
+                            let dst = &mut buf.as_mut_slice()[c.at..c.at + c.len];
+                            matmul::repack(j.dtype, c.to, src, dst, c.n, c.k)
                         })
                         .collect();
                     (buf, wrote)

@@ -22,6 +22,7 @@ use crate::options::{Activations, KernelOptions};
 pub use blocks::HandKernels;
 
 pub(crate) mod blocks;
+pub mod cols;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod tile;
 
@@ -506,6 +507,9 @@ pub enum Path {
     FloatTiles,
     /// f32 weights as stored under the broadcast register tiles, activations packed (AVX-512).
     PackedF32,
+    /// 16-bit float weights repacked in panels of 32 columns, register tiles of up to eight
+    /// rows with the columns along the lanes ([`cols`]; AVX-512, plain loops elsewhere).
+    Columns,
     /// The f32 GEMM on f32 weights as stored.
     Gemm,
     /// Row streaming, hand-vectorized.
@@ -530,6 +534,7 @@ impl Path {
             Path::BlockTiles => "register tiles on blocks".into(),
             Path::FloatTiles => "register tiles on stored rows".into(),
             Path::PackedF32 => "packed register tiles on stored rows".into(),
+            Path::Columns => "register tiles on 32-column panels".into(),
             Path::Gemm => "f32 gemm".into(),
             Path::HandStream => "hand row streaming".into(),
             Path::Stream => "generic row streaming".into(),
@@ -621,9 +626,30 @@ pub struct MatmulPlan {
     hand: HandKernels,
     /// `(first row count, path)`, ascending; each path runs up to the next one's first.
     paths: Vec<(usize, Path)>,
+    layout: Layout,
 }
 
 impl MatmulPlan {
+    /// The plan for `dtype` weights in `layout` ([`Layout::Columns`]: as [`repack`] writes
+    /// them), rows of `k` values, under `opts` on this CPU.
+    pub fn with_layout(dtype: DType, k: usize, layout: Layout, opts: &KernelOptions) -> Self {
+        match layout {
+            Layout::Rows => Self::new(dtype, k, opts),
+            Layout::Columns => MatmulPlan {
+                dtype,
+                k,
+                hand: HandKernels::of(dtype, k, isa()),
+                paths: vec![(1, Path::Columns)],
+                layout,
+            },
+        }
+    }
+
+    /// How the weights lie.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
     /// The plan for `dtype` weights of rows of `k` values under `opts` on this CPU.
     pub fn new(dtype: DType, k: usize, opts: &KernelOptions) -> Self {
         Self::for_isa(dtype, k, opts, isa())
@@ -654,6 +680,7 @@ impl MatmulPlan {
             k,
             hand,
             paths,
+            layout: Layout::Rows,
         }
     }
 
@@ -721,34 +748,74 @@ impl MatmulPlan {
     }
 }
 
-/// The format this CPU's matmuls read a weight of `dtype` in faster, where they hold the same
-/// values and an executor may repack the weight into it at load ([`repack`]): Q5_0 as Q8_0.
+/// How a weight's values lie in the bytes a matmul reads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Layout {
+    /// By rows, as stored: each output column's `k` values together.
+    #[default]
+    Rows,
+    /// In panels of 32 output columns ([`cols`]): how an executor repacks 16-bit float
+    /// weights for AVX-512.
+    Columns,
+}
+
+/// The format and layout a weight is repacked into ([`repacking`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Repacking {
+    pub to: DType,
+    pub layout: Layout,
+}
+
+/// The form this CPU's matmuls read a weight of `dtype` in faster, where it holds the same
+/// values and an executor may repack the weight into it at load ([`repack`]):
 ///
-/// Q5_0's `d·(q − 16)` is Q8_0's `d·q` with `q − 16` in a byte, so the products and sums are
-/// the same. Its fifth bits cost the tile kernels more than Q8_0's extra bytes where decode is
-/// compute-bound (a 1536 × 576 weight on 2 threads of this AVX-512 guest: Q8_0 83.6 µs against
-/// Q5_0 111.4 at 8 rows, 33.6 against 38.7 at 1 row; on its AVX2 kernels 293 against 319 and
-/// 142 against 202), at 34 bytes a block instead of 22.
-pub fn faster_format(dtype: DType) -> Option<DType> {
+/// - Q5_0 as Q8_0 by rows. Q5_0's `d·(q − 16)` is Q8_0's `d·q` with `q − 16` in a byte, so the
+///   products and sums are the same. Its fifth bits cost the tile kernels more than Q8_0's
+///   extra bytes where decode is compute-bound (a 1536 × 576 weight on 2 threads of this
+///   AVX-512 guest: Q8_0 83.6 µs against Q5_0 111.4 at 8 rows, 33.6 against 38.7 at 1 row; on
+///   its AVX2 kernels 293 against 319 and 142 against 202), at 34 bytes a block instead of 22.
+/// - bf16 and f16 in panels of 32 columns ([`cols`]), with AVX-512 and hand kernels on: the
+///   same bytes (up to the last panel's padding), read by tiles that reach the FMA units
+///   where the row tiles cannot (batched decode and prefill).
+pub fn repacking(dtype: DType, opts: &KernelOptions) -> Option<Repacking> {
     match dtype {
-        DType::Q5_0 => Some(DType::Q8_0),
+        DType::Q5_0 => Some(Repacking {
+            to: DType::Q8_0,
+            layout: Layout::Rows,
+        }),
+        _ if cols::supported(dtype) && opts.hand_kernels && cols::tiles_available() => {
+            Some(Repacking {
+                to: dtype,
+                layout: Layout::Columns,
+            })
+        }
         _ => None,
     }
 }
 
-/// Writes the weight `src` of `dtype` into `dst` in [`faster_format`]`(dtype)`, block for
-/// block; `dst` must hold the same number of blocks of that format. Returns whether it could
-/// (a format without a faster one, or lengths that do not match, write nothing).
-pub fn repack(dtype: DType, src: &[u8], dst: &mut [u8]) -> bool {
+/// Bytes of an `[n, k]` weight repacked by `r`.
+pub fn repacked_len(r: Repacking, n: usize, k: usize) -> usize {
+    match r.layout {
+        Layout::Columns => cols::panels_len(n, k),
+        Layout::Rows => r.to.bytes_for((n * k) as u64).unwrap_or(0) as usize,
+    }
+}
+
+/// Writes the `[n, k]` weight `src` of `dtype` into `dst` as `r` says ([`repacking`]);
+/// `dst` must hold [`repacked_len`] bytes. Returns whether it could (a repacking that is not
+/// `dtype`'s, or lengths that do not match, write nothing).
+pub fn repack(dtype: DType, r: Repacking, src: &[u8], dst: &mut [u8], n: usize, k: usize) -> bool {
     use maxc_schema::blocks::{as_blocks, BlockQ5_0, BlockQ8_0};
-    if faster_format(dtype) != Some(DType::Q8_0) {
-        return false;
+    match (r.layout, r.to) {
+        (Layout::Columns, to) if to == dtype => return cols::repack(dtype, src, dst, n, k),
+        (Layout::Rows, DType::Q8_0) if dtype == DType::Q5_0 => {}
+        _ => return false,
     }
     let Some(from) = as_blocks::<BlockQ5_0>(src) else {
         return false;
     };
     const OUT: usize = std::mem::size_of::<BlockQ8_0>();
-    if dst.len() != from.len() * OUT {
+    if dst.len() != from.len() * OUT || from.len() * maxc_schema::blocks::QK != n * k {
         return false;
     }
     let half = maxc_schema::blocks::QK / 2;
@@ -805,8 +872,9 @@ fn run(
         return;
     }
     debug_assert!(x.len() >= rows * k && out.len() >= rows * n);
-    debug_assert_eq!(dtype.bytes_for((n * k) as u64), Some(w.len() as u64));
+    debug_assert!(path == Path::Columns || dtype.bytes_for((n * k) as u64) == Some(w.len() as u64));
     match path {
+        Path::Columns => cols::matmul(dtype, x, w, out, rows, n, k, threads),
         #[cfg(target_arch = "x86_64")]
         Path::Q8Stream => {
             let f = hand
@@ -998,7 +1066,13 @@ mod tests {
             b[..2].copy_from_slice(&half::f16::from_f32(0.03).to_le_bytes());
         }
         let mut dst = vec![0u8; blocks * 34];
-        assert!(repack(DType::Q5_0, &src, &mut dst));
+        let q8 = Repacking {
+            to: DType::Q8_0,
+            layout: Layout::Rows,
+        };
+        assert_eq!(repacking(DType::Q5_0, &KernelOptions::default()), Some(q8));
+        assert_eq!(repacked_len(q8, 1, blocks * 32), dst.len());
+        assert!(repack(DType::Q5_0, q8, &src, &mut dst, 1, blocks * 32));
         let want = maxc_schema::blocks::dequantize(DType::Q5_0, &src).unwrap();
         let got = maxc_schema::blocks::dequantize(DType::Q8_0, &dst).unwrap();
         assert_eq!(want.len(), blocks * 32);
@@ -1007,9 +1081,71 @@ mod tests {
             .zip(&got)
             .all(|(a, b)| a.to_bits() == b.to_bits()));
         // Formats without a faster one, and lengths that do not match, write nothing.
-        assert!(!repack(DType::Q4_0, &src, &mut dst));
-        assert!(!repack(DType::Q5_0, &src, &mut dst[..34 * 36]));
-        assert!(!repack(DType::Q5_0, &src[..21], &mut dst[..34]));
+        assert!(!repack(DType::Q4_0, q8, &src, &mut dst, 1, blocks * 32));
+        assert!(!repack(
+            DType::Q5_0,
+            q8,
+            &src,
+            &mut dst[..34 * 36],
+            1,
+            blocks * 32
+        ));
+        assert!(!repack(DType::Q5_0, q8, &src[..21], &mut dst[..34], 1, 32));
+    }
+
+    #[test]
+    fn sixteen_bit_weights_in_column_panels_match_the_reference_at_every_row_count() {
+        // n: one whole panel and a partial one; k odd (the tiles' pairs of k and the last one).
+        let (n, k) = (45, 131);
+        let x: Vec<f32> = (0..40 * k)
+            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        for dtype in [DType::BF16, DType::F16] {
+            let src: Vec<u8> = (0..n * k)
+                .flat_map(|e| {
+                    let v = ((e * 104_729) % 2001) as f32 / 1000.0 - 1.0;
+                    match dtype {
+                        DType::BF16 => ((v.to_bits() >> 16) as u16).to_le_bytes(),
+                        _ => half::f16::from_f32(v).to_le_bytes(),
+                    }
+                })
+                .collect();
+            let mut wf = vec![0f32; n * k];
+            for (j, row) in wf.chunks_exact_mut(k).enumerate() {
+                gather_row(&src, dtype, k, j, row);
+            }
+            let columns = Repacking {
+                to: dtype,
+                layout: Layout::Columns,
+            };
+            let mut panels = vec![0u8; repacked_len(columns, n, k)];
+            assert!(repack(dtype, columns, &src, &mut panels, n, k));
+            let plan = MatmulPlan::with_layout(dtype, k, Layout::Columns, &Default::default());
+            assert_eq!(
+                plan.describe(),
+                "rows 1+: register tiles on 32-column panels"
+            );
+            for rows in (1..=17).chain([24, 40]) {
+                let want = reference(&x, &wf, rows, n, k);
+                for threads in [1, 3] {
+                    let mut got = vec![f32::NAN; rows * n];
+                    plan.run(&x, &panels, &mut got, rows, n, threads);
+                    for (e, (g, w)) in got.iter().zip(&want).enumerate() {
+                        let bound = 1e-5 * (0..k).map(|i| x[e / n * k + i].abs()).sum::<f32>();
+                        assert!(
+                            (g - w).abs() <= bound,
+                            "{dtype:?} rows {rows}, threads {threads}, output {e}: {g} against {w}"
+                        );
+                    }
+                }
+            }
+            // Only the 16-bit float formats have panels, into their own format.
+            let wrong = Repacking {
+                to: DType::F32,
+                ..columns
+            };
+            assert!(!repack(dtype, wrong, &src, &mut panels, n, k));
+        }
     }
 
     #[test]
