@@ -1016,7 +1016,8 @@ impl CpuExecutor {
                     match src {
                         Some(i) => {
                             if panels {
-                                matmul::cols::gather_row(*src_dtype, table, cols, i as usize, o);
+                                // (In the format it was repacked into: Q5_0 as Q8_0.)
+                                matmul::cols::gather_row(p.dtype, table, cols, i as usize, o);
                             } else {
                                 matmul::gather_row(table, *src_dtype, cols, i as usize, o);
                             }
@@ -1529,6 +1530,7 @@ impl Repack {
                 let _artifact = artifact;
                 // The kernels' width ignores this one-off competition.
                 let _own = maxc_kernels::pool::own_work();
+                let start = std::time::Instant::now();
                 let made = crate::hugemem::HugeBuf::zeroed(total).ok().map(|mut buf| {
                     let wrote = jobs
                         .iter()
@@ -1544,6 +1546,12 @@ impl Repack {
                         .collect();
                     (buf, wrote)
                 });
+                tracing::debug!(
+                    weights = jobs.len(),
+                    bytes = total,
+                    ms = start.elapsed().as_secs_f64() * 1e3,
+                    "weights repacked"
+                );
                 // (An executor dropped meanwhile no longer wants them.)
                 let _ = send.send(made);
             });

@@ -1,22 +1,26 @@
-//! 16-bit float weights (bf16, f16) in panels of 32 output columns, and the register tiles that
-//! read them.
+//! Weights in panels of 32 output columns, and the register tiles that read them: bf16, f16
+//! and Q8_0 (and Q5_0, whose values are Q8_0's).
 //!
 //! A weight `[n, k]` is stored by rows: each output column's `k` values lie together, so the
-//! register tiles of [`super::tile`] take dot products along `k` and sum each accumulator's
-//! lanes at the end. At eight activation rows those tiles run at about half the FMA peak even on
-//! f32 weights in L1 (their loads, shuffles and sums per FMA). Repacked at load into
-//! *panels* (the executor's `Repack`), the same values lie the other way round: panel `p` holds,
-//! for each `i` in `0..k`, the 32 values `w[32p + c][i]` (`c < 32`) in one 64-byte line, the
-//! last panel padded with zeros. A tile of `R ≤ 8` activation rows by one panel keeps two
+//! register tiles of [`super::tile`] and the block tiles take dot products along `k` and sum
+//! each accumulator's lanes at the end. At eight activation rows those tiles run at about half
+//! the FMA peak even on f32 weights in L1 (their loads, shuffles and sums per FMA). Repacked at
+//! load into *panels* (the executor's `Repack`), the same values lie the other way round: panel
+//! `p` holds, for each `i` in `0..k`, the 32 values `w[32p + c][i]` (`c < 32`) in one *line*,
+//! the last panel padded with zeros. A tile of `R ≤ 8` activation rows by one panel keeps two
 //! accumulators a row (output columns along the lanes): per `i` it loads one line, widens it into
-//! two 16-lane f32 vectors (bf16: one shift and one mask; f16: two conversions), broadcasts each
-//! row's `x[r][i]` from memory, and issues two FMAs a row, sixteen at eight rows against two or
-//! three other instructions; the accumulators are the outputs, with no sums across lanes. Steps
-//! of more rows run the tiles eight rows at a time over a panel, which stays in L1/L2.
+//! two 16-lane f32 vectors, broadcasts each row's `x[r][i]` from memory, and issues two FMAs a
+//! row, sixteen at eight rows against two to six other instructions; the accumulators are the
+//! outputs, with no sums across lanes. Steps of more rows run the tiles eight rows at a time over
+//! a panel, which stays in L1/L2.
 //!
-//! Within a line, bf16 lane `l` (a 32-bit word) holds column `l` in its low half and column
-//! `16 + l` in its high half, so `word << 16` and `word & 0xFFFF_0000` are the two f32 vectors;
-//! f16 holds columns `0..32` in order, each half converted by `vcvtph2ps`.
+//! Lines by format:
+//! - bf16: 64 bytes; lane `l` (a 32-bit word) holds column `l` in its low half and column
+//!   `16 + l` in its high half, so `word << 16` and `word & 0xFFFF_0000` are the two vectors.
+//! - f16: 64 bytes, columns `0..32` in order, each half converted by `vcvtph2ps`.
+//! - Q8_0: 32 bytes, columns in order, sign-extended, converted and multiplied by the columns'
+//!   scales. A panel is blocks of 32 values of `i`: the 32 columns' f16 scales (64 bytes), then
+//!   the block's 32 lines (8.5 bits a value, as stored).
 //!
 //! The values and their products are the stored ones; sums run along `k` in order, so results
 //! match the row kernels' up to f32 reassociation.
@@ -25,54 +29,115 @@ use maxc_schema::DType;
 
 /// Output columns per panel.
 pub const COLS: usize = 32;
-/// Bytes per `i` of a panel (32 16-bit values).
-const LINE: usize = 64;
-/// Most activation rows per tile.
+/// Most activation rows per tile in steps of up to this many rows (batched decode) ...
 const MAX_ROWS: usize = 8;
+/// ... and in steps of more (prefill): 24 accumulators, each line's widening shared by more
+/// FMAs.
+const TALL_ROWS: usize = 12;
 /// How far ahead (in lines, values of `i`) a tile prefetches its panel: the hardware's
-/// streams alone left a core's eight-row tile at 128-136 GFLOP/s on the Intel guest against
-/// 152-159 with this (a stand-alone measurement of 1536 × 576 bf16 weights from L3).
+/// streams alone left a core's eight-row bf16 tile at 128-136 GFLOP/s on the Intel guest against
+/// 152-159 with prefetches (a stand-alone measurement of 1536 × 576 bf16 weights from L3).
 const AHEAD: usize = 96;
+
+/// How a panel of a format lies: blocks of `block` values of `i`, each a header of `head`
+/// bytes, then `block` lines of `line` bytes.
+#[derive(Clone, Copy, Debug)]
+struct Geometry {
+    block: usize,
+    head: usize,
+    line: usize,
+}
+
+impl Geometry {
+    /// `dtype`'s, for rows of `k` values (`None`: no panels, or `k` not whole blocks).
+    fn of(dtype: DType, k: usize) -> Option<Self> {
+        let g = match dtype {
+            DType::BF16 | DType::F16 => Geometry {
+                block: k.max(1),
+                head: 0,
+                line: 64,
+            },
+            DType::Q8_0 => Geometry {
+                block: maxc_schema::blocks::QK,
+                head: 2 * COLS,
+                line: COLS,
+            },
+            _ => return None,
+        };
+        k.is_multiple_of(g.block).then_some(g)
+    }
+
+    /// Bytes of a block.
+    fn block_bytes(self) -> usize {
+        self.head + self.block * self.line
+    }
+}
 
 /// Whether `dtype` weights can be read in panels.
 pub fn supported(dtype: DType) -> bool {
-    matches!(dtype, DType::BF16 | DType::F16)
+    matches!(dtype, DType::BF16 | DType::F16 | DType::Q8_0)
 }
 
-/// Bytes of an `[n, k]` weight of `dtype` in panels.
-pub fn panels_len(n: usize, k: usize) -> usize {
-    n.div_ceil(COLS) * k * LINE
+/// Bytes of an `[n, k]` weight of `dtype` in panels (0 where it has none).
+pub fn panels_len(dtype: DType, n: usize, k: usize) -> usize {
+    Geometry::of(dtype, k).map_or(0, |g| n.div_ceil(COLS) * (k / g.block) * g.block_bytes())
 }
 
 /// Writes the `[n, k]` weight `src` of `dtype` (by rows, as stored) into `dst` in panels.
 /// Returns whether it could: a format without panels, or lengths that do not match
 /// ([`panels_len`]), write nothing.
 pub fn repack(dtype: DType, src: &[u8], dst: &mut [u8], n: usize, k: usize) -> bool {
-    if !supported(dtype) || src.len() != n * k * 2 || dst.len() != panels_len(n, k) {
+    let Some(g) = Geometry::of(dtype, k) else {
+        return false;
+    };
+    let row = dtype.bytes_for(k as u64).unwrap_or(0) as usize;
+    if src.len() != n * row || dst.len() != panels_len(dtype, n, k) || n == 0 {
         return false;
     }
-    let value = |j: usize, i: usize| -> [u8; 2] {
-        let at = (j * k + i) * 2;
-        [src[at], src[at + 1]]
-    };
-    for (p, panel) in dst.chunks_exact_mut(k * LINE).enumerate() {
-        let cols = COLS.min(n - p * COLS);
-        for (i, line) in panel.chunks_exact_mut(LINE).enumerate() {
-            for c in 0..COLS {
-                let v = if c < cols {
-                    value(p * COLS + c, i)
-                } else {
-                    [0, 0]
-                };
-                let at = slot(dtype, c);
-                line[at..at + 2].copy_from_slice(&v);
+    let panel_bytes = (k / g.block) * g.block_bytes();
+    let panels = n.div_ceil(COLS);
+    // The last panel's columns past `n` are zeros (their scales too).
+    let last = &mut dst[(panels - 1) * panel_bytes..];
+    if !n.is_multiple_of(COLS) {
+        last.fill(0);
+    }
+    // Column by column: each source row is read in order; its values go one line apart,
+    // into a panel that stays in L1/L2 while its 32 columns are written (0.6-1.2 ns a value on
+    // the Intel guest: SmolLM2's 269 MB of bf16 in 0.13-0.15 s with its page faults).
+    for p in 0..panels {
+        for c in 0..COLS.min(n - p * COLS) {
+            // SAFETY: the lengths were checked above: row `32p + c` of `row` bytes lies in
+            // `src`, and panel `p`, of `panel_bytes` bytes, in `dst`; every offset below lies
+            // in its row or panel (blocks of `g` within the panel, `slot < 64`).
+            unsafe {
+                let from = src.as_ptr().add((p * COLS + c) * row);
+                let to = dst.as_mut_ptr().add(p * panel_bytes);
+                match dtype {
+                    DType::Q8_0 => {
+                        // Stored blocks: the f16 scale, then 32 values.
+                        let stored = row / (k / g.block);
+                        for b in 0..k / g.block {
+                            let (from, to) = (from.add(b * stored), to.add(b * g.block_bytes()));
+                            std::ptr::copy_nonoverlapping(from, to.add(2 * c), 2);
+                            for i in 0..g.block {
+                                *to.add(g.head + i * g.line + c) = *from.add(2 + i);
+                            }
+                        }
+                    }
+                    _ => {
+                        let to = to.add(slot(dtype, c));
+                        for i in 0..k {
+                            std::ptr::copy_nonoverlapping(from.add(2 * i), to.add(i * g.line), 2);
+                        }
+                    }
+                }
             }
         }
     }
     true
 }
 
-/// The byte offset of column `c` (`< 32`) in a line of `dtype`.
+/// The byte offset of column `c` (`< 32`) in a line of a 16-bit float `dtype`.
 fn slot(dtype: DType, c: usize) -> usize {
     match dtype {
         // Word `c % 16`, low half for columns 0..16, high half for 16..32.
@@ -81,22 +146,35 @@ fn slot(dtype: DType, c: usize) -> usize {
     }
 }
 
-/// The value of column `c` at line `line` (of a panel of `dtype`), as f32.
-fn value(dtype: DType, line: &[u8], c: usize) -> f32 {
-    let at = slot(dtype, c);
-    let bits = u16::from_le_bytes([line[at], line[at + 1]]);
+/// The value at `i` of column `c` (`< 32`) of a panel of `dtype` (rows of `k` values), as f32.
+fn value(dtype: DType, panel: &[u8], k: usize, i: usize, c: usize) -> f32 {
+    let Some(g) = Geometry::of(dtype, k) else {
+        return 0.0;
+    };
+    let block = &panel[i / g.block * g.block_bytes()..][..g.block_bytes()];
+    let line = &block[g.head + i % g.block * g.line..][..g.line];
+    let f16 =
+        |at: usize| maxc_schema::blocks::f16_to_f32(u16::from_le_bytes([block[at], block[at + 1]]));
     match dtype {
-        DType::BF16 => f32::from_bits((bits as u32) << 16),
-        _ => maxc_schema::blocks::f16_to_f32(bits),
+        DType::Q8_0 => f16(2 * c) * line[c] as i8 as f32,
+        DType::BF16 => {
+            let at = slot(dtype, c);
+            f32::from_bits((u16::from_le_bytes([line[at], line[at + 1]]) as u32) << 16)
+        }
+        _ => {
+            let at = slot(dtype, c);
+            maxc_schema::blocks::f16_to_f32(u16::from_le_bytes([line[at], line[at + 1]]))
+        }
     }
 }
 
 /// Row `row` (an output column) of an `[n, k]` weight of `dtype` in panels, as f32, into
 /// `out[..k]` (an embedding table that is also the output head's weight).
 pub fn gather_row(dtype: DType, w: &[u8], k: usize, row: usize, out: &mut [f32]) {
-    let panel = &w[row / COLS * k * LINE..][..k * LINE];
-    for (o, line) in out[..k].iter_mut().zip(panel.chunks_exact(LINE)) {
-        *o = value(dtype, line, row % COLS);
+    let bytes = panels_len(dtype, COLS, k);
+    let panel = &w[row / COLS * bytes..][..bytes];
+    for (i, o) in out[..k].iter_mut().enumerate() {
+        *o = value(dtype, panel, k, i, row % COLS);
     }
 }
 
@@ -114,16 +192,17 @@ fn matmul_generic(
     k: usize,
     panels: std::ops::Range<usize>,
 ) {
+    let bytes = panels_len(dtype, COLS, k);
     let mut acc = [0f32; COLS];
     for p in panels {
-        let panel = &w[p * k * LINE..(p + 1) * k * LINE];
+        let panel = &w[p * bytes..(p + 1) * bytes];
         let cols = COLS.min(n - p * COLS);
         for r in 0..rows {
             acc.fill(0.0);
-            for (i, line) in panel.chunks_exact(LINE).enumerate() {
+            for i in 0..k {
                 let xv = x[r * k + i];
                 for (c, a) in acc[..cols].iter_mut().enumerate() {
-                    *a += xv * value(dtype, line, c);
+                    *a += xv * value(dtype, panel, k, i, c);
                 }
             }
             out[r * n + p * COLS..r * n + p * COLS + cols].copy_from_slice(&acc[..cols]);
@@ -144,8 +223,9 @@ pub(crate) fn matmul(
     k: usize,
     threads: usize,
 ) {
-    assert!(supported(dtype), "{dtype:?} weights have no panels");
-    assert!(x.len() >= rows * k && out.len() >= rows * n && w.len() >= panels_len(n, k));
+    let bytes = panels_len(dtype, n, k);
+    assert!(bytes > 0, "{dtype:?} weights of rows of {k} have no panels");
+    assert!(x.len() >= rows * k && out.len() >= rows * n && w.len() >= bytes);
     let panels = n.div_ceil(COLS);
     let chunks = if w.len() < super::SPLIT_BYTES {
         1
@@ -165,6 +245,7 @@ pub(crate) fn matmul(
             unsafe {
                 match dtype {
                     DType::BF16 => panels_avx512::<Bf16>(x, w, out, rows, n, k, range),
+                    DType::Q8_0 => panels_avx512::<Q8>(x, w, out, rows, n, k, range),
                     _ => panels_avx512::<F16>(x, w, out, rows, n, k, range),
                 }
             }
@@ -188,23 +269,40 @@ pub fn tiles_available() -> bool {
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-/// How a line of a panel widens into its two f32 vectors (columns `0..16`, `16..32`).
+/// How a block of a panel's lines widens into f32 vectors (columns `0..16`, `16..32`).
 #[cfg(target_arch = "x86_64")]
 trait Widen {
+    /// Values of `i` per block (0: the whole row), header bytes, bytes per line.
+    const BLOCK: usize;
+    const HEAD: usize;
+    const LINE: usize;
+    /// What a block's header gives its lines (the columns' scales).
+    type Head: Copy;
     /// # Safety
-    /// AVX-512F/BW and F16C; 64 readable bytes at `p`.
-    unsafe fn widen(p: *const u8) -> (__m512, __m512);
+    /// AVX-512F/BW and F16C; `HEAD` readable bytes at `p`.
+    unsafe fn head(p: *const u8) -> Self::Head;
+    /// # Safety
+    /// AVX-512F/BW and F16C; `LINE` readable bytes at `p`.
+    unsafe fn widen(p: *const u8, head: Self::Head) -> (__m512, __m512);
 }
 
 #[cfg(target_arch = "x86_64")]
 struct Bf16;
 #[cfg(target_arch = "x86_64")]
 struct F16;
+#[cfg(target_arch = "x86_64")]
+struct Q8;
 
 #[cfg(target_arch = "x86_64")]
 impl Widen for Bf16 {
+    const BLOCK: usize = 0;
+    const HEAD: usize = 0;
+    const LINE: usize = 64;
+    type Head = ();
     #[inline(always)]
-    unsafe fn widen(p: *const u8) -> (__m512, __m512) {
+    unsafe fn head(_: *const u8) {}
+    #[inline(always)]
+    unsafe fn widen(p: *const u8, _: ()) -> (__m512, __m512) {
         // SAFETY: as the trait says.
         unsafe {
             let v = _mm512_loadu_si512(p.cast());
@@ -217,13 +315,45 @@ impl Widen for Bf16 {
 
 #[cfg(target_arch = "x86_64")]
 impl Widen for F16 {
+    const BLOCK: usize = 0;
+    const HEAD: usize = 0;
+    const LINE: usize = 64;
+    type Head = ();
     #[inline(always)]
-    unsafe fn widen(p: *const u8) -> (__m512, __m512) {
+    unsafe fn head(_: *const u8) {}
+    #[inline(always)]
+    unsafe fn widen(p: *const u8, _: ()) -> (__m512, __m512) {
         // SAFETY: as the trait says.
         unsafe {
             let lo = _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()));
             let hi = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(32).cast()));
             (lo, hi)
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Widen for Q8 {
+    const BLOCK: usize = maxc_schema::blocks::QK;
+    const HEAD: usize = 2 * COLS;
+    const LINE: usize = COLS;
+    type Head = (__m512, __m512);
+    #[inline(always)]
+    unsafe fn head(p: *const u8) -> (__m512, __m512) {
+        // SAFETY: as the trait says.
+        unsafe {
+            let lo = _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()));
+            let hi = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(32).cast()));
+            (lo, hi)
+        }
+    }
+    #[inline(always)]
+    unsafe fn widen(p: *const u8, (dl, dh): (__m512, __m512)) -> (__m512, __m512) {
+        // SAFETY: as the trait says.
+        unsafe {
+            let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast())));
+            let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(16).cast())));
+            (_mm512_mul_ps(lo, dl), _mm512_mul_ps(hi, dh))
         }
     }
 }
@@ -245,26 +375,36 @@ unsafe fn tile<W: Widen, const R: usize>(
     cols: usize,
 ) {
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
-    // SAFETY (the loads): `i < k` lines of the panel, `R` rows of `x`; prefetches never fault.
+    let block = if W::BLOCK == 0 { k } else { W::BLOCK };
+    // SAFETY (the loads): `k / block` blocks of the panel, `R` rows of `x`; prefetches never
+    // fault.
     unsafe {
-        let step = |acc: &mut [[__m512; 2]; R], i: usize| {
-            _mm_prefetch::<_MM_HINT_T0>(w.add((i + AHEAD) * LINE).cast());
-            let (a, b) = W::widen(w.add(i * LINE));
+        let step = |acc: &mut [[__m512; 2]; R], line: *const u8, head: W::Head, i: usize| {
+            _mm_prefetch::<_MM_HINT_T0>(line.add(AHEAD * W::LINE).cast());
+            let (a, b) = W::widen(line, head);
             for (r, acc) in acc.iter_mut().enumerate() {
                 let xv = _mm512_set1_ps(*x.add(r * k + i));
                 acc[0] = _mm512_fmadd_ps(xv, a, acc[0]);
                 acc[1] = _mm512_fmadd_ps(xv, b, acc[1]);
             }
         };
-        let mut i = 0;
-        // Two values of `i` a pass: the loop's own instructions halved.
-        while i + 2 <= k {
-            step(&mut acc, i);
-            step(&mut acc, i + 1);
-            i += 2;
-        }
-        if i < k {
-            step(&mut acc, i);
+        let mut p = w;
+        let mut i0 = 0;
+        while i0 < k {
+            let head = W::head(p);
+            let lines = p.add(W::HEAD);
+            let mut i = 0;
+            // Two values of `i` a pass: the loop's own instructions halved.
+            while i + 2 <= block {
+                step(&mut acc, lines.add(i * W::LINE), head, i0 + i);
+                step(&mut acc, lines.add((i + 1) * W::LINE), head, i0 + i + 1);
+                i += 2;
+            }
+            if i < block {
+                step(&mut acc, lines.add(i * W::LINE), head, i0 + i);
+            }
+            p = lines.add(block * W::LINE);
+            i0 += block;
         }
         let (ma, mb) = (
             super::tile::lane_mask(cols),
@@ -293,31 +433,60 @@ unsafe fn panels_avx512<W: Widen>(
     k: usize,
     panels: std::ops::Range<usize>,
 ) {
+    let block = if W::BLOCK == 0 { k.max(1) } else { W::BLOCK };
+    let bytes = (W::HEAD + W::LINE * block) * (k / block);
     for p in panels {
         let cols = COLS.min(n - p * COLS);
-        let mut r = 0;
-        while r < rows {
-            let m = MAX_ROWS.min(rows - r);
-            // SAFETY: rows r..r + m of x and out, panel p of w, columns below n.
-            unsafe {
-                let (xp, wp, op) = (
-                    x.as_ptr().add(r * k),
-                    w.as_ptr().add(p * k * LINE),
-                    out.as_mut_ptr().add(r * n + p * COLS),
-                );
-                match m {
-                    1 => tile::<W, 1>(xp, k, wp, op, n, cols),
-                    2 => tile::<W, 2>(xp, k, wp, op, n, cols),
-                    3 => tile::<W, 3>(xp, k, wp, op, n, cols),
-                    4 => tile::<W, 4>(xp, k, wp, op, n, cols),
-                    5 => tile::<W, 5>(xp, k, wp, op, n, cols),
-                    6 => tile::<W, 6>(xp, k, wp, op, n, cols),
-                    7 => tile::<W, 7>(xp, k, wp, op, n, cols),
-                    _ => tile::<W, 8>(xp, k, wp, op, n, cols),
-                }
+        // SAFETY: panel p of w lies in it (`matmul` checked its length); rows of x and out
+        // as `matmul` checked.
+        unsafe { row_groups::<W>(x, out, rows, n, k, p, cols, w.as_ptr().add(p * bytes)) };
+    }
+}
+
+/// The tiles of every row on panel `p`, whose lines of `W` are at `wp`: steps of up to eight
+/// rows in one tile, more in tiles of [`TALL_ROWS`] (each line widened once for more rows).
+///
+/// # Safety
+/// AVX-512F/BW/VL/DQ and F16C; `x` holds `rows × k` values, `out` `rows × n`, `wp` a panel.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn row_groups<W: Widen>(
+    x: &[f32],
+    out: &mut [f32],
+    rows: usize,
+    n: usize,
+    k: usize,
+    p: usize,
+    cols: usize,
+    wp: *const u8,
+) {
+    let most = if rows > MAX_ROWS { TALL_ROWS } else { MAX_ROWS };
+    let mut r = 0;
+    while r < rows {
+        let m = most.min(rows - r);
+        // SAFETY: rows r..r + m of x and out, columns below n.
+        unsafe {
+            let (xp, op) = (
+                x.as_ptr().add(r * k),
+                out.as_mut_ptr().add(r * n + p * COLS),
+            );
+            match m {
+                1 => tile::<W, 1>(xp, k, wp, op, n, cols),
+                2 => tile::<W, 2>(xp, k, wp, op, n, cols),
+                3 => tile::<W, 3>(xp, k, wp, op, n, cols),
+                4 => tile::<W, 4>(xp, k, wp, op, n, cols),
+                5 => tile::<W, 5>(xp, k, wp, op, n, cols),
+                6 => tile::<W, 6>(xp, k, wp, op, n, cols),
+                7 => tile::<W, 7>(xp, k, wp, op, n, cols),
+                8 => tile::<W, 8>(xp, k, wp, op, n, cols),
+                9 => tile::<W, 9>(xp, k, wp, op, n, cols),
+                10 => tile::<W, 10>(xp, k, wp, op, n, cols),
+                11 => tile::<W, 11>(xp, k, wp, op, n, cols),
+                _ => tile::<W, 12>(xp, k, wp, op, n, cols),
             }
-            r += m;
         }
+        r += m;
     }
 }
 
@@ -325,8 +494,18 @@ unsafe fn panels_avx512<W: Widen>(
 mod tests {
     use super::*;
 
-    /// A weight of `n × k` 16-bit values of `dtype` with varied signs and magnitudes.
+    /// A weight of `n × k` values of `dtype` with varied signs and magnitudes.
     fn weight(dtype: DType, n: usize, k: usize) -> Vec<u8> {
+        if dtype == DType::Q8_0 {
+            // Blocks: a scale of its own each, then values.
+            return (0..n * k / 32)
+                .flat_map(|b| {
+                    let d = half::f16::from_f32(0.01 + (b % 7) as f32 * 0.003).to_le_bytes();
+                    let q = (0..32).map(move |i| ((b * 31 + i * 17) % 255) as u8);
+                    d.into_iter().chain(q)
+                })
+                .collect();
+        }
         (0..n * k)
             .flat_map(|e| {
                 let v = ((e * 7919 % 2003) as f32 - 1001.0) / 997.0;
@@ -341,29 +520,23 @@ mod tests {
 
     #[test]
     fn panels_hold_each_stored_value_and_zeros_past_the_last_column() {
-        for dtype in [DType::BF16, DType::F16] {
-            let (n, k) = (37, 5);
+        for dtype in [DType::BF16, DType::F16, DType::Q8_0] {
+            let (n, k) = (37, 64);
             let src = weight(dtype, n, k);
-            let mut dst = vec![0xAAu8; panels_len(n, k)];
+            let mut dst = vec![0xAAu8; panels_len(dtype, n, k)];
             assert!(repack(dtype, &src, &mut dst, n, k));
+            let bytes = panels_len(dtype, COLS, k);
+            let mut row = vec![0f32; k];
             for j in 0..64 {
-                for i in 0..k {
-                    let line = &dst[(j / COLS * k + i) * LINE..][..LINE];
-                    let want = if j < n {
-                        let mut row = vec![0f32; k];
-                        super::super::gather_row(&src, dtype, k, j, &mut row);
-                        row[i]
-                    } else {
-                        0.0
-                    };
-                    assert_eq!(
-                        value(dtype, line, j % COLS),
-                        want,
-                        "{dtype:?} column {j}, i {i}"
-                    );
+                if j < n {
+                    super::super::gather_row(&src, dtype, k, j, &mut row);
+                }
+                for (i, &v) in row.iter().enumerate() {
+                    let want = if j < n { v } else { 0.0 };
+                    let got = value(dtype, &dst[j / COLS * bytes..][..bytes], k, i, j % COLS);
+                    assert_eq!(got, want, "{dtype:?} column {j}, i {i}");
                 }
             }
-            let mut row = vec![0f32; k];
             let mut got = vec![0f32; k];
             for j in 0..n {
                 super::super::gather_row(&src, dtype, k, j, &mut row);
@@ -376,5 +549,7 @@ mod tests {
             );
         }
         assert!(!repack(DType::F32, &[0; 16], &mut [0; 256], 1, 4));
+        // Q8_0 rows are whole blocks.
+        assert_eq!(panels_len(DType::Q8_0, 1, 48), 0);
     }
 }

@@ -778,17 +778,25 @@ pub struct Repacking {
 ///   same bytes (up to the last panel's padding), read by tiles that reach the FMA units
 ///   where the row tiles cannot (batched decode and prefill).
 pub fn repacking(dtype: DType, opts: &KernelOptions) -> Option<Repacking> {
+    let to = if dtype == DType::Q5_0 {
+        DType::Q8_0
+    } else {
+        dtype
+    };
+    let panels = cols::supported(to)
+        && opts.hand_kernels
+        && cols::tiles_available()
+        // The integer-activation paths read blocks by rows.
+        && !(to.is_quantized() && opts.activations != Activations::F32);
     match dtype {
+        _ if panels => Some(Repacking {
+            to,
+            layout: Layout::Columns,
+        }),
         DType::Q5_0 => Some(Repacking {
-            to: DType::Q8_0,
+            to,
             layout: Layout::Rows,
         }),
-        _ if cols::supported(dtype) && opts.hand_kernels && cols::tiles_available() => {
-            Some(Repacking {
-                to: dtype,
-                layout: Layout::Columns,
-            })
-        }
         _ => None,
     }
 }
@@ -796,7 +804,7 @@ pub fn repacking(dtype: DType, opts: &KernelOptions) -> Option<Repacking> {
 /// Bytes of an `[n, k]` weight repacked by `r`.
 pub fn repacked_len(r: Repacking, n: usize, k: usize) -> usize {
     match r.layout {
-        Layout::Columns => cols::panels_len(n, k),
+        Layout::Columns => cols::panels_len(r.to, n, k),
         Layout::Rows => r.to.bytes_for((n * k) as u64).unwrap_or(0) as usize,
     }
 }
@@ -808,6 +816,16 @@ pub fn repack(dtype: DType, r: Repacking, src: &[u8], dst: &mut [u8], n: usize, 
     use maxc_schema::blocks::{as_blocks, BlockQ5_0, BlockQ8_0};
     match (r.layout, r.to) {
         (Layout::Columns, to) if to == dtype => return cols::repack(dtype, src, dst, n, k),
+        (Layout::Columns, DType::Q8_0) if dtype == DType::Q5_0 => {
+            // As Q8_0 by rows, then in panels.
+            let rows = Repacking {
+                to: DType::Q8_0,
+                layout: Layout::Rows,
+            };
+            let mut q8 = vec![0u8; repacked_len(rows, n, k)];
+            return repack(dtype, rows, src, &mut q8, n, k)
+                && cols::repack(DType::Q8_0, &q8, dst, n, k);
+        }
         (Layout::Rows, DType::Q8_0) if dtype == DType::Q5_0 => {}
         _ => return false,
     }
@@ -1070,7 +1088,12 @@ mod tests {
             to: DType::Q8_0,
             layout: Layout::Rows,
         };
-        assert_eq!(repacking(DType::Q5_0, &KernelOptions::default()), Some(q8));
+        // (Where hand kernels are off; with AVX-512's they are Q8_0 in panels.)
+        let rows_only = KernelOptions {
+            hand_kernels: false,
+            ..Default::default()
+        };
+        assert_eq!(repacking(DType::Q5_0, &rows_only), Some(q8));
         assert_eq!(repacked_len(q8, 1, blocks * 32), dst.len());
         assert!(repack(DType::Q5_0, q8, &src, &mut dst, 1, blocks * 32));
         let want = maxc_schema::blocks::dequantize(DType::Q5_0, &src).unwrap();
@@ -1094,33 +1117,61 @@ mod tests {
     }
 
     #[test]
-    fn sixteen_bit_weights_in_column_panels_match_the_reference_at_every_row_count() {
-        // n: one whole panel and a partial one; k odd (the tiles' pairs of k and the last one).
-        let (n, k) = (45, 131);
-        let x: Vec<f32> = (0..40 * k)
+    fn weights_in_column_panels_match_the_reference_at_every_row_count() {
+        let x: Vec<f32> = (0..40 * 160)
             .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
             .collect();
-        for dtype in [DType::BF16, DType::F16] {
-            let src: Vec<u8> = (0..n * k)
-                .flat_map(|e| {
-                    let v = ((e * 104_729) % 2001) as f32 / 1000.0 - 1.0;
-                    match dtype {
-                        DType::BF16 => ((v.to_bits() >> 16) as u16).to_le_bytes(),
-                        _ => half::f16::from_f32(v).to_le_bytes(),
+        for dtype in [DType::BF16, DType::F16, DType::Q8_0, DType::Q5_0] {
+            // n: one whole panel and a partial one; float k odd (the tiles' pairs of k and the
+            // last one), block k five blocks.
+            let (n, k) = (45, if dtype.is_quantized() { 160 } else { 131 });
+            let src: Vec<u8> = match dtype {
+                DType::BF16 | DType::F16 => (0..n * k)
+                    .flat_map(|e| {
+                        let v = ((e * 104_729) % 2001) as f32 / 1000.0 - 1.0;
+                        match dtype {
+                            DType::BF16 => ((v.to_bits() >> 16) as u16).to_le_bytes(),
+                            _ => half::f16::from_f32(v).to_le_bytes(),
+                        }
+                    })
+                    .collect(),
+                _ => {
+                    let size = dtype.bytes_for(32).unwrap() as usize;
+                    let mut b: Vec<u8> = (0..n * k / 32 * size)
+                        .map(|i| ((i * 131 + 7) % 251) as u8)
+                        .collect();
+                    for (i, block) in b.chunks_exact_mut(size).enumerate() {
+                        let d = half::f16::from_f32(0.002 + (i % 5) as f32 * 0.001);
+                        block[..2].copy_from_slice(&d.to_le_bytes());
                     }
-                })
-                .collect();
+                    b
+                }
+            };
             let mut wf = vec![0f32; n * k];
             for (j, row) in wf.chunks_exact_mut(k).enumerate() {
                 gather_row(&src, dtype, k, j, row);
             }
-            let columns = Repacking {
-                to: dtype,
-                layout: Layout::Columns,
+            let opts = KernelOptions::default();
+            let Some(r) = repacking(dtype, &opts) else {
+                // (No AVX-512 here: panels are chosen nowhere, and run below on plain loops.)
+                assert!(!cols::tiles_available());
+                continue;
             };
-            let mut panels = vec![0u8; repacked_len(columns, n, k)];
-            assert!(repack(dtype, columns, &src, &mut panels, n, k));
-            let plan = MatmulPlan::with_layout(dtype, k, Layout::Columns, &Default::default());
+            assert_eq!(r.layout, Layout::Columns, "{dtype:?}");
+            assert_eq!(
+                repacking(
+                    dtype,
+                    &KernelOptions {
+                        hand_kernels: false,
+                        ..opts
+                    }
+                )
+                .map(|r| r.layout),
+                (dtype == DType::Q5_0).then_some(Layout::Rows)
+            );
+            let mut panels = vec![0u8; repacked_len(r, n, k)];
+            assert!(repack(dtype, r, &src, &mut panels, n, k));
+            let plan = MatmulPlan::with_layout(r.to, k, Layout::Columns, &opts);
             assert_eq!(
                 plan.describe(),
                 "rows 1+: register tiles on 32-column panels"
@@ -1131,7 +1182,12 @@ mod tests {
                     let mut got = vec![f32::NAN; rows * n];
                     plan.run(&x, &panels, &mut got, rows, n, threads);
                     for (e, (g, w)) in got.iter().zip(&want).enumerate() {
-                        let bound = 1e-5 * (0..k).map(|i| x[e / n * k + i].abs()).sum::<f32>();
+                        let (r, j) = (e / n, e % n);
+                        let bound = 1e-5
+                            * (0..k)
+                                .map(|i| (x[r * k + i] * wf[j * k + i]).abs())
+                                .sum::<f32>()
+                            + 1e-6;
                         assert!(
                             (g - w).abs() <= bound,
                             "{dtype:?} rows {rows}, threads {threads}, output {e}: {g} against {w}"
@@ -1139,10 +1195,10 @@ mod tests {
                     }
                 }
             }
-            // Only the 16-bit float formats have panels, into their own format.
+            // Panels are of the format the weight is read in.
             let wrong = Repacking {
                 to: DType::F32,
-                ..columns
+                ..r
             };
             assert!(!repack(dtype, wrong, &src, &mut panels, n, k));
         }
