@@ -1393,11 +1393,13 @@ struct Chosen {
     len: usize,
 }
 
-/// The weights that only library matmuls read, repacked into the format they read faster
-/// ([`matmul::faster_format`]: Q5_0 as Q8_0, the same values), where their stored bytes are at
-/// most [`REPACK_MAX_BYTES`] in all; `MAXC_REPACK=0` keeps every weight as stored, `=1`
-/// repacks whatever the size. A weight that another kernel reads (a generated matmul, an
-/// embedding gather) stays as stored.
+/// The weights that only library matmuls read, repacked into the form they read faster
+/// ([`matmul::repacking`]: Q5_0 as Q8_0, the same values; with AVX-512, bf16, f16 and Q8_0 in
+/// panels of 32 columns), where the stored bytes of those that grow are at most
+/// [`REPACK_MAX_BYTES`] in all; `MAXC_REPACK=0` keeps every weight as stored, `=1` repacks
+/// whatever the size. A weight that another kernel reads (a generated matmul, an embedding
+/// gather) stays as stored, except a table gathered from panels, whose gather then runs the
+/// library kernel.
 ///
 /// The repacked weights lie one after another in one buffer of huge pages, made by a thread of
 /// their own behind the first step, as the artifact's huge-page copy is: a fresh page costs
