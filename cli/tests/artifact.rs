@@ -618,8 +618,16 @@ fn profile_times_every_launch_and_writes_a_valid_trace() {
         let f: Vec<&str> = line.split_whitespace().collect();
         let (dtype, k): (maxc_schema::DType, u64) = (f[0].parse().unwrap(), f[2].parse().unwrap());
         counted += f[3].trim_start_matches('x').parse::<usize>().unwrap();
-        let plan =
-            maxc_runtime::kernels::matmul::MatmulPlan::new(dtype, k as usize, &Default::default());
+        // Weights repacked into panels at load read as the repacking says; the others (and
+        // Q5_0 read as Q8_0 by rows) as stored.
+        use maxc_runtime::kernels::matmul::{repacking, Layout, MatmulPlan};
+        let opts = Default::default();
+        let plan = match repacking(dtype, &opts) {
+            Some(r) if r.layout == Layout::Columns && r.to == dtype => {
+                MatmulPlan::with_layout(dtype, k as usize, r.layout, &opts)
+            }
+            _ => MatmulPlan::new(dtype, k as usize, &opts),
+        };
         assert!(line.ends_with(&plan.describe()), "{line}");
         assert!(plan.describe().starts_with("rows 1"), "{line}");
     }
@@ -848,8 +856,23 @@ fn staged_weights_move_to_their_huge_page_copy_between_steps() {
     }
     let copy = staged.staged_weights().unwrap();
     // Every weight's checked bytes, at the file's offsets (the copy holds what the executors
-    // read: here every weight; not the file's header).
+    // read: every weight but those repacked at load, which they read in their repacked copy;
+    // not the file's header).
+    let program = s.engine().program();
+    let repacked: std::collections::BTreeSet<&str> = s
+        .engine()
+        .cpu_repacked_weights()
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|w| match &program.buffers[w.buffer as usize].storage {
+            maxc_schema::Storage::Param { key } => Some(key.as_str()),
+            _ => None,
+        })
+        .collect();
     for key in staged.weights().keys() {
+        if repacked.contains(key.as_str()) {
+            continue;
+        }
         let (_, bytes) = staged.weight(key).unwrap();
         let r = staged.weights_range(bytes.as_ptr(), bytes.len()).unwrap();
         assert_eq!(copy[r], *bytes, "the copy holds {key}'s checked bytes");

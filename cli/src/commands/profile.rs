@@ -129,14 +129,18 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(repacked) = engine.engine().cpu_repacked_weights() {
         let mut by: std::collections::BTreeMap<String, (usize, usize, usize)> = Default::default();
         for w in repacked {
+            let layout = match w.layout {
+                maxc_runtime::kernels::matmul::Layout::Rows => "",
+                maxc_runtime::kernels::matmul::Layout::Columns => " in 32-column panels (at load)",
+            };
             let e = by
-                .entry(format!("{:?} as {:?}", w.stored, w.read_as))
+                .entry(format!("{:?} as {:?}{layout}", w.stored, w.read_as))
                 .or_default();
             *e = (e.0 + 1, e.1 + w.stored_bytes, e.2 + w.read_bytes);
         }
         for (what, (n, fb, tb)) in by {
             println!(
-                "weights repacked behind the first step (MAXC_REPACK=0 keeps them): {n} {what}, {:.1} MB -> {:.1} MB",
+                "weights repacked (MAXC_REPACK=0 keeps them as stored): {n} {what}, {:.1} MB -> {:.1} MB",
                 fb as f64 / 1e6,
                 tb as f64 / 1e6
             );

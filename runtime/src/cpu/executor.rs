@@ -473,7 +473,7 @@ impl CpuExecutor {
             ))),
             (None, None) => None,
         };
-        Ok(CpuExecutor {
+        let mut exec = CpuExecutor {
             _repacked: None,
             repack,
             unstaged,
@@ -497,7 +497,20 @@ impl CpuExecutor {
             choices,
             kernels,
             profile: None,
-        })
+        };
+        // Weights read in panels give other roundings than their stored rows: repacked now,
+        // every step reads the same (a switch behind the first step would move a generation's
+        // logits at whichever step the repack landed on).
+        if exec.repack.as_ref().is_some_and(|r| r.changes_values()) {
+            let made = exec
+                .repack
+                .as_mut()
+                .map(|r| r.make_now(&exec.params, exec.threads));
+            if let Some(made) = made {
+                exec.apply_repack(made);
+            }
+        }
+        Ok(exec)
     }
 
     /// Makes this executor rank `comm.rank()` of a tensor-parallel group: its all-reduce
@@ -1396,8 +1409,8 @@ struct Chosen {
 /// The weights that only library matmuls read, repacked into the form they read faster
 /// ([`matmul::repacking`]: Q5_0 as Q8_0, the same values; with AVX-512, bf16, f16 and Q8_0 in
 /// panels of 32 columns), where the stored bytes of those that grow are at most
-/// [`REPACK_MAX_BYTES`] in all; `MAXC_REPACK=0` keeps every weight as stored, `=1` repacks
-/// whatever the size. A weight that another kernel reads (a generated matmul, an embedding
+/// [`REPACK_MAX_BYTES`] in all; `MAXC_REPACK=0` (or `MAXC_MAP_WEIGHTS`, which keeps the
+/// file's pages shared) keeps every weight as stored, `=1` repacks whatever the size. A weight that another kernel reads (a generated matmul, an embedding
 /// gather) stays as stored, except a table gathered from panels, whose gather then runs the
 /// library kernel.
 ///
@@ -1429,7 +1442,10 @@ impl Repack {
         kernels: &KernelOptions,
     ) -> Option<Repack> {
         let mode = std::env::var("MAXC_REPACK").unwrap_or_default();
-        if mode == "0" {
+        // A kept mapping's pages are shared by the processes serving one artifact; a repacked
+        // copy would be each one's own.
+        let mapped = std::env::var_os("MAXC_MAP_WEIGHTS").is_some_and(|v| !v.is_empty());
+        if mode == "0" || mapped {
             return None;
         }
         // Each param's readers: repackable while every one is a library matmul's weight, or
@@ -1510,8 +1526,30 @@ impl Repack {
         let Some(send) = self.send.take() else {
             return;
         };
-        let jobs: Vec<Job> = self
-            .chosen
+        let jobs = self.jobs(params);
+        let total = self.total;
+        // The stored bytes live in the artifact's weights, which the thread keeps alive.
+        let artifact = Arc::clone(artifact);
+        let spawned = std::thread::Builder::new()
+            .name("maxc-repack".into())
+            .spawn(move || {
+                let _artifact = artifact;
+                // The kernels' width ignores this one-off competition.
+                let _own = maxc_kernels::pool::own_work();
+                // SAFETY: the jobs' stored bytes live in the artifact's weights (kept alive
+                // above).
+                let made = unsafe { make(&jobs, total, 1) };
+                // (An executor dropped meanwhile no longer wants them.)
+                let _ = send.send(made);
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("weights stay as stored: no thread to repack them ({e})");
+        }
+    }
+
+    /// What the repacking reads and writes, from the weights' stored bytes in `params`.
+    fn jobs(&self, params: &BTreeMap<u32, Param>) -> Vec<Job> {
+        self.chosen
             .iter()
             .map(|c| {
                 let p = &params[&c.buffer];
@@ -1522,45 +1560,95 @@ impl Repack {
                     chosen: *c,
                 }
             })
-            .collect();
-        let total = self.total;
-        // The stored bytes live in the artifact's weights, which the thread keeps alive.
-        let artifact = Arc::clone(artifact);
-        let spawned = std::thread::Builder::new()
-            .name("maxc-repack".into())
-            .spawn(move || {
-                let _artifact = artifact;
-                // The kernels' width ignores this one-off competition.
-                let _own = maxc_kernels::pool::own_work();
-                let start = std::time::Instant::now();
-                let made = crate::hugemem::HugeBuf::zeroed(total).ok().map(|mut buf| {
-                    let wrote = jobs
-                        .iter()
-                        .map(|j| {
-                            let c = &j.chosen;
-                            // SAFETY: a weight's stored bytes, read-only, in the artifact's
-                            // weights (kept alive above).
-                            let src =
-                                unsafe { std::slice::from_raw_parts(j.ptr as *const u8, j.len) };
-                            let dst = &mut buf.as_mut_slice()[c.at..c.at + c.len];
-                            matmul::repack(j.dtype, c.to, src, dst, c.n, c.k)
-                        })
-                        .collect();
-                    (buf, wrote)
-                });
-                tracing::debug!(
-                    weights = jobs.len(),
-                    bytes = total,
-                    ms = start.elapsed().as_secs_f64() * 1e3,
-                    "weights repacked"
-                );
-                // (An executor dropped meanwhile no longer wants them.)
-                let _ = send.send(made);
-            });
-        if let Err(e) = spawned {
-            tracing::warn!("weights stay as stored: no thread to repack them ({e})");
+            .collect()
+    }
+
+    /// Whether the repacked weights give other roundings than the stored ones (panels do;
+    /// Q5_0 as Q8_0 by rows gives the same bits).
+    fn changes_values(&self) -> bool {
+        self.chosen
+            .iter()
+            .any(|c| c.to.layout != matmul::Layout::Rows)
+    }
+
+    /// The repacked weights, made now on `threads` threads (once; later calls make nothing).
+    fn make_now(&mut self, params: &BTreeMap<u32, Param>, threads: usize) -> Made {
+        self.send.take()?;
+        let jobs = self.jobs(params);
+        // SAFETY: the stored bytes live in the artifact's weights, which `params` point into
+        // and the executor holds.
+        unsafe { make(&jobs, self.total, threads) }
+    }
+}
+
+/// Repacks `jobs` into a fresh buffer of `total` bytes on `threads` threads (each a share of
+/// the weights, by bytes); `None` where the memory is not there.
+///
+/// # Safety
+/// Each job's `ptr` points at `len` readable bytes for the whole call.
+unsafe fn make(jobs: &[Job], total: usize, threads: usize) -> Made {
+    let start = std::time::Instant::now();
+    let mut buf = crate::hugemem::HugeBuf::zeroed(total).ok()?;
+    // Each job's destination, cut from the buffer in order (the offsets ascend).
+    let mut rest = buf.as_mut_slice();
+    let mut cut = 0;
+    let mut dsts = Vec::with_capacity(jobs.len());
+    for j in jobs {
+        let (_, tail) = rest.split_at_mut(j.chosen.at - cut);
+        let (dst, tail) = tail.split_at_mut(j.chosen.len);
+        dsts.push(dst);
+        rest = tail;
+        cut = j.chosen.at + j.chosen.len;
+    }
+    let run = |j: &Job, dst: &mut [u8]| {
+        let c = &j.chosen;
+        // SAFETY: as the function says.
+        let src = unsafe { std::slice::from_raw_parts(j.ptr as *const u8, j.len) };
+        matmul::repack(j.dtype, c.to, src, dst, c.n, c.k)
+    };
+    let mut wrote = vec![false; jobs.len()];
+    let threads = threads.clamp(1, jobs.len().max(1));
+    if threads == 1 {
+        for ((j, dst), w) in jobs.iter().zip(dsts).zip(&mut wrote) {
+            *w = run(j, dst);
+        }
+    } else {
+        // Job `i` to thread `i % threads`: weights of a model's layers come in the same few
+        // shapes, so the shares' bytes are close.
+        let mut shares: Vec<Vec<(usize, &Job, &mut [u8])>> =
+            (0..threads).map(|_| Vec::new()).collect();
+        for (i, (j, dst)) in jobs.iter().zip(dsts).enumerate() {
+            shares[i % threads].push((i, j, dst));
+        }
+        let done: Vec<(usize, bool)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = shares
+                .into_iter()
+                .map(|share| {
+                    scope.spawn(move || {
+                        share
+                            .into_iter()
+                            .map(|(i, j, dst)| (i, run(j, dst)))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap_or_default())
+                .collect()
+        });
+        for (i, ok) in done {
+            wrote[i] = ok;
         }
     }
+    tracing::debug!(
+        weights = jobs.len(),
+        bytes = total,
+        threads,
+        ms = start.elapsed().as_secs_f64() * 1e3,
+        "weights repacked"
+    );
+    Some((buf, wrote))
 }
 
 /// What runs one kernel of a program on this CPU, chosen when the executor is made.

@@ -62,6 +62,12 @@ impl Geometry {
                 head: 2 * COLS,
                 line: COLS,
             },
+            // Lines of two values of `i`: 32 bytes a pair, half a byte a value.
+            DType::Q4_0 | DType::Q4_1 => Geometry {
+                block: maxc_schema::blocks::QK,
+                head: if dtype == DType::Q4_0 { 2 } else { 4 } * COLS,
+                line: COLS / 2,
+            },
             _ => return None,
         };
         k.is_multiple_of(g.block).then_some(g)
@@ -75,7 +81,10 @@ impl Geometry {
 
 /// Whether `dtype` weights can be read in panels.
 pub fn supported(dtype: DType) -> bool {
-    matches!(dtype, DType::BF16 | DType::F16 | DType::Q8_0)
+    matches!(
+        dtype,
+        DType::BF16 | DType::F16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1
+    )
 }
 
 /// Bytes of an `[n, k]` weight of `dtype` in panels (0 where it has none).
@@ -113,6 +122,35 @@ pub fn repack(dtype: DType, src: &[u8], dst: &mut [u8], n: usize, k: usize) -> b
                 let from = src.as_ptr().add((p * COLS + c) * row);
                 let to = dst.as_mut_ptr().add(p * panel_bytes);
                 match dtype {
+                    DType::Q4_0 | DType::Q4_1 => {
+                        // Stored blocks: the f16 scale (and offset), then 16 bytes, element
+                        // `e < 16` the low nibble of byte `e`, `16 + e` its high nibble; in
+                        // the panel byte `c` of pair `j` holds `2j` low and `2j + 1` high.
+                        let stored = row / (k / g.block);
+                        let heads = if dtype == DType::Q4_0 { 1 } else { 2 };
+                        for b in 0..k / g.block {
+                            let (from, to) = (from.add(b * stored), to.add(b * g.block_bytes()));
+                            for h in 0..heads {
+                                std::ptr::copy_nonoverlapping(
+                                    from.add(2 * h),
+                                    to.add(2 * COLS * h + 2 * c),
+                                    2,
+                                );
+                            }
+                            let qs = from.add(2 * heads);
+                            let q = |e: usize| {
+                                let byte = *qs.add(e % 16);
+                                if e < 16 {
+                                    byte & 0xF
+                                } else {
+                                    byte >> 4
+                                }
+                            };
+                            for j in 0..g.block / 2 {
+                                *to.add(g.head + j * COLS + c) = q(2 * j) | (q(2 * j + 1) << 4);
+                            }
+                        }
+                    }
                     DType::Q8_0 => {
                         // Stored blocks: the f16 scale, then 32 values.
                         let stored = row / (k / g.block);
@@ -152,9 +190,21 @@ fn value(dtype: DType, panel: &[u8], k: usize, i: usize, c: usize) -> f32 {
         return 0.0;
     };
     let block = &panel[i / g.block * g.block_bytes()..][..g.block_bytes()];
-    let line = &block[g.head + i % g.block * g.line..][..g.line];
     let f16 =
         |at: usize| maxc_schema::blocks::f16_to_f32(u16::from_le_bytes([block[at], block[at + 1]]));
+    if matches!(dtype, DType::Q4_0 | DType::Q4_1) {
+        let byte = block[g.head + (i % g.block / 2) * COLS + c];
+        let q = if i.is_multiple_of(2) {
+            byte & 0xF
+        } else {
+            byte >> 4
+        } as f32;
+        return match dtype {
+            DType::Q4_0 => f16(2 * c) * (q - 8.0),
+            _ => f16(2 * c) * q + f16(2 * COLS + 2 * c),
+        };
+    }
+    let line = &block[g.head + i % g.block * g.line..][..g.line];
     match dtype {
         DType::Q8_0 => f16(2 * c) * line[c] as i8 as f32,
         DType::BF16 => {
@@ -233,6 +283,12 @@ pub(crate) fn matmul(
         threads.clamp(1, panels)
     };
     let avx512 = tiles_available();
+    #[cfg(target_arch = "x86_64")]
+    if avx512 && matches!(dtype, DType::Q4_0 | DType::Q4_1) {
+        // SAFETY: AVX-512F/BW/VL/DQ and F16C (checked); lengths checked above.
+        unsafe { q4_panels(dtype, x, w, out, rows, n, k, chunks) };
+        return;
+    }
     let optr = crate::pool::OutPtr(out.as_mut_ptr());
     crate::pool::run(chunks, &|c| {
         let range = panels * c / chunks..panels * (c + 1) / chunks;
@@ -490,19 +546,253 @@ unsafe fn row_groups<W: Widen>(
     }
 }
 
+/// Steps of up to this many rows scale a Q4 tile's sums once per block (the rest widen each
+/// value with its scale and offset, shared by more rows).
+#[cfg(target_arch = "x86_64")]
+const Q4_SCALED_ROWS: usize = 4;
+
+thread_local! {
+    /// The calling thread's sums of each row's 32-value groups of activations, for the Q4
+    /// tiles' offsets.
+    #[cfg(target_arch = "x86_64")]
+    static GROUP_SUMS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// [`matmul`] on Q4_0 or Q4_1 panels.
+///
+/// # Safety
+/// AVX-512F/BW/VL/DQ and F16C; lengths as [`matmul`] checks them.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn q4_panels(
+    dtype: DType,
+    x: &[f32],
+    w: &[u8],
+    out: &mut [f32],
+    rows: usize,
+    n: usize,
+    k: usize,
+    chunks: usize,
+) {
+    let blocks = k / maxc_schema::blocks::QK;
+    GROUP_SUMS.with(|sums| {
+        let sums = &mut *sums.borrow_mut();
+        // Steps that scale per block take `Σ x` of each row's groups (for the offsets).
+        sums.clear();
+        if rows <= Q4_SCALED_ROWS {
+            sums.extend(
+                x[..rows * k]
+                    .chunks_exact(maxc_schema::blocks::QK)
+                    .map(|g| g.iter().sum::<f32>()),
+            );
+        }
+        let panels = n.div_ceil(COLS);
+        let bytes = panels_len(dtype, COLS, k);
+        let (optr, sp) = (crate::pool::OutPtr(out.as_mut_ptr()), SendPtr(sums.as_ptr()));
+        crate::pool::run(chunks, &|c| {
+            for p in panels * c / chunks..panels * (c + 1) / chunks {
+                let cols = COLS.min(n - p * COLS);
+                let mut r = 0;
+                let most = if rows > MAX_ROWS { TALL_ROWS } else { MAX_ROWS };
+                while r < rows {
+                    let m = most.min(rows - r);
+                    // SAFETY: AVX-512 as the function says; rows r..r + m of x, out and the
+                    // sums, panel p of w, columns below n; each call writes only its panels'
+                    // columns.
+                    unsafe {
+                        let a = (
+                            x.as_ptr().add(r * k),
+                            k,
+                            w.as_ptr().add(p * bytes),
+                            optr.get().add(r * n + p * COLS),
+                            n,
+                            cols,
+                            sp.get().add(r * blocks),
+                            blocks,
+                        );
+                        let q41 = dtype == DType::Q4_1;
+                        let scaled = rows <= Q4_SCALED_ROWS;
+                        macro_rules! go {
+                            ($($r:literal)*) => {
+                                match (m, q41, scaled) {
+                                    $(
+                                        ($r, false, false) => tile_q4::<$r, false, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
+                                        ($r, true, false) => tile_q4::<$r, true, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
+                                        ($r, false, true) => tile_q4::<$r, false, true>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
+                                        ($r, true, true) => tile_q4::<$r, true, true>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
+                                    )*
+                                    (9, false, _) => tile_q4::<9, false, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
+                                    (10, false, _) => tile_q4::<10, false, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
+                                    (11, false, _) => tile_q4::<11, false, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
+                                    (12, false, _) => tile_q4::<12, false, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
+                                    (9, true, _) => tile_q4::<9, true, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
+                                    (10, true, _) => tile_q4::<10, true, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
+                                    (11, true, _) => tile_q4::<11, true, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
+                                    (12, true, _) => tile_q4::<12, true, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
+                                    _ => unreachable!("tiles of 1 to 12 rows"),
+                                }
+                            };
+                        }
+                        go!(1 2 3 4 5 6 7 8);
+                    }
+                    r += m;
+                }
+            }
+        });
+    });
+}
+
+/// A pointer that may cross to the pool's threads (read-only there).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct SendPtr(*const f32);
+#[cfg(target_arch = "x86_64")]
+impl SendPtr {
+    /// (A method, so that a closure captures the whole `SendPtr`, not its field.)
+    fn get(self) -> *const f32 {
+        self.0
+    }
+}
+// SAFETY: only read, while the call that owns the values waits for every chunk.
+#[cfg(target_arch = "x86_64")]
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+#[cfg(target_arch = "x86_64")]
+unsafe impl Sync for SendPtr {}
+
+/// One Q4 tile: `R` rows of `x` (rows `k` apart) by the panel at `w`. Per pair of values of
+/// `i`: one 32-byte load, two zero-extensions, a mask and a shift each, four conversions.
+/// `SCALED` (steps of up to [`Q4_SCALED_ROWS`] rows) sums `x · q` per block and scales once
+/// (`d · Σ x q + m · Σ x`, the group sums at `sums`, `blocks` a row); otherwise each value is
+/// widened to `d q + m` first, for all the tile's rows.
+///
+/// # Safety
+/// AVX-512F/BW/VL/DQ and F16C; `x` holds `R` rows of `k` values, `w` a panel of `k / 32`
+/// blocks, `out` `R` rows with `cols` columns from it, `sums` `R` rows of `blocks` (where
+/// `SCALED`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_q4<const R: usize, const Q41: bool, const SCALED: bool>(
+    x: *const f32,
+    k: usize,
+    w: *const u8,
+    out: *mut f32,
+    ldo: usize,
+    cols: usize,
+    sums: *const f32,
+    blocks: usize,
+) {
+    let head = if Q41 { 4 * COLS } else { 2 * COLS };
+    let block_bytes = head + 16 * COLS;
+    let scaled = SCALED;
+    let mut acc = [[_mm512_setzero_ps(); 2]; R];
+    // SAFETY (the loads): `blocks` blocks of the panel, `R` rows of `x` and of `sums`;
+    // prefetches never fault.
+    unsafe {
+        let low = _mm512_set1_epi32(0xF);
+        for b in 0..blocks {
+            let blk = w.add(b * block_bytes);
+            let dl = _mm512_cvtph_ps(_mm256_loadu_si256(blk.cast()));
+            let dh = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(32).cast()));
+            let (ml, mh) = if Q41 {
+                (
+                    _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(64).cast())),
+                    _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(96).cast())),
+                )
+            } else {
+                let m8 = _mm512_set1_ps(-8.0);
+                (_mm512_mul_ps(dl, m8), _mm512_mul_ps(dh, m8))
+            };
+            let lines = blk.add(head);
+            let xb = x.add(b * maxc_schema::blocks::QK);
+            if R > MAX_ROWS {
+                // Prefill's tall tiles: one value of `i` at a time, each pair's bytes loaded
+                // again for the second (registers: 24 accumulators and the scales).
+                for i in 0..maxc_schema::blocks::QK {
+                    let pair = lines.add(i / 2 * COLS);
+                    let (v0, v1) = (
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128(pair.cast())),
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128(pair.add(16).cast())),
+                    );
+                    let (v0, v1) = if i.is_multiple_of(2) {
+                        (_mm512_and_si512(v0, low), _mm512_and_si512(v1, low))
+                    } else {
+                        (_mm512_srli_epi32::<4>(v0), _mm512_srli_epi32::<4>(v1))
+                    };
+                    let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v0), dl, ml);
+                    let b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v1), dh, mh);
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let xv = _mm512_set1_ps(*xb.add(r * k + i));
+                        acc[0] = _mm512_fmadd_ps(xv, a, acc[0]);
+                        acc[1] = _mm512_fmadd_ps(xv, b, acc[1]);
+                    }
+                }
+                continue;
+            }
+            let mut q = [[_mm512_setzero_ps(); 2]; R];
+            for j in 0..16 {
+                let pair = lines.add(j * COLS);
+                if j.is_multiple_of(2) {
+                    _mm_prefetch::<_MM_HINT_T0>(pair.add(AHEAD * 64).cast());
+                }
+                let v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(pair.cast()));
+                let v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(pair.add(16).cast()));
+                let mut a0 = _mm512_cvtepi32_ps(_mm512_and_si512(v0, low));
+                let mut b0 = _mm512_cvtepi32_ps(_mm512_and_si512(v1, low));
+                let mut a1 = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v0));
+                let mut b1 = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v1));
+                if !scaled {
+                    a0 = _mm512_fmadd_ps(a0, dl, ml);
+                    b0 = _mm512_fmadd_ps(b0, dh, mh);
+                    a1 = _mm512_fmadd_ps(a1, dl, ml);
+                    b1 = _mm512_fmadd_ps(b1, dh, mh);
+                }
+                let into = if scaled { &mut q } else { &mut acc };
+                for (r, acc) in into.iter_mut().enumerate() {
+                    let x0 = _mm512_set1_ps(*xb.add(r * k + 2 * j));
+                    let x1 = _mm512_set1_ps(*xb.add(r * k + 2 * j + 1));
+                    acc[0] = _mm512_fmadd_ps(x0, a0, acc[0]);
+                    acc[1] = _mm512_fmadd_ps(x0, b0, acc[1]);
+                    acc[0] = _mm512_fmadd_ps(x1, a1, acc[0]);
+                    acc[1] = _mm512_fmadd_ps(x1, b1, acc[1]);
+                }
+            }
+            if scaled {
+                for (r, (acc, q)) in acc.iter_mut().zip(&q).enumerate() {
+                    let s = _mm512_set1_ps(*sums.add(r * blocks + b));
+                    acc[0] = _mm512_fmadd_ps(dl, q[0], _mm512_fmadd_ps(ml, s, acc[0]));
+                    acc[1] = _mm512_fmadd_ps(dh, q[1], _mm512_fmadd_ps(mh, s, acc[1]));
+                }
+            }
+        }
+        let (ma, mb) = (
+            super::tile::lane_mask(cols),
+            super::tile::lane_mask(cols.saturating_sub(16)),
+        );
+        for (r, a) in acc.iter().enumerate() {
+            _mm512_mask_storeu_ps(out.add(r * ldo), ma, a[0]);
+            _mm512_mask_storeu_ps(out.add(r * ldo + 16), mb, a[1]);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// A weight of `n × k` values of `dtype` with varied signs and magnitudes.
     fn weight(dtype: DType, n: usize, k: usize) -> Vec<u8> {
-        if dtype == DType::Q8_0 {
-            // Blocks: a scale of its own each, then values.
+        if dtype.is_quantized() {
+            // Blocks: a scale (and offset) of its own each, then values.
+            let size = dtype.bytes_for(32).unwrap() as usize;
             return (0..n * k / 32)
                 .flat_map(|b| {
                     let d = half::f16::from_f32(0.01 + (b % 7) as f32 * 0.003).to_le_bytes();
-                    let q = (0..32).map(move |i| ((b * 31 + i * 17) % 255) as u8);
-                    d.into_iter().chain(q)
+                    let m = half::f16::from_f32((b % 5) as f32 * 0.02 - 0.05).to_le_bytes();
+                    let heads = if dtype == DType::Q4_1 { 4 } else { 2 };
+                    let q = (heads..size).map(move |i| ((b * 31 + i * 17) % 255) as u8);
+                    d.into_iter().chain(m).take(heads).chain(q)
                 })
                 .collect();
         }
@@ -520,7 +810,13 @@ mod tests {
 
     #[test]
     fn panels_hold_each_stored_value_and_zeros_past_the_last_column() {
-        for dtype in [DType::BF16, DType::F16, DType::Q8_0] {
+        for dtype in [
+            DType::BF16,
+            DType::F16,
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+        ] {
             let (n, k) = (37, 64);
             let src = weight(dtype, n, k);
             let mut dst = vec![0xAAu8; panels_len(dtype, n, k)];

@@ -1121,7 +1121,14 @@ mod tests {
         let x: Vec<f32> = (0..40 * 160)
             .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
             .collect();
-        for dtype in [DType::BF16, DType::F16, DType::Q8_0, DType::Q5_0] {
+        for dtype in [
+            DType::BF16,
+            DType::F16,
+            DType::Q8_0,
+            DType::Q5_0,
+            DType::Q4_0,
+            DType::Q4_1,
+        ] {
             // n: one whole panel and a partial one; float k odd (the tiles' pairs of k and the
             // last one), block k five blocks.
             let (n, k) = (45, if dtype.is_quantized() { 160 } else { 131 });
@@ -1143,6 +1150,10 @@ mod tests {
                     for (i, block) in b.chunks_exact_mut(size).enumerate() {
                         let d = half::f16::from_f32(0.002 + (i % 5) as f32 * 0.001);
                         block[..2].copy_from_slice(&d.to_le_bytes());
+                        if dtype == DType::Q4_1 {
+                            let m = half::f16::from_f32((i % 3) as f32 * 0.01 - 0.012);
+                            block[2..4].copy_from_slice(&m.to_le_bytes());
+                        }
                     }
                     b
                 }
