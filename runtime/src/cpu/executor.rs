@@ -172,6 +172,8 @@ pub struct CpuExecutor {
     /// The weights chosen to be repacked, until their repacked copy is in place (or could not
     /// be made).
     repack: Option<Repack>,
+    /// Whether a step has run (panels are read from the second on).
+    stepped: bool,
     /// The weights chosen to be repacked, which the artifact's huge-page copy leaves out.
     unstaged: std::collections::BTreeSet<u32>,
     /// The repacked weights, one after another ([`Repack`]).
@@ -473,8 +475,9 @@ impl CpuExecutor {
             ))),
             (None, None) => None,
         };
-        let mut exec = CpuExecutor {
+        let exec = CpuExecutor {
             _repacked: None,
+            stepped: false,
             repack,
             unstaged,
             weights_settled: false,
@@ -498,18 +501,6 @@ impl CpuExecutor {
             kernels,
             profile: None,
         };
-        // Weights read in panels give other roundings than their stored rows: repacked now,
-        // every step reads the same (a switch behind the first step would move a generation's
-        // logits at whichever step the repack landed on).
-        if exec.repack.as_ref().is_some_and(|r| r.changes_values()) {
-            let made = exec
-                .repack
-                .as_mut()
-                .map(|r| r.make_now(&exec.params, exec.threads));
-            if let Some(made) = made {
-                exec.apply_repack(made);
-            }
-        }
         Ok(exec)
     }
 
@@ -591,6 +582,17 @@ impl CpuExecutor {
     /// Runs one step and returns the `logits` output.
     pub fn execute(&mut self, s: &StepInputs) -> Result<Logits> {
         let dims = s.checked_dims(&self.limits)?;
+        // Panels give other roundings than the stored rows: the first step reads the rows, every
+        // later one the panels (this one waits for them), so that the same steps give the same
+        // logits whatever the repack's pace.
+        if self.stepped && self.repack.as_ref().is_some_and(|r| r.changes_values()) {
+            self.start_repack();
+            if let Some(r) = &self.repack {
+                // (Disconnected: the thread is gone without a result; the rows stay.)
+                let made = r.made.recv().unwrap_or(None);
+                self.apply_repack(made);
+            }
+        }
         self.settle_weights();
         // The width the pool splits jobs to follows the CPUs its threads get (prefill steps
         // take every thread); it changes only here, between steps, so every launch of a step
@@ -650,6 +652,7 @@ impl CpuExecutor {
             self.artifact.stage_weights();
             self.start_repack();
         }
+        self.stepped = true;
         Ok(Logits { rows, vocab, data })
     }
 
@@ -677,7 +680,7 @@ impl CpuExecutor {
     /// Starts repacking the weights chosen at load (once).
     fn start_repack(&mut self) {
         if let Some(r) = self.repack.as_mut() {
-            r.start(&self.params, &self.artifact);
+            r.start(&self.params, &self.artifact, self.threads);
         }
     }
 
@@ -1417,9 +1420,12 @@ struct Chosen {
 /// The repacked weights lie one after another in one buffer of huge pages, made by a thread of
 /// their own behind the first step, as the artifact's huge-page copy is: a fresh page costs
 /// its first touch (on a 2-core guest, making SmolLM2 Q4_K_M's 83 MB at load took 50-100 ms
-/// of a 0.2 s start to the first token). Until they are made, the steps read the stored
-/// weights; the executor moves to them at a step boundary, before it moves to the
-/// artifact's copy (which leaves their stored bytes out).
+/// of a 0.2 s start to the first token). Rows of the same values (Q5_0 as Q8_0): until they
+/// are made, the steps read the stored weights, and the executor moves to them at a step
+/// boundary. Panels, whose sums round otherwise than the stored rows', are made on as many
+/// threads as the steps run on, and the second step waits for them: the first step reads the
+/// rows, every later one the panels, whatever the repack's pace. Then the executor moves to
+/// the artifact's copy (which leaves the repacked weights' stored bytes out).
 struct Repack {
     chosen: Vec<Chosen>,
     /// The gather kernels that read a weight repacked in panels (they run the library's).
@@ -1522,12 +1528,15 @@ impl Repack {
 
     /// Starts the thread that makes the repacked weights from the stored ones of `params`
     /// (once).
-    fn start(&mut self, params: &BTreeMap<u32, Param>, artifact: &Arc<Artifact>) {
+    fn start(&mut self, params: &BTreeMap<u32, Param>, artifact: &Arc<Artifact>, threads: usize) {
         let Some(send) = self.send.take() else {
             return;
         };
         let jobs = self.jobs(params);
         let total = self.total;
+        // Panels are waited for by the second step (`CpuExecutor::execute`): made on as many
+        // threads as the steps run on.
+        let threads = if self.changes_values() { threads } else { 1 };
         // The stored bytes live in the artifact's weights, which the thread keeps alive.
         let artifact = Arc::clone(artifact);
         let spawned = std::thread::Builder::new()
@@ -1538,7 +1547,7 @@ impl Repack {
                 let _own = maxc_kernels::pool::own_work();
                 // SAFETY: the jobs' stored bytes live in the artifact's weights (kept alive
                 // above).
-                let made = unsafe { make(&jobs, total, 1) };
+                let made = unsafe { make(&jobs, total, threads) };
                 // (An executor dropped meanwhile no longer wants them.)
                 let _ = send.send(made);
             });
@@ -1569,15 +1578,6 @@ impl Repack {
         self.chosen
             .iter()
             .any(|c| c.to.layout != matmul::Layout::Rows)
-    }
-
-    /// The repacked weights, made now on `threads` threads (once; later calls make nothing).
-    fn make_now(&mut self, params: &BTreeMap<u32, Param>, threads: usize) -> Made {
-        self.send.take()?;
-        let jobs = self.jobs(params);
-        // SAFETY: the stored bytes live in the artifact's weights, which `params` point into
-        // and the executor holds.
-        unsafe { make(&jobs, self.total, threads) }
     }
 }
 
