@@ -475,7 +475,7 @@ impl CpuExecutor {
             ))),
             (None, None) => None,
         };
-        let exec = CpuExecutor {
+        let mut exec = CpuExecutor {
             _repacked: None,
             stepped: false,
             repack,
@@ -501,6 +501,11 @@ impl CpuExecutor {
             kernels,
             profile: None,
         };
+        // Weights read into huge pages before the first step (`MAXC_WEIGHTS=huge`: a server
+        // or a benchmark that wants full speed from the first step) are repacked then too.
+        if crate::artifact::WeightMemory::for_cpu() == crate::artifact::WeightMemory::HugePages {
+            exec.settle_repack_now();
+        }
         Ok(exec)
     }
 
@@ -586,12 +591,7 @@ impl CpuExecutor {
         // later one the panels (this one waits for them), so that the same steps give the same
         // logits whatever the repack's pace.
         if self.stepped && self.repack.as_ref().is_some_and(|r| r.changes_values()) {
-            self.start_repack();
-            if let Some(r) = &self.repack {
-                // (Disconnected: the thread is gone without a result; the rows stay.)
-                let made = r.made.recv().unwrap_or(None);
-                self.apply_repack(made);
-            }
+            self.settle_repack_now();
         }
         self.settle_weights();
         // The width the pool splits jobs to follows the CPUs its threads get (prefill steps
@@ -666,15 +666,19 @@ impl CpuExecutor {
     /// weight pointers to them (benchmarks and tests measure after this).
     pub fn settle_weights_now(&mut self) {
         self.artifact.stage_weights();
-        self.start_repack();
-        if let Some(r) = &self.repack {
-            // (Disconnected: the thread is gone without a result; `settle_weights` sees it.)
-            if let Ok(made) = r.made.recv() {
-                self.apply_repack(made);
-            }
-        }
+        self.settle_repack_now();
         self.artifact.wait_for_staged_weights();
         self.settle_weights();
+    }
+
+    /// Makes the repacked weights now (where there are any to make) and reads them from here on.
+    fn settle_repack_now(&mut self) {
+        self.start_repack();
+        if let Some(r) = &self.repack {
+            // (Disconnected: the thread is gone without a result; the rows stay.)
+            let made = r.made.recv().unwrap_or(None);
+            self.apply_repack(made);
+        }
     }
 
     /// Starts repacking the weights chosen at load (once).
