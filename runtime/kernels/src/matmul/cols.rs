@@ -1,18 +1,18 @@
-//! Weights in panels of 32 output columns, and the register tiles that read them: bf16, f16
-//! and Q8_0 (and Q5_0, whose values are Q8_0's).
+//! Weights in panels of 32 output columns, and the register tiles that read them: bf16, f16,
+//! Q8_0, Q4_0 and Q4_1 (and Q5_0, whose values are Q8_0's).
 //!
 //! A weight `[n, k]` is stored by rows: each output column's `k` values lie together, so the
 //! register tiles of [`super::tile`] and the block tiles take dot products along `k` and sum
 //! each accumulator's lanes at the end. At eight activation rows those tiles run at about half
-//! the FMA peak even on f32 weights in L1 (their loads, shuffles and sums per FMA). Repacked at
-//! load into *panels* (the executor's `Repack`), the same values lie the other way round: panel
-//! `p` holds, for each `i` in `0..k`, the 32 values `w[32p + c][i]` (`c < 32`) in one *line*,
-//! the last panel padded with zeros. A tile of `R ≤ 8` activation rows by one panel keeps two
-//! accumulators a row (output columns along the lanes): per `i` it loads one line, widens it into
-//! two 16-lane f32 vectors, broadcasts each row's `x[r][i]` from memory, and issues two FMAs a
-//! row, sixteen at eight rows against two to six other instructions; the accumulators are the
-//! outputs, with no sums across lanes. Steps of more rows run the tiles eight rows at a time over
-//! a panel, which stays in L1/L2.
+//! the FMA peak even on f32 weights in L1 (their loads, shuffles and sums per FMA). Repacked
+//! (the executor's `Repack`, behind the first step) into *panels*, the same values lie the other
+//! way round: panel `p` holds, for each `i` in `0..k`, the 32 values `w[32p + c][i]` (`c < 32`)
+//! in one *line*, the last panel padded with zeros. A tile of `R` activation rows by one panel
+//! keeps two accumulators a row (output columns along the lanes): per `i` it loads one line,
+//! widens it into two 16-lane f32 vectors, broadcasts each row's `x[r][i]` from memory, and
+//! issues two FMAs a row, sixteen at eight rows against two to six other instructions; the
+//! accumulators are the outputs, with no sums across lanes. Steps of up to eight rows run one
+//! tile; steps of more run tiles of twelve rows over a panel, which stays in L1/L2.
 //!
 //! Lines by format:
 //! - bf16: 64 bytes; lane `l` (a 32-bit word) holds column `l` in its low half and column
@@ -21,9 +21,14 @@
 //! - Q8_0: 32 bytes, columns in order, sign-extended, converted and multiplied by the columns'
 //!   scales. A panel is blocks of 32 values of `i`: the 32 columns' f16 scales (64 bytes), then
 //!   the block's 32 lines (8.5 bits a value, as stored).
+//! - Q4_0, Q4_1: blocks of 32 values of `i`: the columns' f16 scales (and Q4_1's offsets), then
+//!   16 lines of 32 bytes, byte `c` of line `j` column `c`'s values at `2j` (low nibble) and
+//!   `2j + 1` (high). Steps of up to four rows scale once per block (`d Σ x q + m Σ x`), more
+//!   rows widen each value to `d q + m` first ([`tile_q4`]).
 //!
 //! The values and their products are the stored ones; sums run along `k` in order, so results
-//! match the row kernels' up to f32 reassociation.
+//! match the row kernels' up to f32 reassociation (not bit for bit: the executor reads panels
+//! from its second step on, whatever the repack's pace).
 
 use maxc_schema::DType;
 
@@ -34,7 +39,7 @@ const MAX_ROWS: usize = 8;
 /// ... and in steps of more (prefill): 24 accumulators, each line's widening shared by more
 /// FMAs.
 const TALL_ROWS: usize = 12;
-/// How far ahead (in lines, values of `i`) a tile prefetches its panel: the hardware's
+/// How far ahead (in lines of the format, 3-6 KB) a tile prefetches its panel: the hardware's
 /// streams alone left a core's eight-row bf16 tile at 128-136 GFLOP/s on the Intel guest against
 /// 152-159 with prefetches (a stand-alone measurement of 1536 × 576 bf16 weights from L3).
 const AHEAD: usize = 96;
