@@ -922,6 +922,12 @@ impl CpuExecutor {
             .collect()
     }
 
+    /// The buffers of the weights chosen at load to be repacked ([`Repack`]): read in their
+    /// repacked copy once it is made, and left out of the artifact's huge-page copy.
+    pub fn repacking(&self) -> &std::collections::BTreeSet<u32> {
+        &self.unstaged
+    }
+
     /// The weights repacked ([`Repack`]; behind the first step): each one's buffer id, stored
     /// format and bytes, and the format and bytes it is read in, in buffer order.
     pub fn repacked_weights(&self) -> Vec<RepackedWeight> {
