@@ -98,8 +98,8 @@ fn check_with(
     let what = format!("{model} ({}) as {weights:?}, {cpu_matmul:?}", role.name());
     // Weights that only library matmuls read (and, in panels, gathers) are repacked behind the
     // first step where this CPU reads them faster so: Q5_0 as Q8_0 by rows (the same values),
-    // read from the step after it is made; with AVX-512, bf16, f16, Q8_0, Q4_0, Q4_1 and Q5_0
-    // in 32-column panels (other roundings), read from the second step on. So the first
+    // read from the step after it is made; with AVX-512, bf16, f16, Q8_0, Q4_0, Q4_1, Q4_K and
+    // Q5_0 in 32-column panels (other roundings), read from the second step on. So the first
     // prompt's prefill runs on the stored weights, the rest on the repacked ones (the panels
     // at least), all against the interpreter.
     let stored = match weights {
@@ -109,7 +109,18 @@ fn check_with(
     let repacking = stored.and_then(|d| {
         maxc_runtime::kernels::matmul::repacking(d, &Default::default()).map(|r| (d, r))
     });
-    let repacks = repacking.is_some()
+    // (A format whose blocks no weight's rows hold, Q4_K's 256 values where k is 64 and the
+    // compiler stores those rows as Q5_0, leaves none of its own to repack.)
+    let program = engine.engine().program();
+    let holds = |d: DType, r: maxc_runtime::kernels::matmul::Repacking| {
+        program.launches.iter().any(|l| {
+            let body = &program.kernels[l.kernel as usize].body;
+            matches!(body, maxc_runtime::schema::KernelBody::Matmul { k, .. }
+                if program.buffers[l.buffers[1] as usize].dtype == d
+                    && maxc_runtime::kernels::matmul::repacked_len(r, 1, *k as usize) > 0)
+        })
+    };
+    let repacks = repacking.is_some_and(|(d, r)| holds(d, r))
         && cpu_matmul == CpuMatmul::Auto
         && maxc_runtime::kernels::isa::few_rows_kernels_available()
         && std::env::var("MAXC_REPACK").map_or(true, |v| v != "0");

@@ -73,6 +73,13 @@ impl Geometry {
                 head: if dtype == DType::Q4_0 { 2 } else { 4 } * COLS,
                 line: COLS / 2,
             },
+            // Super-blocks of 256: the columns' f16 scales and offset scales, then each
+            // 32-value group's 6-bit scales and offsets as bytes ([`Q4K_HEAD`]).
+            DType::Q4K => Geometry {
+                block: maxc_schema::blocks::QK_K,
+                head: Q4K_HEAD,
+                line: COLS / 2,
+            },
             _ => return None,
         };
         k.is_multiple_of(g.block).then_some(g)
@@ -84,11 +91,17 @@ impl Geometry {
     }
 }
 
+/// Q4_K's 32-value groups per super-block, and the header of a panel's super-block: the 32
+/// columns' f16 `d` and `dmin` (64 bytes each), then per group the columns' scales (32 bytes)
+/// and, after all eight, per group their offsets (32 bytes).
+const Q4K_GROUPS: usize = maxc_schema::blocks::QK_K / maxc_schema::blocks::QK;
+const Q4K_HEAD: usize = 4 * COLS + 2 * Q4K_GROUPS * COLS;
+
 /// Whether `dtype` weights can be read in panels.
 pub fn supported(dtype: DType) -> bool {
     matches!(
         dtype,
-        DType::BF16 | DType::F16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1
+        DType::BF16 | DType::F16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4K
     )
 }
 
@@ -156,6 +169,35 @@ pub fn repack(dtype: DType, src: &[u8], dst: &mut [u8], n: usize, k: usize) -> b
                             }
                         }
                     }
+                    DType::Q4K => {
+                        // Stored super-blocks: d, dmin, 12 bytes of 6-bit scales and offsets,
+                        // then 128 bytes: value `64c + l` is byte `32c + l`'s low nibble for
+                        // `l < 32`, byte `32c + l - 32`'s high nibble after.
+                        let stored = row / (k / g.block);
+                        for b in 0..k / g.block {
+                            let (from, to) = (from.add(b * stored), to.add(b * g.block_bytes()));
+                            std::ptr::copy_nonoverlapping(from, to.add(2 * c), 2);
+                            std::ptr::copy_nonoverlapping(from.add(2), to.add(2 * COLS + 2 * c), 2);
+                            let scales = &*from.add(4).cast::<[u8; 12]>();
+                            for grp in 0..Q4K_GROUPS {
+                                let (sc, m) = maxc_schema::blocks::scale_min_k4(grp, scales);
+                                *to.add(4 * COLS + grp * COLS + c) = sc;
+                                *to.add(4 * COLS + (Q4K_GROUPS + grp) * COLS + c) = m;
+                            }
+                            let qs = from.add(16);
+                            let q = |e: usize| {
+                                let byte = *qs.add(e / 64 * 32 + e % 32);
+                                if e % 64 < 32 {
+                                    byte & 0xF
+                                } else {
+                                    byte >> 4
+                                }
+                            };
+                            for j in 0..g.block / 2 {
+                                *to.add(g.head + j * COLS + c) = q(2 * j) | (q(2 * j + 1) << 4);
+                            }
+                        }
+                    }
                     DType::Q8_0 => {
                         // Stored blocks: the f16 scale, then 32 values.
                         let stored = row / (k / g.block);
@@ -197,7 +239,7 @@ fn value(dtype: DType, panel: &[u8], k: usize, i: usize, c: usize) -> f32 {
     let block = &panel[i / g.block * g.block_bytes()..][..g.block_bytes()];
     let f16 =
         |at: usize| maxc_schema::blocks::f16_to_f32(u16::from_le_bytes([block[at], block[at + 1]]));
-    if matches!(dtype, DType::Q4_0 | DType::Q4_1) {
+    if matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q4K) {
         let byte = block[g.head + (i % g.block / 2) * COLS + c];
         let q = if i.is_multiple_of(2) {
             byte & 0xF
@@ -206,7 +248,14 @@ fn value(dtype: DType, panel: &[u8], k: usize, i: usize, c: usize) -> f32 {
         } as f32;
         return match dtype {
             DType::Q4_0 => f16(2 * c) * (q - 8.0),
-            _ => f16(2 * c) * q + f16(2 * COLS + 2 * c),
+            DType::Q4_1 => f16(2 * c) * q + f16(2 * COLS + 2 * c),
+            _ => {
+                // As the stored blocks dequantize: (d·sc)·q − dmin·m.
+                let grp = i % g.block / maxc_schema::blocks::QK;
+                let sc = block[4 * COLS + grp * COLS + c] as f32;
+                let m = block[4 * COLS + (Q4K_GROUPS + grp) * COLS + c] as f32;
+                f16(2 * c) * sc * q - f16(2 * COLS + 2 * c) * m
+            }
         };
     }
     let line = &block[g.head + i % g.block * g.line..][..g.line];
@@ -289,7 +338,7 @@ pub(crate) fn matmul(
     };
     let avx512 = tiles_available();
     #[cfg(target_arch = "x86_64")]
-    if avx512 && matches!(dtype, DType::Q4_0 | DType::Q4_1) {
+    if avx512 && matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q4K) {
         // SAFETY: AVX-512F/BW/VL/DQ and F16C (checked); lengths checked above.
         unsafe { q4_panels(dtype, x, w, out, rows, n, k, chunks) };
         return;
@@ -315,6 +364,108 @@ pub(crate) fn matmul(
         let _ = avx512;
         matmul_generic(dtype, x, w, out, rows, n, k, range);
     });
+}
+
+/// Whether steps of many rows run [`matmul_packed`] on `dtype`'s panels: the Q4 formats, whose
+/// own tiles widen each value for every twelve rows. (Weights bench, 2 threads, the Intel
+/// guest, panels against the stored rows at 128 rows: Q4_1 and Q4_K 0.92-0.93x in their own
+/// tiles, 0.97-1.00x packed, at `[2048, 2048]`; bf16, f16 and Q8_0 1.07-1.22x in their own
+/// tiles, 1.01-1.14x packed.)
+pub fn packed_pays(dtype: DType) -> bool {
+    matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q4K)
+}
+
+/// [`matmul`] for steps of many rows (prefill) on Q4 panels ([`packed_pays`]): the activations
+/// packed once ([`super::tile::pack_transposed`]), then each panel widened to f32 lines of its
+/// 32 columns (`k` of them, in L2) under the packed register tiles
+/// ([`super::tile::matmul_packed_lines`]), which run near the FMA peak
+/// where the panels' own tiles widen each value for every twelve rows. AVX-512 only (where
+/// [`tiles_available`]).
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_packed(
+    dtype: DType,
+    x: &[f32],
+    w: &[u8],
+    out: &mut [f32],
+    rows: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+) {
+    let bytes = panels_len(dtype, COLS, k);
+    assert!(
+        bytes > 0 && packed_pays(dtype),
+        "{dtype:?} weights of rows of {k} have no packed path"
+    );
+    assert!(tiles_available(), "the packed path runs where the tiles do");
+    let panels = n.div_ceil(COLS);
+    assert!(x.len() >= rows * k && out.len() >= rows * n && w.len() >= panels * bytes);
+    let xt = super::tile::pack_transposed(x, rows, k);
+    let chunks = crate::pool::long_chunks(threads, panels);
+    let optr = crate::pool::OutPtr(out.as_mut_ptr());
+    crate::pool::run(chunks, &|c| {
+        LINES.with(|lines| {
+            let mut lines = lines.borrow_mut();
+            if lines.len() < k * COLS {
+                lines.resize(k * COLS, 0.0);
+            }
+            for p in (c..panels).step_by(chunks) {
+                let wp = w[p * bytes..(p + 1) * bytes].as_ptr();
+                let (to, cols) = (lines.as_mut_ptr(), COLS.min(n - p * COLS));
+                // SAFETY: AVX-512 (asserted); panel p lies in w; `lines` holds k lines of 32;
+                // `xt` packs x; this call writes columns 32p .. 32p + cols of every row, which
+                // no other panel holds.
+                unsafe {
+                    match dtype {
+                        DType::Q4_0 => widen_q4_lines::<Q4_0>(wp, k, to),
+                        DType::Q4_1 => widen_q4_lines::<Q4_1>(wp, k, to),
+                        _ => widen_q4_lines::<Q4_K>(wp, k, to),
+                    }
+                    let out = optr.get().add(p * COLS);
+                    super::tile::matmul_packed_lines(&xt, rows, k, to, cols, out, n);
+                }
+            }
+        });
+    });
+}
+
+thread_local! {
+    /// The calling thread's panels widened to f32 lines ([`matmul_packed`]).
+    #[cfg(target_arch = "x86_64")]
+    static LINES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The Q4 panel at `w` (rows of `k` values; `KIND` as [`tile_q4`]'s) as `k` lines of its 32
+/// columns' f32 values at `out`.
+///
+/// # Safety
+/// AVX-512F/BW and F16C; `w` a panel, `out` room for `k` lines of 32 values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn widen_q4_lines<const KIND: u8>(w: *const u8, k: usize, out: *mut f32) {
+    let ld = COLS;
+    // SAFETY: as the function says: `k / 32` groups of the panel, `k` lines of `out`.
+    unsafe {
+        let low = _mm512_set1_epi32(0xF);
+        let q = |v: __m512i| _mm512_cvtepi32_ps(v);
+        for b in 0..k / maxc_schema::blocks::QK {
+            let (lines, dl, dh, ml, mh) = q4_group::<KIND>(w, b);
+            for j in 0..16 {
+                let pair = lines.add(j * COLS);
+                let v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(pair.cast()));
+                let v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(pair.add(16).cast()));
+                // Columns 0..16 and 16..32 at `2j` (low nibbles), then at `2j + 1`.
+                let (c0, c16) = (_mm512_and_si512(v0, low), _mm512_and_si512(v1, low));
+                let o = out.add((b * maxc_schema::blocks::QK + 2 * j) * ld);
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(q(c0), dl, ml));
+                _mm512_storeu_ps(o.add(16), _mm512_fmadd_ps(q(c16), dh, mh));
+                let (c0, c16) = (_mm512_srli_epi32::<4>(v0), _mm512_srli_epi32::<4>(v1));
+                _mm512_storeu_ps(o.add(ld), _mm512_fmadd_ps(q(c0), dl, ml));
+                _mm512_storeu_ps(o.add(ld + 16), _mm512_fmadd_ps(q(c16), dh, mh));
+            }
+        }
+    }
 }
 
 /// Whether this CPU runs the AVX-512 tiles (elsewhere panels run plain loops).
@@ -579,7 +730,7 @@ unsafe fn q4_panels(
     k: usize,
     chunks: usize,
 ) {
-    let blocks = k / maxc_schema::blocks::QK;
+    let groups = k / maxc_schema::blocks::QK;
     GROUP_SUMS.with(|sums| {
         let sums = &mut *sums.borrow_mut();
         // Steps that scale per block take `Σ x` of each row's groups (for the offsets).
@@ -593,7 +744,10 @@ unsafe fn q4_panels(
         }
         let panels = n.div_ceil(COLS);
         let bytes = panels_len(dtype, COLS, k);
-        let (optr, sp) = (crate::pool::OutPtr(out.as_mut_ptr()), SendPtr(sums.as_ptr()));
+        let (optr, sp) = (
+            crate::pool::OutPtr(out.as_mut_ptr()),
+            SendPtr(sums.as_ptr()),
+        );
         crate::pool::run(chunks, &|c| {
             for p in panels * c / chunks..panels * (c + 1) / chunks {
                 let cols = COLS.min(n - p * COLS);
@@ -605,40 +759,22 @@ unsafe fn q4_panels(
                     // sums, panel p of w, columns below n; each call writes only its panels'
                     // columns.
                     unsafe {
-                        let a = (
-                            x.as_ptr().add(r * k),
+                        let a = Q4Args {
+                            x: x.as_ptr().add(r * k),
                             k,
-                            w.as_ptr().add(p * bytes),
-                            optr.get().add(r * n + p * COLS),
-                            n,
+                            w: w.as_ptr().add(p * bytes),
+                            out: optr.get().add(r * n + p * COLS),
+                            ldo: n,
                             cols,
-                            sp.get().add(r * blocks),
-                            blocks,
-                        );
-                        let q41 = dtype == DType::Q4_1;
+                            sums: sp.get().add(r * groups),
+                            groups,
+                        };
                         let scaled = rows <= Q4_SCALED_ROWS;
-                        macro_rules! go {
-                            ($($r:literal)*) => {
-                                match (m, q41, scaled) {
-                                    $(
-                                        ($r, false, false) => tile_q4::<$r, false, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
-                                        ($r, true, false) => tile_q4::<$r, true, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
-                                        ($r, false, true) => tile_q4::<$r, false, true>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
-                                        ($r, true, true) => tile_q4::<$r, true, true>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
-                                    )*
-                                    (9, false, _) => tile_q4::<9, false, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
-                                    (10, false, _) => tile_q4::<10, false, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
-                                    (11, false, _) => tile_q4::<11, false, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
-                                    (12, false, _) => tile_q4::<12, false, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
-                                    (9, true, _) => tile_q4::<9, true, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
-                                    (10, true, _) => tile_q4::<10, true, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
-                                    (11, true, _) => tile_q4::<11, true, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
-                                    (12, true, _) => tile_q4::<12, true, false>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7),
-                                    _ => unreachable!("tiles of 1 to 12 rows"),
-                                }
-                            };
+                        match dtype {
+                            DType::Q4_0 => tile_q4_rows::<Q4_0>(m, scaled, a),
+                            DType::Q4_1 => tile_q4_rows::<Q4_1>(m, scaled, a),
+                            _ => tile_q4_rows::<Q4_K>(m, scaled, a),
                         }
-                        go!(1 2 3 4 5 6 7 8);
                     }
                     r += m;
                 }
@@ -665,20 +801,64 @@ unsafe impl Send for SendPtr {}
 #[cfg(target_arch = "x86_64")]
 unsafe impl Sync for SendPtr {}
 
-/// One Q4 tile: `R` rows of `x` (rows `k` apart) by the panel at `w`. Per pair of values of
-/// `i`: one 32-byte load, two zero-extensions, a mask and a shift each, four conversions.
-/// `SCALED` (steps of up to [`Q4_SCALED_ROWS`] rows) sums `x · q` per block and scales once
-/// (`d · Σ x q + m · Σ x`, the group sums at `sums`, `blocks` a row); otherwise each value is
-/// widened to `d q + m` first, for all the tile's rows.
+/// The Q4 panel formats ([`tile_q4`]'s `KIND`).
+#[cfg(target_arch = "x86_64")]
+const Q4_0: u8 = 0;
+#[cfg(target_arch = "x86_64")]
+const Q4_1: u8 = 1;
+#[cfg(target_arch = "x86_64")]
+const Q4_K: u8 = 2;
+
+/// Group `b` (32 values of `i`) of the Q4 panel at `w`: its 16 lines, and each column's `d`
+/// and `m` (columns `0..16`, `16..32`), its values being `d q + m`: Q4_0's scale and `-8 d`,
+/// Q4_1's scale and offset, Q4_K's `d · sc` and `-dmin · m`.
 ///
 /// # Safety
-/// AVX-512F/BW/VL/DQ and F16C; `x` holds `R` rows of `k` values, `w` a panel of `k / 32`
-/// blocks, `out` `R` rows with `cols` columns from it, `sums` `R` rows of `blocks` (where
-/// `SCALED`).
+/// AVX-512F/BW and F16C; `w` a panel of more than `b` groups.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile_q4<const R: usize, const Q41: bool, const SCALED: bool>(
+#[inline(always)]
+unsafe fn q4_group<const KIND: u8>(
+    w: *const u8,
+    b: usize,
+) -> (*const u8, __m512, __m512, __m512, __m512) {
+    // SAFETY: as the function says: group b's header and lines lie in the panel.
+    unsafe {
+        let f16s = |p: *const u8| _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()));
+        let bytes =
+            |p: *const u8| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast())));
+        if KIND == Q4_K {
+            let sb = w.add(b / Q4K_GROUPS * (Q4K_HEAD + 128 * COLS));
+            let g = b % Q4K_GROUPS;
+            let (sc, m) = (
+                sb.add(4 * COLS + g * COLS),
+                sb.add(4 * COLS + (Q4K_GROUPS + g) * COLS),
+            );
+            let zero = _mm512_setzero_ps();
+            return (
+                sb.add(Q4K_HEAD + g * 16 * COLS),
+                _mm512_mul_ps(f16s(sb), bytes(sc)),
+                _mm512_mul_ps(f16s(sb.add(32)), bytes(sc.add(16))),
+                _mm512_sub_ps(zero, _mm512_mul_ps(f16s(sb.add(64)), bytes(m))),
+                _mm512_sub_ps(zero, _mm512_mul_ps(f16s(sb.add(96)), bytes(m.add(16)))),
+            );
+        }
+        let head = if KIND == Q4_1 { 4 * COLS } else { 2 * COLS };
+        let blk = w.add(b * (head + 16 * COLS));
+        let (dl, dh) = (f16s(blk), f16s(blk.add(32)));
+        let (ml, mh) = if KIND == Q4_1 {
+            (f16s(blk.add(64)), f16s(blk.add(96)))
+        } else {
+            let m8 = _mm512_set1_ps(-8.0);
+            (_mm512_mul_ps(dl, m8), _mm512_mul_ps(dh, m8))
+        };
+        (blk.add(head), dl, dh, ml, mh)
+    }
+}
+
+/// A Q4 tile's operands ([`tile_q4`]).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Q4Args {
     x: *const f32,
     k: usize,
     w: *const u8,
@@ -686,30 +866,69 @@ unsafe fn tile_q4<const R: usize, const Q41: bool, const SCALED: bool>(
     ldo: usize,
     cols: usize,
     sums: *const f32,
-    blocks: usize,
-) {
-    let head = if Q41 { 4 * COLS } else { 2 * COLS };
-    let block_bytes = head + 16 * COLS;
+    groups: usize,
+}
+
+/// [`tile_q4`] for a tile of `m` (1 to 12) rows.
+///
+/// # Safety
+/// As [`tile_q4`]'s, for `m` rows.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn tile_q4_rows<const KIND: u8>(m: usize, scaled: bool, a: Q4Args) {
+    // SAFETY: as the function says.
+    unsafe {
+        macro_rules! go {
+            ($($r:literal)*) => {
+                match (m, scaled) {
+                    $(
+                        ($r, false) => tile_q4::<$r, KIND, false>(a),
+                        ($r, true) => tile_q4::<$r, KIND, true>(a),
+                    )*
+                    (9, _) => tile_q4::<9, KIND, false>(a),
+                    (10, _) => tile_q4::<10, KIND, false>(a),
+                    (11, _) => tile_q4::<11, KIND, false>(a),
+                    (12, _) => tile_q4::<12, KIND, false>(a),
+                    _ => unreachable!("tiles of 1 to 12 rows"),
+                }
+            };
+        }
+        go!(1 2 3 4 5 6 7 8)
+    }
+}
+
+/// One Q4 tile: `R` rows of `x` (rows `k` apart) by the panel at `w`. Per pair of values of
+/// `i`: one 32-byte load, two zero-extensions, a mask and a shift each, four conversions.
+/// `SCALED` (steps of up to [`Q4_SCALED_ROWS`] rows) sums `x · q` per 32-value group and
+/// scales once (`d · Σ x q + m · Σ x`, the group sums at `sums`, `groups` a row); otherwise
+/// each value is widened to `d q + m` first, for all the tile's rows. A group's `d` and `m`:
+/// Q4_0's scale and `-8 d`, Q4_1's scale and offset, Q4_K's `d · sc` and `-dmin · m`.
+///
+/// # Safety
+/// AVX-512F/BW/VL/DQ and F16C; `x` holds `R` rows of `k` values, `w` a panel of `k / 32`
+/// groups, `out` `R` rows with `cols` columns from it, `sums` `R` rows of `groups` (where
+/// `SCALED`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn tile_q4<const R: usize, const KIND: u8, const SCALED: bool>(a: Q4Args) {
+    let Q4Args {
+        x,
+        k,
+        w,
+        out,
+        ldo,
+        cols,
+        sums,
+        groups,
+    } = a;
     let scaled = SCALED;
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
-    // SAFETY (the loads): `blocks` blocks of the panel, `R` rows of `x` and of `sums`;
+    // SAFETY (the loads): `groups` groups of the panel, `R` rows of `x` and of `sums`;
     // prefetches never fault.
     unsafe {
         let low = _mm512_set1_epi32(0xF);
-        for b in 0..blocks {
-            let blk = w.add(b * block_bytes);
-            let dl = _mm512_cvtph_ps(_mm256_loadu_si256(blk.cast()));
-            let dh = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(32).cast()));
-            let (ml, mh) = if Q41 {
-                (
-                    _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(64).cast())),
-                    _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(96).cast())),
-                )
-            } else {
-                let m8 = _mm512_set1_ps(-8.0);
-                (_mm512_mul_ps(dl, m8), _mm512_mul_ps(dh, m8))
-            };
-            let lines = blk.add(head);
+        for b in 0..groups {
+            let (lines, dl, dh, ml, mh) = q4_group::<KIND>(w, b);
             let xb = x.add(b * maxc_schema::blocks::QK);
             if R > MAX_ROWS {
                 // Prefill's tall tiles: one value of `i` at a time, each pair's bytes loaded
@@ -765,7 +984,7 @@ unsafe fn tile_q4<const R: usize, const Q41: bool, const SCALED: bool>(
             }
             if scaled {
                 for (r, (acc, q)) in acc.iter_mut().zip(&q).enumerate() {
-                    let s = _mm512_set1_ps(*sums.add(r * blocks + b));
+                    let s = _mm512_set1_ps(*sums.add(r * groups + b));
                     acc[0] = _mm512_fmadd_ps(dl, q[0], _mm512_fmadd_ps(ml, s, acc[0]));
                     acc[1] = _mm512_fmadd_ps(dh, q[1], _mm512_fmadd_ps(mh, s, acc[1]));
                 }
@@ -789,13 +1008,19 @@ mod tests {
     /// A weight of `n × k` values of `dtype` with varied signs and magnitudes.
     fn weight(dtype: DType, n: usize, k: usize) -> Vec<u8> {
         if dtype.is_quantized() {
-            // Blocks: a scale (and offset) of its own each, then values.
-            let size = dtype.bytes_for(32).unwrap() as usize;
-            return (0..n * k / 32)
+            // Blocks: a scale (and offset) of its own each, then values (Q4_K: its 6-bit
+            // scales and offsets among them).
+            let elems = if dtype == DType::Q4K { 256 } else { 32 };
+            let size = dtype.bytes_for(elems as u64).unwrap() as usize;
+            return (0..n * k / elems)
                 .flat_map(|b| {
                     let d = half::f16::from_f32(0.01 + (b % 7) as f32 * 0.003).to_le_bytes();
                     let m = half::f16::from_f32((b % 5) as f32 * 0.02 - 0.05).to_le_bytes();
-                    let heads = if dtype == DType::Q4_1 { 4 } else { 2 };
+                    let heads = if matches!(dtype, DType::Q4_1 | DType::Q4K) {
+                        4
+                    } else {
+                        2
+                    };
                     let q = (heads..size).map(move |i| ((b * 31 + i * 17) % 255) as u8);
                     d.into_iter().chain(m).take(heads).chain(q)
                 })
@@ -821,8 +1046,9 @@ mod tests {
             DType::Q8_0,
             DType::Q4_0,
             DType::Q4_1,
+            DType::Q4K,
         ] {
-            let (n, k) = (37, 64);
+            let (n, k) = (37, if dtype == DType::Q4K { 512 } else { 64 });
             let src = weight(dtype, n, k);
             let mut dst = vec![0xAAu8; panels_len(dtype, n, k)];
             assert!(repack(dtype, &src, &mut dst, n, k));

@@ -42,6 +42,11 @@ const PACKED_MIN_ROWS: usize = 32;
 /// weights bench's `tiles` and `packed` columns place the crossing).
 const BLOCK_PACKED_MIN_ROWS: usize = 22;
 
+/// Steps of at least this many rows (and [`packed_min_rows`]) widen Q4 panels under the packed
+/// kernel ([`cols::packed_pays`]): it runs its rows 32 at a time, so below this a step's last
+/// partial group of 32 costs more than the panels' own tiles lose.
+const COLUMNS_PACKED_MIN_ROWS: usize = 64;
+
 /// The fewest rows that run the packed kernel for `dtype` under `opts`.
 fn packed_min_rows(dtype: DType, opts: &KernelOptions) -> usize {
     match opts.packed_min_rows {
@@ -507,9 +512,12 @@ pub enum Path {
     FloatTiles,
     /// f32 weights as stored under the broadcast register tiles, activations packed (AVX-512).
     PackedF32,
-    /// 16-bit float weights repacked in panels of 32 columns, register tiles of up to eight
-    /// rows with the columns along the lanes ([`cols`]; AVX-512, plain loops elsewhere).
+    /// Weights repacked in panels of 32 columns, register tiles of up to twelve rows with the
+    /// columns along the lanes ([`cols`]; AVX-512, plain loops elsewhere).
     Columns,
+    /// Weights repacked in panels of 32 columns, each widened to f32 lines under the packed
+    /// register tiles, activations packed (steps of many rows; AVX-512).
+    ColumnsPacked,
     /// The f32 GEMM on f32 weights as stored.
     Gemm,
     /// Row streaming, hand-vectorized.
@@ -535,6 +543,7 @@ impl Path {
             Path::FloatTiles => "register tiles on stored rows".into(),
             Path::PackedF32 => "packed register tiles on stored rows".into(),
             Path::Columns => "register tiles on 32-column panels".into(),
+            Path::ColumnsPacked => "32-column panels widened × packed register tiles".into(),
             Path::Gemm => "f32 gemm".into(),
             Path::HandStream => "hand row streaming".into(),
             Path::Stream => "generic row streaming".into(),
@@ -635,13 +644,22 @@ impl MatmulPlan {
     pub fn with_layout(dtype: DType, k: usize, layout: Layout, opts: &KernelOptions) -> Self {
         match layout {
             Layout::Rows => Self::new(dtype, k, opts),
-            Layout::Columns => MatmulPlan {
-                dtype,
-                k,
-                hand: HandKernels::of(dtype, k, isa()),
-                paths: vec![(1, Path::Columns)],
-                layout,
-            },
+            Layout::Columns => {
+                let mut paths = vec![(1, Path::Columns)];
+                if cols::tiles_available() && cols::packed_pays(dtype) {
+                    let from = packed_min_rows(dtype, opts).max(COLUMNS_PACKED_MIN_ROWS);
+                    if from < usize::MAX {
+                        paths.push((from, Path::ColumnsPacked));
+                    }
+                }
+                MatmulPlan {
+                    dtype,
+                    k,
+                    hand: HandKernels::of(dtype, k, isa()),
+                    paths,
+                    layout,
+                }
+            }
         }
     }
 
@@ -890,9 +908,14 @@ fn run(
         return;
     }
     debug_assert!(x.len() >= rows * k && out.len() >= rows * n);
-    debug_assert!(path == Path::Columns || dtype.bytes_for((n * k) as u64) == Some(w.len() as u64));
+    debug_assert!(
+        matches!(path, Path::Columns | Path::ColumnsPacked)
+            || dtype.bytes_for((n * k) as u64) == Some(w.len() as u64)
+    );
     match path {
         Path::Columns => cols::matmul(dtype, x, w, out, rows, n, k, threads),
+        #[cfg(target_arch = "x86_64")]
+        Path::ColumnsPacked => cols::matmul_packed(dtype, x, w, out, rows, n, k, threads),
         #[cfg(target_arch = "x86_64")]
         Path::Q8Stream => {
             let f = hand
@@ -1118,7 +1141,7 @@ mod tests {
 
     #[test]
     fn weights_in_column_panels_match_the_reference_at_every_row_count() {
-        let x: Vec<f32> = (0..40 * 160)
+        let x: Vec<f32> = (0..70 * 512)
             .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
             .collect();
         for dtype in [
@@ -1128,10 +1151,17 @@ mod tests {
             DType::Q5_0,
             DType::Q4_0,
             DType::Q4_1,
+            DType::Q4K,
         ] {
-            // n: one whole panel and a partial one; float k odd (the tiles' pairs of k and the
-            // last one), block k five blocks.
-            let (n, k) = (45, if dtype.is_quantized() { 160 } else { 131 });
+            // Float k odd (the tiles' pairs of k and the last one), block k five blocks
+            // (Q4_K two super-blocks).
+            let k = match dtype {
+                DType::Q4K => 512,
+                _ if dtype.is_quantized() => 160,
+                _ => 131,
+            };
+            // (Four panels, the last of 13 columns.)
+            let n = 109;
             let src: Vec<u8> = match dtype {
                 DType::BF16 | DType::F16 => (0..n * k)
                     .flat_map(|e| {
@@ -1143,14 +1173,15 @@ mod tests {
                     })
                     .collect(),
                 _ => {
-                    let size = dtype.bytes_for(32).unwrap() as usize;
-                    let mut b: Vec<u8> = (0..n * k / 32 * size)
+                    let elems = if dtype == DType::Q4K { 256 } else { 32 };
+                    let size = dtype.bytes_for(elems as u64).unwrap() as usize;
+                    let mut b: Vec<u8> = (0..n * k / elems * size)
                         .map(|i| ((i * 131 + 7) % 251) as u8)
                         .collect();
                     for (i, block) in b.chunks_exact_mut(size).enumerate() {
                         let d = half::f16::from_f32(0.002 + (i % 5) as f32 * 0.001);
                         block[..2].copy_from_slice(&d.to_le_bytes());
-                        if dtype == DType::Q4_1 {
+                        if matches!(dtype, DType::Q4_1 | DType::Q4K) {
                             let m = half::f16::from_f32((i % 3) as f32 * 0.01 - 0.012);
                             block[2..4].copy_from_slice(&m.to_le_bytes());
                         }
@@ -1183,11 +1214,18 @@ mod tests {
             let mut panels = vec![0u8; repacked_len(r, n, k)];
             assert!(repack(dtype, r, &src, &mut panels, n, k));
             let plan = MatmulPlan::with_layout(r.to, k, Layout::Columns, &opts);
+            // Steps of many rows widen Q4 panels under the packed tiles (the 64- and 70-row
+            // steps below).
             assert_eq!(
                 plan.describe(),
-                "rows 1+: register tiles on 32-column panels"
+                if cols::packed_pays(dtype) {
+                    "rows 1-63: register tiles on 32-column panels; 64+: 32-column panels \
+                     widened × packed register tiles"
+                } else {
+                    "rows 1+: register tiles on 32-column panels"
+                }
             );
-            for rows in (1..=17).chain([24, 40]) {
+            for rows in (1..=17).chain([24, 40, 64, 70]) {
                 let want = reference(&x, &wf, rows, n, k);
                 for threads in [1, 3] {
                     let mut got = vec![f32::NAN; rows * n];

@@ -547,7 +547,7 @@ pub(crate) fn pack_transposed(x: &[f32], rows: usize, k: usize) -> Vec<f32> {
 
 /// [`packed_tile`]'s multiply-adds for one value of `k`, `i`.
 #[inline(always)]
-unsafe fn packed_step<const C: usize>(
+unsafe fn packed_step<const C: usize, const LD: usize>(
     acc: &mut [[__m512; 2]; C],
     xt: *const f32,
     k: usize,
@@ -559,7 +559,8 @@ unsafe fn packed_step<const C: usize>(
         let a0 = _mm512_loadu_ps(xt.add(i * MP));
         let a1 = _mm512_loadu_ps(xt.add(i * MP + 16));
         for j in 0..C {
-            let b = _mm512_set1_ps(*w.add(j * k + i));
+            let at = if LD > 0 { i * LD + j } else { j * k + i };
+            let b = _mm512_set1_ps(*w.add(at));
             acc[j][0] = _mm512_fmadd_ps(a0, b, acc[j][0]);
             acc[j][1] = _mm512_fmadd_ps(a1, b, acc[j][1]);
         }
@@ -568,9 +569,10 @@ unsafe fn packed_step<const C: usize>(
 
 /// One tile of the packed kernel: `out[m * ldo + j] = Σ_i xt[i][m] · w[j * k + i]` for
 /// `m < mrows`, `j < C`: 32 rows in two vectors times `C` broadcast weights per `i`, `2·C`
-/// accumulators, no horizontal sums.
+/// accumulators, no horizontal sums. With `LD > 0` the weights lie the other way round:
+/// `w[i * LD + j]`.
 #[inline(always)]
-unsafe fn packed_tile<const C: usize>(
+unsafe fn packed_tile<const C: usize, const LD: usize>(
     xt: *const f32,
     k: usize,
     w: *const f32,
@@ -586,12 +588,12 @@ unsafe fn packed_tile<const C: usize>(
         // 32 × 12 tile from L1 ran at 0.94 of the FMA peak this way, 0.86 one at a time).
         let mut i = 0;
         while i + 2 <= k {
-            packed_step::<C>(&mut acc, xt, k, w, i);
-            packed_step::<C>(&mut acc, xt, k, w, i + 1);
+            packed_step::<C, LD>(&mut acc, xt, k, w, i);
+            packed_step::<C, LD>(&mut acc, xt, k, w, i + 1);
             i += 2;
         }
         if i < k {
-            packed_step::<C>(&mut acc, xt, k, w, i);
+            packed_step::<C, LD>(&mut acc, xt, k, w, i);
         }
         let mut buf = [[0.0f32; MP]; C];
         for j in 0..C {
@@ -624,6 +626,46 @@ pub(crate) unsafe fn matmul_packed(
     out: *mut f32,
     ldo: usize,
 ) {
+    // SAFETY: as the function says.
+    unsafe { matmul_packed_as::<0>(xt, rows, k, w, cols, out, ldo) }
+}
+
+/// Values per line of [`matmul_packed_lines`]'s weights: a panel of 32 columns (its tiles 12, 12
+/// and 8 columns wide). Three side by side, tiles of twelve throughout, measured slower at `k`
+/// 2048: `k` lines of 96 f32 values and the packed activations no longer fit in L2.
+const LINE: usize = 32;
+
+/// [`matmul_packed`] on weights in lines: `w[i * LINE + j]` is column `j`'s value at `i`
+/// (`cols <= LINE`), as a panel of 32 columns widened to f32 lies.
+///
+/// # Safety
+/// As [`matmul_packed`]'s, `w` holding `k` lines of [`LINE`] values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn matmul_packed_lines(
+    xt: &[f32],
+    rows: usize,
+    k: usize,
+    w: *const f32,
+    cols: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    debug_assert!(cols <= LINE);
+    // SAFETY: as the function says.
+    unsafe { matmul_packed_as::<LINE>(xt, rows, k, w, cols, out, ldo) }
+}
+
+/// [`matmul_packed`] (`LD > 0`: [`matmul_packed_lines`], lines of `LD`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn matmul_packed_as<const LD: usize>(
+    xt: &[f32],
+    rows: usize,
+    k: usize,
+    w: *const f32,
+    cols: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
     // Blocks of weight rows that stay in L2 while every activation panel passes over them,
     // each panel staying in L1/L2 while the block's tiles pass over it: weights are read from
     // memory once per call, activations from L2.
@@ -633,7 +675,12 @@ pub(crate) unsafe fn matmul_packed(
     let mut j0 = 0;
     while j0 < cols {
         let j1 = cols.min(j0 + PACKED_COL_BLOCK);
-        let next_lines = (cols.min(j1 + PACKED_COL_BLOCK) - j1) * k * 4 / 64;
+        // (Lines: one block, the whole panel.)
+        let next_lines = if LD > 0 {
+            0
+        } else {
+            (cols.min(j1 + PACKED_COL_BLOCK) - j1) * k * 4 / 64
+        };
         let per_tile = next_lines.div_ceil(panels * (j1 - j0).div_ceil(NP));
         let next = w.wrapping_add(j1 * k).cast::<u8>();
         let mut line = 0;
@@ -650,20 +697,21 @@ pub(crate) unsafe fn matmul_packed(
                 // bounds.
                 unsafe {
                     let xp = xt.as_ptr().add(p * k * MP);
-                    let (wj, o) = (w.add(j * k), out.add(p * MP * ldo + j));
+                    let wj = w.add(if LD > 0 { j } else { j * k });
+                    let o = out.add(p * MP * ldo + j);
                     match c {
-                        1 => packed_tile::<1>(xp, k, wj, o, ldo, mrows),
-                        2 => packed_tile::<2>(xp, k, wj, o, ldo, mrows),
-                        3 => packed_tile::<3>(xp, k, wj, o, ldo, mrows),
-                        4 => packed_tile::<4>(xp, k, wj, o, ldo, mrows),
-                        5 => packed_tile::<5>(xp, k, wj, o, ldo, mrows),
-                        6 => packed_tile::<6>(xp, k, wj, o, ldo, mrows),
-                        7 => packed_tile::<7>(xp, k, wj, o, ldo, mrows),
-                        8 => packed_tile::<8>(xp, k, wj, o, ldo, mrows),
-                        9 => packed_tile::<9>(xp, k, wj, o, ldo, mrows),
-                        10 => packed_tile::<10>(xp, k, wj, o, ldo, mrows),
-                        11 => packed_tile::<11>(xp, k, wj, o, ldo, mrows),
-                        _ => packed_tile::<12>(xp, k, wj, o, ldo, mrows),
+                        1 => packed_tile::<1, LD>(xp, k, wj, o, ldo, mrows),
+                        2 => packed_tile::<2, LD>(xp, k, wj, o, ldo, mrows),
+                        3 => packed_tile::<3, LD>(xp, k, wj, o, ldo, mrows),
+                        4 => packed_tile::<4, LD>(xp, k, wj, o, ldo, mrows),
+                        5 => packed_tile::<5, LD>(xp, k, wj, o, ldo, mrows),
+                        6 => packed_tile::<6, LD>(xp, k, wj, o, ldo, mrows),
+                        7 => packed_tile::<7, LD>(xp, k, wj, o, ldo, mrows),
+                        8 => packed_tile::<8, LD>(xp, k, wj, o, ldo, mrows),
+                        9 => packed_tile::<9, LD>(xp, k, wj, o, ldo, mrows),
+                        10 => packed_tile::<10, LD>(xp, k, wj, o, ldo, mrows),
+                        11 => packed_tile::<11, LD>(xp, k, wj, o, ldo, mrows),
+                        _ => packed_tile::<12, LD>(xp, k, wj, o, ldo, mrows),
                     }
                 }
                 j += c;
