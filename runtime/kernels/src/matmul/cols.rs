@@ -330,7 +330,7 @@ pub(crate) fn matmul(
     let bytes = panels_len(dtype, n, k);
     assert!(bytes > 0, "{dtype:?} weights of rows of {k} have no panels");
     assert!(x.len() >= rows * k && out.len() >= rows * n && w.len() >= bytes);
-    let panels = n.div_ceil(COLS);
+    let (panels, panel) = (n.div_ceil(COLS), panels_len(dtype, COLS, k));
     let chunks = if w.len() < super::SPLIT_BYTES {
         1
     } else {
@@ -354,9 +354,9 @@ pub(crate) fn matmul(
             // SAFETY: AVX-512F/BW/VL/DQ and F16C (checked); lengths checked above.
             unsafe {
                 match dtype {
-                    DType::BF16 => panels_avx512::<Bf16>(x, w, out, rows, n, k, range),
-                    DType::Q8_0 => panels_avx512::<Q8>(x, w, out, rows, n, k, range),
-                    _ => panels_avx512::<F16>(x, w, out, rows, n, k, range),
+                    DType::BF16 => panels_avx512::<Bf16>(x, w, out, rows, n, k, panel, range),
+                    DType::Q8_0 => panels_avx512::<Q8>(x, w, out, rows, n, k, panel, range),
+                    _ => panels_avx512::<F16>(x, w, out, rows, n, k, panel, range),
                 }
             }
             return;
@@ -536,11 +536,7 @@ impl Widen for F16 {
     #[inline(always)]
     unsafe fn widen(p: *const u8, _: ()) -> (__m512, __m512) {
         // SAFETY: as the trait says.
-        unsafe {
-            let lo = _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()));
-            let hi = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(32).cast()));
-            (lo, hi)
-        }
+        unsafe { f16x32(p) }
     }
 }
 
@@ -553,11 +549,7 @@ impl Widen for Q8 {
     #[inline(always)]
     unsafe fn head(p: *const u8) -> (__m512, __m512) {
         // SAFETY: as the trait says.
-        unsafe {
-            let lo = _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()));
-            let hi = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(32).cast()));
-            (lo, hi)
-        }
+        unsafe { f16x32(p) }
     }
     #[inline(always)]
     unsafe fn widen(p: *const u8, (dl, dh): (__m512, __m512)) -> (__m512, __m512) {
@@ -567,6 +559,22 @@ impl Widen for Q8 {
             let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(16).cast())));
             (_mm512_mul_ps(lo, dl), _mm512_mul_ps(hi, dh))
         }
+    }
+}
+
+/// The 32 f16 values at `p` (a panel's columns) as f32: columns `0..16`, `16..32`.
+///
+/// # Safety
+/// AVX-512F and F16C; 64 readable bytes at `p`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn f16x32(p: *const u8) -> (__m512, __m512) {
+    // SAFETY: as the function says.
+    unsafe {
+        (
+            _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
+            _mm512_cvtph_ps(_mm256_loadu_si256(p.add(32).cast())),
+        )
     }
 }
 
@@ -629,7 +637,7 @@ unsafe fn tile<W: Widen, const R: usize>(
     }
 }
 
-/// The tiles of panels `panels` for every row, eight rows at a time.
+/// The tiles of panels `panels` (`bytes` each) for every row, eight rows at a time.
 ///
 /// # Safety
 /// AVX-512F/BW/VL/DQ and F16C; lengths as [`matmul`] checks them.
@@ -643,10 +651,9 @@ unsafe fn panels_avx512<W: Widen>(
     rows: usize,
     n: usize,
     k: usize,
+    bytes: usize,
     panels: std::ops::Range<usize>,
 ) {
-    let block = if W::BLOCK == 0 { k.max(1) } else { W::BLOCK };
-    let bytes = (W::HEAD + W::LINE * block) * (k / block);
     for p in panels {
         let cols = COLS.min(n - p * COLS);
         // SAFETY: panel p of w lies in it (`matmul` checked its length); rows of x and out
@@ -823,7 +830,6 @@ unsafe fn q4_group<const KIND: u8>(
 ) -> (*const u8, __m512, __m512, __m512, __m512) {
     // SAFETY: as the function says: group b's header and lines lie in the panel.
     unsafe {
-        let f16s = |p: *const u8| _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()));
         let bytes =
             |p: *const u8| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast())));
         if KIND == Q4_K {
@@ -833,20 +839,21 @@ unsafe fn q4_group<const KIND: u8>(
                 sb.add(4 * COLS + g * COLS),
                 sb.add(4 * COLS + (Q4K_GROUPS + g) * COLS),
             );
+            let ((dl, dh), (ml, mh)) = (f16x32(sb), f16x32(sb.add(2 * COLS)));
             let zero = _mm512_setzero_ps();
             return (
                 sb.add(Q4K_HEAD + g * 16 * COLS),
-                _mm512_mul_ps(f16s(sb), bytes(sc)),
-                _mm512_mul_ps(f16s(sb.add(32)), bytes(sc.add(16))),
-                _mm512_sub_ps(zero, _mm512_mul_ps(f16s(sb.add(64)), bytes(m))),
-                _mm512_sub_ps(zero, _mm512_mul_ps(f16s(sb.add(96)), bytes(m.add(16)))),
+                _mm512_mul_ps(dl, bytes(sc)),
+                _mm512_mul_ps(dh, bytes(sc.add(16))),
+                _mm512_sub_ps(zero, _mm512_mul_ps(ml, bytes(m))),
+                _mm512_sub_ps(zero, _mm512_mul_ps(mh, bytes(m.add(16)))),
             );
         }
         let head = if KIND == Q4_1 { 4 * COLS } else { 2 * COLS };
         let blk = w.add(b * (head + 16 * COLS));
-        let (dl, dh) = (f16s(blk), f16s(blk.add(32)));
+        let (dl, dh) = f16x32(blk);
         let (ml, mh) = if KIND == Q4_1 {
-            (f16s(blk.add(64)), f16s(blk.add(96)))
+            f16x32(blk.add(2 * COLS))
         } else {
             let m8 = _mm512_set1_ps(-8.0);
             (_mm512_mul_ps(dl, m8), _mm512_mul_ps(dh, m8))
