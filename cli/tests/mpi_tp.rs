@@ -256,7 +256,9 @@ fn serving_outlasts_idle_time_and_ends_with_an_error_not_a_hang_when_rank_1_dies
         .expect("mpirun: scripts/install-mpi.sh installs Open MPI");
     let health = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
     let t = Instant::now();
-    while http(port, health).is_err() {
+    // Up and loaded: the server answers /health 503 while the model loads (on a loaded CI
+    // machine long enough for a request sent at the first answer to be turned away).
+    while !http(port, health).is_ok_and(|r| r.starts_with("HTTP/1.1 200")) {
         assert!(
             t.elapsed() < Duration::from_secs(60),
             "the server never came up"
