@@ -236,6 +236,26 @@ fn rank_pid(parent: u32, rank: usize) -> Option<u32> {
     })
 }
 
+/// An `mpirun` job that is ended (SIGTERM, which mpirun passes on to its ranks) if the test
+/// fails while it runs: a failed assertion otherwise leaves the ranks serving, spinning beside
+/// the tests that follow.
+struct Job(std::process::Child);
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            // SAFETY: a plain signal to our own child.
+            unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+            let t = Instant::now();
+            while matches!(self.0.try_wait(), Ok(None)) && t.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 #[test]
 fn serving_outlasts_idle_time_and_ends_with_an_error_not_a_hang_when_rank_1_dies() {
     let tmp = tempfile::tempdir().unwrap();
@@ -243,7 +263,7 @@ fn serving_outlasts_idle_time_and_ends_with_an_error_not_a_hang_when_rank_1_dies
     let (port, metrics) = (free_port(), free_port());
     // A collective timeout of 1 s: the follower waits for the next step longer than that while
     // the server is idle, which must not end it.
-    let mut job = std::process::Command::new("mpirun")
+    let mut job = Job(std::process::Command::new("mpirun")
         .args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
         .args(["-x", "MAXC_COMM_TIMEOUT_S"])
         .env("MAXC_COMM_TIMEOUT_S", "1")
@@ -253,7 +273,7 @@ fn serving_outlasts_idle_time_and_ends_with_an_error_not_a_hang_when_rank_1_dies
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .expect("mpirun: scripts/install-mpi.sh installs Open MPI");
+        .expect("mpirun: scripts/install-mpi.sh installs Open MPI"));
     let health = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
     let t = Instant::now();
     // Up and loaded: the server answers /health 503 while the model loads (on a loaded CI
@@ -276,7 +296,7 @@ fn serving_outlasts_idle_time_and_ends_with_an_error_not_a_hang_when_rank_1_dies
     std::thread::sleep(Duration::from_secs(3));
     let served = http(port, &request).unwrap();
     assert!(served.starts_with("HTTP/1.1 200"), "after idling: {served}");
-    let rank1 = rank_pid(job.id(), 1).expect("rank 1 runs under mpirun");
+    let rank1 = rank_pid(job.0.id(), 1).expect("rank 1 runs under mpirun");
     // Health, polled until the server is gone. Once the client has heard its error, health
     // never says 200 again: 503 while rank 0 drains (`mpirun` passes its SIGTERM on to rank 0
     // once it notices rank 1's death), then nothing. Whether a poll lands inside that window
@@ -309,7 +329,7 @@ fn serving_outlasts_idle_time_and_ends_with_an_error_not_a_hang_when_rank_1_dies
     }
     let failed = Instant::now();
     assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
-    while job.try_wait().unwrap().is_none() {
+    while job.0.try_wait().unwrap().is_none() {
         assert!(
             t.elapsed() < Duration::from_secs(60),
             "mpirun did not end the job"
@@ -317,8 +337,17 @@ fn serving_outlasts_idle_time_and_ends_with_an_error_not_a_hang_when_rank_1_dies
         std::thread::sleep(Duration::from_millis(100));
     }
     ended.store(true, std::sync::atomic::Ordering::SeqCst);
-    let out = job.wait_with_output().unwrap();
-    assert!(!out.status.success());
+    // (It has ended: what it wrote fits in its pipes.)
+    let status = job.0.wait().unwrap();
+    assert!(!status.success());
+    let mut stderr = String::new();
+    use std::io::Read;
+    job.0
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
     let seen = poller.join().unwrap();
     let statuses: Vec<&str> = seen.iter().map(|(_, s)| s.as_str()).collect();
     let first_503 = statuses.iter().position(|&s| s == "503");
@@ -330,7 +359,6 @@ fn serving_outlasts_idle_time_and_ends_with_an_error_not_a_hang_when_rank_1_dies
         seen.iter().all(|(asked, s)| s != "200" || *asked < failed),
         "health said 200 after the client heard its error: {statuses:?}"
     );
-    let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         stderr.contains("rank 1") && stderr.contains("signal 9"),
         "{stderr}"
