@@ -140,12 +140,19 @@ pub fn repack(dtype: DType, src: &[u8], dst: &mut [u8], n: usize, k: usize) -> b
                 let from = src.as_ptr().add((p * COLS + c) * row);
                 let to = dst.as_mut_ptr().add(p * panel_bytes);
                 match dtype {
-                    DType::Q4_0 | DType::Q4_1 => {
-                        // Stored blocks: the f16 scale (and offset), then 16 bytes, element
-                        // `e < 16` the low nibble of byte `e`, `16 + e` its high nibble; in
-                        // the panel byte `c` of pair `j` holds `2j` low and `2j + 1` high.
+                    DType::Q4_0 | DType::Q4_1 | DType::Q4K => {
+                        // Stored blocks: the f16 scale (Q4_1's offset, Q4_K's dmin after it;
+                        // Q4_K's 12 bytes of 6-bit group scales and offsets next), then the
+                        // values in runs of `2 half` (16 bytes, Q4_K 32): value `e` of a run
+                        // the low nibble of its byte `e`, from `half` on the high nibble of
+                        // byte `e - half`. In the panel byte `c` of pair `j` holds `2j` low
+                        // and `2j + 1` high.
                         let stored = row / (k / g.block);
-                        let heads = if dtype == DType::Q4_0 { 1 } else { 2 };
+                        let (heads, half, values) = match dtype {
+                            DType::Q4_0 => (1, 16, 2),
+                            DType::Q4_1 => (2, 16, 4),
+                            _ => (2, 32, 16),
+                        };
                         for b in 0..k / g.block {
                             let (from, to) = (from.add(b * stored), to.add(b * g.block_bytes()));
                             for h in 0..heads {
@@ -155,39 +162,18 @@ pub fn repack(dtype: DType, src: &[u8], dst: &mut [u8], n: usize, k: usize) -> b
                                     2,
                                 );
                             }
-                            let qs = from.add(2 * heads);
-                            let q = |e: usize| {
-                                let byte = *qs.add(e % 16);
-                                if e < 16 {
-                                    byte & 0xF
-                                } else {
-                                    byte >> 4
+                            if dtype == DType::Q4K {
+                                let scales = &*from.add(4).cast::<[u8; 12]>();
+                                for grp in 0..Q4K_GROUPS {
+                                    let (sc, m) = maxc_schema::blocks::scale_min_k4(grp, scales);
+                                    *to.add(4 * COLS + grp * COLS + c) = sc;
+                                    *to.add(4 * COLS + (Q4K_GROUPS + grp) * COLS + c) = m;
                                 }
-                            };
-                            for j in 0..g.block / 2 {
-                                *to.add(g.head + j * COLS + c) = q(2 * j) | (q(2 * j + 1) << 4);
                             }
-                        }
-                    }
-                    DType::Q4K => {
-                        // Stored super-blocks: d, dmin, 12 bytes of 6-bit scales and offsets,
-                        // then 128 bytes: value `64c + l` is byte `32c + l`'s low nibble for
-                        // `l < 32`, byte `32c + l - 32`'s high nibble after.
-                        let stored = row / (k / g.block);
-                        for b in 0..k / g.block {
-                            let (from, to) = (from.add(b * stored), to.add(b * g.block_bytes()));
-                            std::ptr::copy_nonoverlapping(from, to.add(2 * c), 2);
-                            std::ptr::copy_nonoverlapping(from.add(2), to.add(2 * COLS + 2 * c), 2);
-                            let scales = &*from.add(4).cast::<[u8; 12]>();
-                            for grp in 0..Q4K_GROUPS {
-                                let (sc, m) = maxc_schema::blocks::scale_min_k4(grp, scales);
-                                *to.add(4 * COLS + grp * COLS + c) = sc;
-                                *to.add(4 * COLS + (Q4K_GROUPS + grp) * COLS + c) = m;
-                            }
-                            let qs = from.add(16);
+                            let qs = from.add(values);
                             let q = |e: usize| {
-                                let byte = *qs.add(e / 64 * 32 + e % 32);
-                                if e % 64 < 32 {
+                                let byte = *qs.add(e / (2 * half) * half + e % half);
+                                if e % (2 * half) < half {
                                     byte & 0xF
                                 } else {
                                     byte >> 4
