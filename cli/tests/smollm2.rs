@@ -176,6 +176,52 @@ fn greedy_generation_matches_the_fixture() {
     }
 }
 
+/// Co-driven decode steps (`MAXC_CODRIVE=always`: the caller and its worker each walk every
+/// step, and `MAXC_CODRIVE_STALL` makes the worker stall in some of its chunks, which the
+/// caller then takes over while the worker writes them again, late) generate the tokens plain
+/// steps do, on the Q4_1 blocks (split matmuls, attention, norms, the KV cache's stores).
+#[test]
+fn co_driven_steps_generate_what_plain_steps_do() {
+    let a = blocks_artifact().to_str().unwrap().to_string();
+    let run = |env: &[(&str, &str)]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_maxc"))
+            .args([
+                "generate",
+                &a,
+                "--prompt",
+                "The capital of France is",
+                "--max-new-tokens",
+                "40",
+                "--ignore-eos",
+                "--json",
+                "--threads",
+                "2",
+            ])
+            .env("MAXC_ADAPT_THREADS", "0")
+            .envs(env.iter().copied())
+            .output()
+            .expect("maxc runs");
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{err}");
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        (json["generated"].clone(), err)
+    };
+    let (plain, err) = run(&[("MAXC_CODRIVE", "0")]);
+    assert!(!err.contains("co-driven"), "{err}");
+    let (co, err) = run(&[("MAXC_CODRIVE", "always"), ("MAXC_CODRIVE_STALL", "3")]);
+    assert_eq!(co, plain);
+    // "N steps co-driven ...; M chunks taken over ..."
+    let counts: Vec<u64> = err
+        .lines()
+        .find(|l| l.contains("steps co-driven"))
+        .unwrap_or_else(|| panic!("no co-driven steps: {err}"))
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    assert!(counts.len() >= 2 && counts[0] >= 39, "{err}");
+    assert!(counts[1] > 0, "no chunk was taken over: {err}");
+}
+
 #[test]
 fn a_wrong_download_is_refused() {
     let tmp = tempfile::tempdir().unwrap();

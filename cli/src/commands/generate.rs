@@ -204,6 +204,14 @@ pub fn run(args: Args) -> Result<()> {
             maxc_runtime::kernels::pool::width(),
             maxc_runtime::kernels::pool::width_changes()
         );
+        let co = maxc_runtime::kernels::pool::codriving();
+        if co.steps > 0 {
+            eprintln!(
+                "maxc generate: {} steps co-driven by the kernels' threads beside busy processes; \
+                 {} chunks taken over from a descheduled thread",
+                co.steps, co.taken_over
+            );
+        }
         let spec = maxc_runtime::kernels::pool::speculation();
         if spec.jobs > 0 {
             eprintln!(

@@ -123,9 +123,9 @@ fn beside_a_busy_thread(x: &[f32]) -> Try {
 
 #[test]
 fn beside_one_busy_process_the_caller_leads_and_its_helper_takes_chunks() {
-    // Leading is off by default (`width.rs`, Leading); this binary's one test turns it on
-    // before the pool starts.
-    std::env::set_var("MAXC_LEAD", "1");
+    // Leading is on by default (`width.rs`, Leading; `MAXC_LEAD=0` turns it off): this
+    // binary's one test makes sure before the pool starts.
+    std::env::remove_var("MAXC_LEAD");
     let max = pool::max_threads();
     if max != 2 || !pool::adapts() {
         eprintln!("skipped: {} (leading is for two threads)", pool::choice());

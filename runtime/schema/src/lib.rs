@@ -108,6 +108,19 @@ pub struct Buffer {
     pub storage: Storage,
 }
 
+impl Buffer {
+    /// Its elements at the step dims `dims`.
+    pub fn elements_at(&self, dims: &[u64; kernel::StepDim::COUNT]) -> u64 {
+        self.shape
+            .iter()
+            .map(|e| match e {
+                Extent::Fixed(n) => *n,
+                Extent::Step(d) => dims[*d as usize],
+            })
+            .product()
+    }
+}
+
 /// A compiled kernel and where its code is.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Kernel {

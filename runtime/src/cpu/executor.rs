@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// f32 storage aligned to 64 bytes.
-struct Aligned {
+pub(super) struct Aligned {
     mem: Memory,
     start: usize,
     len: usize,
@@ -35,7 +35,7 @@ impl Aligned {
     /// Zeroed memory of `bytes` bytes; an error (naming `what`) where it cannot be had. The
     /// memory comes zeroed from the allocator (fresh pages from the system for large sizes), so
     /// it costs no time at load and no resident memory until a step touches it.
-    fn zeroed(bytes: u64, what: &str) -> Result<Self> {
+    pub(super) fn zeroed(bytes: u64, what: &str) -> Result<Self> {
         let len = usize::try_from(bytes.div_ceil(4)).unwrap_or(usize::MAX);
         let cannot =
             || RuntimeError::Target(format!("cannot allocate {bytes} bytes for the {what}"));
@@ -75,7 +75,7 @@ impl Aligned {
         }
     }
 
-    fn ptr(&mut self) -> *mut u8 {
+    pub(super) fn ptr(&mut self) -> *mut u8 {
         self.slice_mut().as_mut_ptr().cast()
     }
 
@@ -178,6 +178,11 @@ pub struct CpuExecutor {
     unstaged: std::collections::BTreeSet<u32>,
     /// The repacked weights, one after another ([`Repack`]).
     _repacked: Option<crate::hugemem::HugeBuf>,
+    /// Co-driven decode steps' buffers, where they run (`codrive.rs`).
+    codrive: Option<super::codrive::Codrive>,
+    /// Each buffer's address in the last step and its rows, where it ran co-driven (its
+    /// outputs are there).
+    codriven_ptrs: Option<(Vec<*mut u8>, usize)>,
 }
 
 // SAFETY: the raw pointers a `CpuExecutor` holds point into its own allocations and into the
@@ -188,6 +193,10 @@ unsafe impl Send for CpuExecutor {}
 
 impl Drop for CpuExecutor {
     fn drop(&mut self) {
+        // A worker may still be inside a co-driven step that its peers finished.
+        if self.codrive.is_some() {
+            pool::drivers_idle();
+        }
         // A helper thread may still be inside a speculative matmul chunk it lost to its caller
         // (`pool::run_speculative`), reading this executor's weights: they outlive it.
         pool::quiesce();
@@ -438,14 +447,7 @@ impl CpuExecutor {
             if b.storage != Storage::Input {
                 continue;
             }
-            let n: u64 = b
-                .shape
-                .iter()
-                .map(|e| match e {
-                    Extent::Fixed(n) => *n,
-                    Extent::Step(d) => bounds[*d as usize],
-                })
-                .product();
+            let n = b.elements_at(&bounds);
             if b.name == "tokens" {
                 tokens = vec![0i64; n as usize];
             } else {
@@ -500,7 +502,12 @@ impl CpuExecutor {
             choices,
             kernels,
             profile: None,
+            codrive: None,
+            codriven_ptrs: None,
         };
+        if CodriveMode::get() != CodriveMode::Off && pool::max_threads() > 1 {
+            exec.codrive = super::codrive::Codrive::new(&exec.program, &exec.tokens, &exec.ints);
+        }
         // Weights read into huge pages before the first step (`MAXC_WEIGHTS=huge`: a server
         // or a benchmark that wants full speed from the first step) are repacked then too.
         if crate::artifact::WeightMemory::for_cpu() == crate::artifact::WeightMemory::HugePages {
@@ -570,14 +577,24 @@ impl CpuExecutor {
         let Storage::Arena { offset } = buf.storage else {
             return None;
         };
-        let base = self.arena.ptr();
-        // SAFETY: the buffer holds `bound × width` f32 at its arena offset (Program::validate
-        // checked it lies in the arena) and `rows` lie below `bound`.
+        let start = match &self.codriven_ptrs {
+            // The last step ran co-driven: its outputs are in its set, which holds the
+            // step's rows.
+            Some((ptrs, step_rows)) => {
+                if rows.end > *step_rows {
+                    return None;
+                }
+                ptrs[*self.program.outputs.get(name)? as usize]
+            }
+            // SAFETY: the buffer holds `bound × width` f32 at its arena offset
+            // (Program::validate checked it lies in the arena).
+            None => unsafe { self.arena.ptr().add(offset as usize) },
+        };
+        // SAFETY: `rows` lie below the rows its memory holds (the bound, or the co-driven
+        // step's rows, checked above).
         let data = unsafe {
             std::slice::from_raw_parts(
-                base.add(offset as usize)
-                    .cast::<f32>()
-                    .add(rows.start * width),
+                start.cast::<f32>().add(rows.start * width),
                 rows.len() * width,
             )
         };
@@ -617,8 +634,29 @@ impl CpuExecutor {
             }
         }
 
-        let ptrs = self.bind()?;
-        let timings = self.run_launches(&ptrs, &dims, step_start)?;
+        let mut ptrs = self.bind()?;
+        // Co-driven (`codrive.rs`) where the pool's threads share their CPUs with other
+        // processes: a leading width of one (its helper co-drives) or a pair.
+        let codriven = self.profile.is_none()
+            && self.comm.is_none()
+            && self.ep.is_none()
+            && match CodriveMode::get() {
+                CodriveMode::Off => false,
+                CodriveMode::Shared => pool::leading() || pool::paired(),
+                CodriveMode::Always => self.threads > 1 || pool::leading(),
+            }
+            && self
+                .codrive
+                .as_mut()
+                .is_some_and(|c| c.ready(&self.program, &self.bounds, &dims));
+        self.codriven_ptrs = None;
+        let timings = if codriven {
+            self.run_codriven(&mut ptrs, &dims)?;
+            self.codriven_ptrs = Some((ptrs.clone(), dims[StepDim::TotalSeqLen as usize] as usize));
+            None
+        } else {
+            self.run_launches(&ptrs, &dims, step_start)?
+        };
         let out = self.program.outputs.get("logits").ok_or_else(|| {
             RuntimeError::artifact(&self.artifact.dir, "the program has no `logits` output")
         })?;
@@ -694,6 +732,7 @@ impl CpuExecutor {
         let Some(r) = self.repack.take() else {
             return;
         };
+        self.drivers_idle();
         let Some((buf, wrote)) = made else {
             tracing::warn!("weights stay as stored: their repacked copy could not be made");
             return;
@@ -740,6 +779,7 @@ impl CpuExecutor {
         let Some(copy) = self.artifact.staged_weights() else {
             return;
         };
+        self.drivers_idle();
         let mapped = self.artifact.weights_bytes().as_ptr_range();
         for (id, p) in self.params.iter_mut() {
             // (A weight left out of the copy, whose repacked copy could not be made, stays
@@ -751,6 +791,81 @@ impl CpuExecutor {
         }
         self.weights_settled = true;
         self.artifact.release_mapped_weights();
+    }
+
+    /// Waits until no thread is inside a co-driven step (before the weights they read move).
+    fn drivers_idle(&self) {
+        if self.codrive.is_some() {
+            pool::drivers_idle();
+        }
+    }
+
+    /// Runs a step co-driven (`codrive.rs`) over `ptrs`, whose arena buffers and inputs move to
+    /// the next set: the caller and the pool's helper (or its pair) each walk its launches.
+    fn run_codriven(&mut self, ptrs: &mut [*mut u8], dims: &[u64; StepDim::COUNT]) -> Result<()> {
+        use std::sync::atomic::AtomicUsize;
+        let exec = self as *const CpuExecutor;
+        // A leading width of one splits its jobs between the caller and its helper.
+        let threads = self.threads.max(2);
+        let exclusive: Arc<[bool]> = (0..self.program.launches.len())
+            .map(|i| !self.codrive_shared(i, dims))
+            .collect();
+        let Some(cd) = self.codrive.as_mut() else {
+            return Ok(());
+        };
+        let set = cd.next_set(&self.program, ptrs, &self.tokens, &self.ints);
+        let st = Arc::new(super::codrive::StepState {
+            exec,
+            ptrs: ptrs.to_vec(),
+            dims: *dims,
+            threads,
+            exclusive,
+            progress: AtomicUsize::new(0),
+            inside: AtomicUsize::new(0),
+            failed: std::sync::Mutex::new(None),
+        });
+        cd.running(set, st.clone());
+        let body = st.clone();
+        pool::drive(Arc::new(move |n, caller| {
+            super::codrive::drive_step(&body, n, caller)
+        }));
+        let failed = st.failed.lock().unwrap_or_else(|e| e.into_inner()).take();
+        match failed {
+            None => Ok(()),
+            Some(super::codrive::Failure::Error(e)) => Err(e),
+            Some(super::codrive::Failure::Panic(p)) => std::panic::resume_unwind(p),
+        }
+    }
+
+    /// Whether launch `i` at `dims` may be shared between a co-driven step's threads: a library
+    /// kernel that writes each output value once from its inputs (`codrive.rs`); the others run
+    /// on the caller alone.
+    fn codrive_shared(&self, i: usize, dims: &[u64; StepDim::COUNT]) -> bool {
+        let launch = &self.program.launches[i];
+        let body = &self.program.kernels[launch.kernel as usize].body;
+        let generated = self.fns[launch.kernel as usize].is_some()
+            && self.generated_fits(launch.kernel as usize, body, dims);
+        if generated {
+            return false;
+        }
+        match body {
+            KernelBody::Matmul { bias: false, .. } => self
+                .params
+                .get(&launch.buffers[1])
+                .is_some_and(|p| p.dtype != DType::F32),
+            #[cfg(target_arch = "x86_64")]
+            KernelBody::Attention { .. } => attention_library() && self.matmul_policy.is_some(),
+            #[cfg(target_arch = "x86_64")]
+            KernelBody::Elementwise { .. } => {
+                self.matmul_policy.is_some() && library_elementwise(body)
+            }
+            _ => false,
+        }
+    }
+
+    /// Steps run co-driven so far (`codrive.rs`).
+    pub fn codriven_steps(&self) -> u64 {
+        self.codrive.as_ref().map_or(0, |c| c.steps())
     }
 
     /// Each buffer's address, in buffer order.
@@ -798,21 +913,9 @@ impl CpuExecutor {
         let mut timings = self.profile.as_ref().map(|_| Vec::new());
         // Matmuls may run as speculative jobs (the weights outlive them: `Drop`).
         let _speculate = pool::allow_speculation();
-        for (i, launch) in self.program.launches.iter().enumerate() {
-            let kernel = &self.program.kernels[launch.kernel as usize];
-            args.clear();
-            args.extend(launch.buffers.iter().map(|&b| ptrs[b as usize]));
+        for i in 0..self.program.launches.len() {
             let t = std::time::Instant::now();
-            let generated = match self.fns[launch.kernel as usize] {
-                Some(f) if self.generated_fits(launch.kernel as usize, &kernel.body, dims) => {
-                    run_generated(f, &kernel.body, &args, dims, self.threads);
-                    true
-                }
-                _ => {
-                    self.run_library(&kernel.body, &launch.buffers, &args, dims)?;
-                    false
-                }
-            };
+            let generated = self.run_launch(i, ptrs, dims, self.threads, &mut args)?;
             if let Some(v) = timings.as_mut() {
                 v.push(LaunchTiming {
                     launch: i,
@@ -823,6 +926,32 @@ impl CpuExecutor {
             }
         }
         Ok(timings)
+    }
+
+    /// Runs launch `i` at `dims` over the buffers at `ptrs`, its jobs split across `threads`
+    /// (`args`: room for its operands); returns whether generated code ran it.
+    pub(super) fn run_launch(
+        &self,
+        i: usize,
+        ptrs: &[*mut u8],
+        dims: &[u64; StepDim::COUNT],
+        threads: usize,
+        args: &mut Vec<*mut u8>,
+    ) -> Result<bool> {
+        let launch = &self.program.launches[i];
+        let kernel = &self.program.kernels[launch.kernel as usize];
+        args.clear();
+        args.extend(launch.buffers.iter().map(|&b| ptrs[b as usize]));
+        Ok(match self.fns[launch.kernel as usize] {
+            Some(f) if self.generated_fits(launch.kernel as usize, &kernel.body, dims) => {
+                run_generated(f, &kernel.body, args, dims, threads);
+                true
+            }
+            _ => {
+                self.run_library(&kernel.body, &launch.buffers, args, dims, threads)?;
+                false
+            }
+        })
     }
 
     /// Runs a program without steps (the `ep_init` program) once, at its bounds, with its
@@ -856,14 +985,7 @@ impl CpuExecutor {
         let mut out = BTreeMap::new();
         for (name, &id) in &self.program.outputs {
             let b = &self.program.buffers[id as usize];
-            let elements: u64 = b
-                .shape
-                .iter()
-                .map(|e| match e {
-                    Extent::Fixed(n) => *n,
-                    Extent::Step(d) => dims[*d as usize],
-                })
-                .product();
+            let elements = b.elements_at(&dims);
             let bytes = b.dtype.bytes_for(elements).unwrap_or(0) as usize;
             out.insert(name.clone(), (ptrs[id as usize], bytes));
         }
@@ -959,6 +1081,7 @@ impl CpuExecutor {
         buffers: &[u32],
         args: &[*mut u8],
         dims: &[u64; StepDim::COUNT],
+        threads: usize,
     ) -> Result<()> {
         let rows_of = |r: &Rows| match r {
             Rows::Step(d) => dims[*d as usize] as usize,
@@ -981,7 +1104,7 @@ impl CpuExecutor {
                         // SAFETY: the weight's mapped bytes, `len` of them.
                         let w = unsafe { std::slice::from_raw_parts(p.ptr, p.len) };
                         match &p.plan {
-                            Some(plan) => plan.run(x, w, out, rows, n, self.threads),
+                            Some(plan) => plan.run(x, w, out, rows, n, threads),
                             None => matmul::matmul(
                                 x,
                                 w,
@@ -990,7 +1113,7 @@ impl CpuExecutor {
                                 rows,
                                 n,
                                 k,
-                                self.threads,
+                                threads,
                                 &self.kernels,
                             ),
                         }
@@ -1151,7 +1274,7 @@ impl CpuExecutor {
                         args[5].cast::<f32>(),
                         &seqs,
                         shape,
-                        self.threads,
+                        threads,
                     )
                 };
             }
@@ -1177,7 +1300,7 @@ impl CpuExecutor {
                 let ins = &ins[..inputs.len()];
                 let out = pool::OutPtr(args[inputs.len()].cast::<f32>());
                 let chunks = if body.work(dims) >= 1 << 16 {
-                    self.threads.min(rows).max(1)
+                    threads.min(rows).max(1)
                 } else {
                     1
                 };
@@ -1221,7 +1344,7 @@ impl CpuExecutor {
                         rows,
                         n,
                         k,
-                        self.threads,
+                        threads,
                         &self.kernels,
                     );
                     for r in 0..rows {
@@ -1758,4 +1881,25 @@ fn run_generated(
         // SAFETY: as above; the slices [start, end) are disjoint.
         unsafe { p.call(f, start, end) };
     });
+}
+
+/// When decode steps run co-driven (`codrive.rs`): `MAXC_CODRIVE=0` never, `always` at every
+/// width above one (for tests and measurements), otherwise where the pool's threads share
+/// their CPUs with other processes (it leads or pairs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CodriveMode {
+    Off,
+    Shared,
+    Always,
+}
+
+impl CodriveMode {
+    fn get() -> Self {
+        static MODE: std::sync::OnceLock<CodriveMode> = std::sync::OnceLock::new();
+        *MODE.get_or_init(|| match std::env::var("MAXC_CODRIVE").as_deref() {
+            Ok("0") => CodriveMode::Off,
+            Ok("always") => CodriveMode::Always,
+            _ => CodriveMode::Shared,
+        })
+    }
 }

@@ -2,6 +2,7 @@
 //! `maxc-kernels` where they beat generated code) and the expert-parallel exchange.
 
 pub mod code;
+mod codrive;
 pub mod ep;
 pub mod executor;
 

@@ -189,7 +189,11 @@ unsafe fn attention_on(
     let mut whole: Vec<(Item, std::ops::Range<usize>)> = Vec::new();
     if items.len() < 2 * threads {
         let keys = |it: &Item| seqs.cache_lengths[it.seq] as usize + 1;
-        let long = single_rows && items.iter().any(|it| keys(it) >= 2 * MIN_SPAN);
+        // (Not in a co-driven step: the spans' partial results are this call's own memory,
+        // which another thread's chunks would not fill.)
+        let long = single_rows
+            && !crate::pool::driving()
+            && items.iter().any(|it| keys(it) >= 2 * MIN_SPAN);
         if long {
             let want = (2 * threads).div_ceil(items.len());
             let ps = shape.page_size();

@@ -27,13 +27,23 @@
 //! processes than the other CPUs hold) becomes two threads pinned to its CPU, whose share of
 //! it is then two threads', and whose steps never wait for another CPU. Prefill steps
 //! ([`WHOLE_WIDTH_ROWS`] rows or more) still take every thread: their launches are long and
-//! split finely, so each thread's share of the CPUs adds to the step's. With `MAXC_LEAD=1`, a
-//! width of one that has its CPU beside busy processes also leads: its first worker, pinned to
-//! the other CPUs, takes chunks of speculative jobs ([`run_speculative`], `spec.rs`), which the
-//! caller takes back rather than waits for (`width.rs`, Leading).
+//! split finely, so each thread's share of the CPUs adds to the step's. A width of one that has
+//! its CPU beside busy processes also leads (`width.rs`, Leading; `MAXC_LEAD=0` turns it off):
+//! its first worker, pinned to the other CPUs, helps.
+//!
+//! Where the threads share their CPUs (a leading width of one, a pair), the executor runs its
+//! decode steps co-driven ([`drive`], `drive.rs`): every thread walks the whole step, a split
+//! launch is one job all of them join, and a thread that finds a chunk held by a descheduled
+//! one computes it itself after a short wait; so the step goes on while any thread has a CPU.
+//! Where the executor cannot (a program of collectives), a leading helper takes chunks of
+//! speculative jobs instead ([`run_speculative`], `spec.rs`), which the caller takes back
+//! rather than waits for.
 
+mod drive;
 mod spec;
 mod width;
+
+pub use drive::{codriving, drive, drivers_idle, driving, enter_launch, leave, Codriving, DriveFn};
 
 pub use spec::{
     allow as allow_speculation, quiesce, run as run_speculative, speculating, speculation, Allow,
@@ -82,6 +92,8 @@ type Job = dyn Fn(usize) + Sync;
 struct Current {
     job: Option<&'static Job>,
     spec: Option<Spec>,
+    /// Whether it is a co-driven step (`drive.rs`), whose body is in [`Shared::drive`].
+    drive: bool,
     epoch: u32,
     chunks: usize,
 }
@@ -122,6 +134,12 @@ struct Shared {
     caller_asleep: std::sync::atomic::AtomicBool,
     /// Each worker's `/proc/<pid>/task/<tid>`, where the controller reads its waits.
     tasks: Mutex<Vec<Option<String>>>,
+    /// The last co-driven step's number and body (`drive.rs`).
+    drive: Mutex<Option<(u64, DriveFn)>>,
+    /// Workers inside a co-driven step's body.
+    driving: AtomicUsize,
+    /// The co-driven job now: its key, claimed and done slots (`drive.rs`).
+    co: AtomicU64,
 }
 
 struct Pool {
@@ -240,6 +258,7 @@ fn pool() -> &'static Pool {
             current: Mutex::new(Current {
                 job: None,
                 spec: None,
+                drive: false,
                 epoch: 0,
                 chunks: 0,
             }),
@@ -252,6 +271,9 @@ fn pool() -> &'static Pool {
             finished: Condvar::new(),
             caller_asleep: std::sync::atomic::AtomicBool::new(false),
             tasks: Mutex::new(Vec::new()),
+            drive: Mutex::new(None),
+            driving: AtomicUsize::new(0),
+            co: drive::idle_word(),
         }));
         let mut workers = 0;
         for w in 0..threads - 1 {
@@ -335,6 +357,7 @@ fn claim_and_run(s: &Shared, cur: Current) {
 }
 
 fn worker(s: &'static Shared, index: usize) {
+    drive::WORKER.with(|w| w.set(true));
     if let Ok(link) = std::fs::read_link("/proc/thread-self") {
         let mut paths = s.tasks.lock().unwrap_or_else(|e| e.into_inner());
         if paths.len() <= index {
@@ -398,6 +421,9 @@ fn worker(s: &'static Shared, index: usize) {
         seen = epoch;
         let cur = *s.current.lock().unwrap_or_else(|e| e.into_inner());
         match cur.spec {
+            None if cur.drive && (in_width() || (index == 0 && s.lead.load(Ordering::Acquire))) => {
+                drive::join(s)
+            }
             Some(spec) => spec::help(s, cur, spec),
             None if in_width() => claim_and_run(s, cur),
             None => {}
@@ -546,8 +572,12 @@ pub fn run<'a>(chunks: usize, f: &'a (dyn Fn(usize) + Sync + 'a)) {
         (0..chunks).for_each(f);
         return;
     }
-    let _one = p.caller.lock().unwrap_or_else(|e| e.into_inner());
     let s = p.shared;
+    if let Some(key) = drive::next_key() {
+        drive::run(s, key, chunks, f);
+        return;
+    }
+    let _one = p.caller.lock().unwrap_or_else(|e| e.into_inner());
     // SAFETY: only the lifetime is erased; a worker calls the job only after claiming one of
     // its chunks (a compare-and-swap that checks this job's epoch), and this call returns only
     // after every chunk is done, so no call outlives `f`.
@@ -557,6 +587,7 @@ pub fn run<'a>(chunks: usize, f: &'a (dyn Fn(usize) + Sync + 'a)) {
     let cur = Current {
         job: Some(job),
         spec: None,
+        drive: false,
         epoch,
         chunks,
     };
@@ -607,6 +638,20 @@ pub fn run<'a>(chunks: usize, f: &'a (dyn Fn(usize) + Sync + 'a)) {
     let panic = s.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
     if let Some(p) = panic {
         std::panic::resume_unwind(p);
+    }
+}
+
+/// Spins until `done()` says so, yielding the CPU every `every` looks (the thread waited for
+/// may need this one's CPU).
+pub fn spin_until(every: u32, done: impl Fn() -> bool) {
+    let mut spins = 0u32;
+    while !done() {
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(every) {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
     }
 }
 

@@ -124,21 +124,14 @@ impl Drop for Allow {
 pub fn speculating() -> bool {
     ALLOWED.with(|a| a.get())
         && !IN_JOB.with(|j| j.get())
+        && !super::drive::driving()
         && pool().shared.lead.load(Ordering::Acquire)
 }
 
 /// Waits until no helper is inside a speculative job: after it, memory that finished jobs read
 /// (their weights) may be freed.
 pub fn quiesce() {
-    let mut spins = 0u32;
-    while SPECULATING.load(Ordering::SeqCst) > 0 {
-        spins = spins.wrapping_add(1);
-        if spins.is_multiple_of(16) {
-            std::thread::yield_now();
-        } else {
-            std::hint::spin_loop();
-        }
-    }
+    super::spin_until(16, || SPECULATING.load(Ordering::SeqCst) == 0);
 }
 
 /// Runs `spec` in `chunks` chunks (at most 64) on the calling thread and, where the
@@ -167,6 +160,7 @@ pub fn run(chunks: usize, spec: &Spec) {
     *s.current.lock().unwrap_or_else(|e| e.into_inner()) = Current {
         job: None,
         spec: Some(*spec),
+        drive: false,
         epoch,
         chunks,
     };

@@ -73,21 +73,19 @@ pub(super) enum Place {
 /// - **Leading.** A width of one whose thread has its CPU (at least [`LEAD_ABOVE`] of it) while
 ///   no CPU stands idle runs beside busy processes on the other CPUs, which its second thread
 ///   would share. That thread becomes a helper: the caller is pinned to its CPU, the helper to
-///   the others, and the step's block matmuls run as speculative jobs (`spec.rs`), whose chunks
-///   the helper takes while it runs and the caller takes back when it is descheduled; the rest
-///   of the step runs on the caller. It ends, unpinned, when the caller waits for its CPU
-///   (less than [`PAIR_BELOW`] of it: the width of one judges again, and may pair), or when the
-///   helper has a CPU of its own again (the width widens).
+///   the others, and the executor runs its decode steps co-driven by both (`drive.rs`: each
+///   walks the step, a chunk the helper holds when it is descheduled the caller computes
+///   itself), or, where it cannot, runs the block matmuls as speculative jobs (`spec.rs`). It
+///   ends, unpinned, when the caller waits for its CPU (less than [`PAIR_BELOW`] of it: the
+///   width of one judges again, and may pair), or when the helper has a CPU of its own again
+///   (the width widens). `MAXC_LEAD=0` turns it off.
 ///
-///   Leading is off unless `MAXC_LEAD=1`. On 2 cores with the threads pinned by hand where it
-///   wants them (the busy process pinned beside the helper), a block matmul ran 1.3-1.4x as
-///   fast as on one thread (the helper computing 27-33% of its chunks). In `maxc generate`
-///   beside one unpinned busy process it gained nothing beyond the noise: in two sets of
-///   interleaved runs (12 and 20 pairs) the medians were 101.9 and 104.4 tokens/s leading,
-///   95.6 and 104.5 not. With both threads pinned, the only
-///   task the kernel's balancer can move is the busy process, and it keeps moving it between
-///   the two CPUs (onto the caller's as often as a few times a second), so the caller spends
-///   much of the time sharing its CPU or moving.
+///   With speculative matmuls alone it gained nothing beyond the noise (medians of 101.9 and
+///   104.4 tokens/s leading against 95.6 and 104.5 not, SmolLM2 Q4_1 beside one busy process):
+///   the rest of the step ran on the caller, and the helper's part was at most the block
+///   matmuls. Co-driven, beside one busy process started afresh before each run (2-core Intel
+///   guest, 64 greedy tokens): 134-172 tokens/s over 17 runs against 125-149 over 6 for the
+///   width of one (quiet: about 238 on two threads, 137 on one).
 pub(super) struct Adapt {
     max: usize,
     /// The window's start, and the waits then: the caller's (by its thread) and the workers'.
@@ -111,7 +109,7 @@ pub(super) struct Adapt {
     pair_votes: u32,
     /// Whether a width of one leads, its helper on the other CPUs (see Leading above).
     pub(super) lead: bool,
-    /// Whether the pool never leads: leading is off (without `MAXC_LEAD=1`), or it failed to
+    /// Whether the pool never leads: leading is off (`MAXC_LEAD=0`), or it failed to
     /// pin its threads (it is not tried again).
     pub(super) no_lead: bool,
     /// The helper's wait when the window started, while leading.
@@ -225,7 +223,7 @@ impl Adapt {
             paired: false,
             pair_votes: 0,
             lead: false,
-            no_lead: !std::env::var("MAXC_LEAD").is_ok_and(|v| v == "1"),
+            no_lead: std::env::var("MAXC_LEAD").is_ok_and(|v| v == "0"),
             helper: None,
             least: None,
             lead_cpu: None,
@@ -745,7 +743,7 @@ mod tests {
         a.no_lead = false;
         assert_eq!(a.decide(1, 0.97, Idle::Cpus(0.8), ms(0)), 2);
         assert!(!a.lead);
-        // Never where leading is off (without `MAXC_LEAD=1`, or where pinning failed).
+        // Never where leading is off (`MAXC_LEAD=0`, or where pinning failed).
         let mut a = Adapt::new(2);
         a.no_lead = true;
         a.least = Some((1.0, Some(0)));
