@@ -136,11 +136,6 @@ impl Codrive {
         })
     }
 
-    /// Steps run co-driven so far.
-    pub fn steps(&self) -> u64 {
-        self.step
-    }
-
     /// Readies the sets for a step at `dims` (within the program's `bounds`): `false` where
     /// the step is too large to run co-driven or the memory cannot be had.
     pub fn ready(

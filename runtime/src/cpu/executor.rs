@@ -863,11 +863,6 @@ impl CpuExecutor {
         }
     }
 
-    /// Steps run co-driven so far (`codrive.rs`).
-    pub fn codriven_steps(&self) -> u64 {
-        self.codrive.as_ref().map_or(0, |c| c.steps())
-    }
-
     /// Each buffer's address, in buffer order.
     fn bind(&mut self) -> Result<Vec<*mut u8>> {
         let arena = self.arena.ptr();
