@@ -125,6 +125,54 @@ impl RoleInfo {
     }
 }
 
+/// A step whose launches every thread of a loop of co-driven steps walks
+/// (`maxc_kernels::pool::drive_loop`): begun by [`StepExecutor::begin`], ended by
+/// [`StepExecutor::finish`] once done.
+pub trait StepWalk: Send + Sync {
+    /// Computes the step's launches not yet done on this thread, joined with the others' walks;
+    /// returns once every launch is done (by some thread) or one failed.
+    fn walk(&self);
+    /// Whether every launch is done (or one failed).
+    fn done(&self) -> bool;
+}
+
+/// Runs `part` on the calling thread and on the CPU executor's helper threads at once, each
+/// calling it once (`true` on the calling thread): the threads of a loop of co-driven steps,
+/// any of which begins the next step ([`StepExecutor::begin`]) and all of which walk it.
+/// Returns once the calling thread's part has returned and no other thread is inside `part`.
+/// Inside `part`, work outside a step's launches runs on its thread alone.
+pub fn drive_loop(part: &(dyn Fn(bool) + Sync)) {
+    /// `part`'s address for the pool's threads (`'static` by erasure).
+    struct Part(*const (dyn Fn(bool) + Sync + 'static));
+    // SAFETY: `part` is `Sync`; the pointer is used only until `drivers_idle` returns, below.
+    unsafe impl Send for Part {}
+    unsafe impl Sync for Part {}
+    impl Part {
+        fn get(&self) -> *const (dyn Fn(bool) + Sync + 'static) {
+            self.0
+        }
+    }
+    // SAFETY: only the lifetime is erased; every thread has left `part` when this returns.
+    let ptr = Part(unsafe {
+        std::mem::transmute::<
+            *const (dyn Fn(bool) + Sync + '_),
+            *const (dyn Fn(bool) + Sync + 'static),
+        >(part)
+    });
+    /// Waits for the pool's threads to leave `part` (also where the caller's part panicked).
+    struct Leave;
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            maxc_kernels::pool::drivers_idle();
+        }
+    }
+    let _leave = Leave;
+    maxc_kernels::pool::drive_loop(Arc::new(move |_, owner| {
+        // SAFETY: see `Part`.
+        unsafe { (*ptr.get())(owner) }
+    }));
+}
+
 /// Runs whole steps of one role: what the scheduler needs of an executor. [`Engine`] is the
 /// real one; the scheduler's tests drive it with fakes.
 pub trait StepExecutor: Send {
@@ -135,6 +183,26 @@ pub trait StepExecutor: Send {
     /// [`StepInputs::logit_indices`]). A step that fails leaves the KV cache's contents
     /// for the step's rows undefined: its caller rolls the step back.
     fn execute(&mut self, inputs: &StepInputs) -> Result<Logits>;
+
+    /// Whether decode steps now run co-driven, in a loop of steps any of whose threads begins
+    /// the next ([`StepExecutor::begin`]): where the executor's threads share their CPUs with
+    /// other processes.
+    fn loops(&self) -> bool {
+        false
+    }
+
+    /// Begins a step (as [`StepExecutor::execute`] runs one) whose launches the threads of a
+    /// loop of co-driven steps walk, where this executor runs it so now; `None` where it does
+    /// not (the caller then runs it with `execute`). Called inside the loop's body, on any of
+    /// its threads.
+    fn begin(&mut self, _inputs: &StepInputs) -> Result<Option<std::sync::Arc<dyn StepWalk>>> {
+        Ok(None)
+    }
+
+    /// Ends the step [`StepExecutor::begin`] began, once its walk is done: its logit rows.
+    fn finish(&mut self) -> Result<Logits> {
+        Err(RuntimeError::Input("this executor begins no steps".into()))
+    }
 
     /// Rows `rows` of the last step's final hidden states (`[width]` each, the decoder's
     /// `hidden_states` output), for embeddings; `None` where the executor or program has none.
@@ -565,6 +633,25 @@ impl StepExecutor for Engine {
     }
     fn execute(&mut self, inputs: &StepInputs) -> Result<Logits> {
         self.run_step(inputs)
+    }
+    fn loops(&self) -> bool {
+        match &self.exec {
+            Executor::Cpu(e) => self.peers.is_empty() && !self.remote && e.loops(),
+            Executor::Cuda(_) => false,
+        }
+    }
+    fn begin(&mut self, inputs: &StepInputs) -> Result<Option<std::sync::Arc<dyn StepWalk>>> {
+        match &mut self.exec {
+            // (Tensor-parallel ranks run each step in lockstep on threads of their own.)
+            Executor::Cpu(e) if self.peers.is_empty() && !self.remote => e.begin(inputs),
+            _ => Ok(None),
+        }
+    }
+    fn finish(&mut self) -> Result<Logits> {
+        match &mut self.exec {
+            Executor::Cpu(e) => e.finish(),
+            Executor::Cuda(_) => Err(RuntimeError::Input("no step was begun".into())),
+        }
     }
     fn hidden_states(&mut self, rows: std::ops::Range<usize>) -> Option<Vec<f32>> {
         match &mut self.exec {

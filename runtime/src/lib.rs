@@ -22,7 +22,7 @@ pub mod session;
 pub mod signature;
 
 pub use artifact::Artifact;
-pub use engine::{Engine, RoleInfo, StepExecutor};
+pub use engine::{Engine, RoleInfo, StepExecutor, StepWalk};
 pub use error::{Result, RuntimeError};
 pub use logits::Logits;
 pub use maxc_kernels as kernels;

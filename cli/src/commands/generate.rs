@@ -206,10 +206,12 @@ pub fn run(args: Args) -> Result<()> {
         );
         let co = maxc_runtime::kernels::pool::codriving();
         if co.steps > 0 {
+            let (_, helpers) = maxc_serve::scheduler::loop_steps();
             eprintln!(
-                "maxc generate: {} steps co-driven by the kernels' threads beside busy processes; \
-                 {} chunks taken over from a descheduled thread",
-                co.steps, co.taken_over
+                "maxc generate: {} steps co-driven by the kernels' threads beside busy processes \
+                 ({} begun by a helper while this thread waited for a CPU); {} chunks taken \
+                 over from a descheduled thread",
+                co.steps, helpers, co.taken_over
             );
         }
         let spec = maxc_runtime::kernels::pool::speculation();

@@ -155,3 +155,94 @@ fn a_stalled_thread_holds_up_no_co_driven_step_and_every_chunk_lands() {
     assert!(after.steps >= before.steps + 6, "{after:?}");
     pool::drivers_idle();
 }
+
+#[test]
+fn a_loop_of_steps_goes_on_on_a_worker_while_its_caller_stalls() {
+    // A loop's body (`pool::drive_loop`) runs on the caller and the worker; either begins the
+    // next step (here: the first to find the step done takes a turn and numbers the next).
+    // The caller stalls between its steps, as a descheduled thread would: the worker goes on.
+    start();
+    if pool::max_threads() < 2 {
+        return;
+    }
+    const STEPS: usize = 30;
+    let begun_by = [AtomicUsize::new(0), AtomicUsize::new(0)];
+    let turn = std::sync::Mutex::new(0usize);
+    // The step being walked: its number and its outputs.
+    let current: std::sync::Mutex<Option<(u64, Arc<Vec<AtomicU32>>)>> = std::sync::Mutex::new(None);
+    let end = AtomicBool::new(false);
+    let split_inline = AtomicUsize::new(0);
+    let part = |owner: bool| {
+        while !end.load(Ordering::Acquire) {
+            let step = current.lock().unwrap().clone();
+            let mut done = true;
+            if let Some((n, out)) = &step {
+                for l in 0..8 {
+                    pool::enter_launch(*n, l);
+                    pool::run(CHUNKS, &|c| {
+                        std::hint::black_box(busy_work(2000));
+                        out[l * CHUNKS + c].store(value(*n, l, c), Ordering::Release);
+                    });
+                }
+                pool::leave();
+                done = out.iter().all(|v| v.load(Ordering::Acquire) != 0);
+            }
+            if !done {
+                continue;
+            }
+            if owner {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            let Ok(mut steps) = turn.try_lock() else {
+                std::hint::spin_loop();
+                continue;
+            };
+            let mut cur = current.lock().unwrap();
+            if cur.as_ref().map(|(n, _)| *n) != step.as_ref().map(|(n, _)| *n) {
+                // Another thread began a step meanwhile: walk it.
+                continue;
+            }
+            if let Some((n, out)) = cur.as_ref() {
+                for (i, v) in out.iter().enumerate() {
+                    assert_eq!(v.load(Ordering::Acquire), value(*n, i / CHUNKS, i % CHUNKS));
+                }
+            }
+            // Work split outside a launch runs on this thread alone (no other joins it, and
+            // it does not wait for the pool).
+            let me = std::thread::current().id();
+            pool::run(4, &|_| {
+                assert_eq!(std::thread::current().id(), me);
+                split_inline.fetch_add(1, Ordering::Relaxed);
+            });
+            if *steps == STEPS {
+                end.store(true, Ordering::Release);
+                return;
+            }
+            *steps += 1;
+            begun_by[usize::from(!owner)].fetch_add(1, Ordering::Relaxed);
+            let n = pool::step_number();
+            if let Some((before, _)) = cur.as_ref() {
+                assert!(n > *before, "step {n} after {before}");
+            }
+            *cur = Some((
+                n,
+                Arc::new((0..8 * CHUNKS).map(|_| AtomicU32::new(0)).collect()),
+            ));
+        }
+    };
+    let part: &(dyn Fn(bool) + Sync) = &part;
+    // SAFETY (of the erasure): every thread has left `part` when `drivers_idle` returns.
+    let part: &'static (dyn Fn(bool) + Sync) = unsafe { std::mem::transmute(part) };
+    pool::drive_loop(Arc::new(move |_, owner| part(owner)));
+    pool::drivers_idle();
+    let (mine, workers) = (
+        begun_by[0].load(Ordering::Relaxed),
+        begun_by[1].load(Ordering::Relaxed),
+    );
+    assert_eq!(mine + workers, STEPS);
+    assert!(
+        workers > 0,
+        "the worker began no step while the caller stalled"
+    );
+    assert_eq!(split_inline.load(Ordering::Relaxed), 4 * (STEPS + 1));
+}

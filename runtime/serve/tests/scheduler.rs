@@ -263,6 +263,20 @@ fn prompts(n: usize, len: usize) -> Vec<Vec<i64>> {
         .collect()
 }
 
+/// Each prompt of `ps` got the `max` tokens it gets alone, and finished at that length.
+fn each_alone_to_its_length(ps: &[Vec<i64>], out: &[Outcome], max: usize) {
+    for (p, o) in ps.iter().zip(out) {
+        assert_eq!(o.tokens, alone(p, max));
+        assert!(matches!(
+            o.end,
+            Some(Event::Finished {
+                reason: FinishReason::Length,
+                ..
+            })
+        ));
+    }
+}
+
 fn idle(kv: &KvCache) -> bool {
     let p = kv.pages();
     p.free_pages() + kv.cached_only_pages() == p.total_pages() && p.is_empty()
@@ -279,16 +293,7 @@ fn batched_requests_get_exactly_their_tokens_alone() {
     let mut rx: Vec<_> = ps.iter().map(|p| submit(&mut s, p.clone(), 12)).collect();
     let (out, preempted) = drain(&mut s, &mut rx, 500);
     assert_eq!(preempted, 0);
-    for (p, o) in ps.iter().zip(&out) {
-        assert_eq!(o.tokens, alone(p, 12));
-        assert!(matches!(
-            o.end,
-            Some(Event::Finished {
-                reason: FinishReason::Length,
-                ..
-            })
-        ));
-    }
+    each_alone_to_its_length(&ps, &out, 12);
     assert!(idle(s.kv()));
 }
 
@@ -717,4 +722,102 @@ fn a_preempted_prompt_is_scored_once() {
     // 8 or 11 pages of 4 tokens: six requests of 17 to 21 + 6 tokens do not fit at once.
     assert!(score_beside_plain_requests(8, 5) > 0);
     assert!(score_beside_plain_requests(11, 5) > 0);
+}
+
+/// The fake run in loops of co-driven steps: `begin` computes a step (as `execute` does) and
+/// its walk stalls the loop's owner now and then, as a descheduled thread would, so that the
+/// pool's worker ends steps and begins the next.
+struct Looping {
+    inner: Fake,
+    owner: std::thread::ThreadId,
+    logits: Option<Result<Logits>>,
+    begun: usize,
+}
+
+struct Walk {
+    owner: std::thread::ThreadId,
+    stall: bool,
+}
+
+impl maxc_runtime::StepWalk for Walk {
+    fn walk(&self) {
+        if self.stall && std::thread::current().id() == self.owner {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+    fn done(&self) -> bool {
+        true
+    }
+}
+
+impl StepExecutor for Looping {
+    fn info(&self) -> &RoleInfo {
+        &self.inner.info
+    }
+    fn execute(&mut self, s: &StepInputs) -> Result<Logits> {
+        self.inner.execute(s)
+    }
+    fn loops(&self) -> bool {
+        true
+    }
+    fn begin(&mut self, s: &StepInputs) -> Result<Option<Arc<dyn maxc_runtime::StepWalk>>> {
+        assert!(
+            self.logits.is_none(),
+            "a step begun before the last one ended"
+        );
+        self.logits = Some(self.inner.execute(s));
+        self.begun += 1;
+        Ok(Some(Arc::new(Walk {
+            owner: self.owner,
+            stall: self.begun.is_multiple_of(2),
+        })))
+    }
+    fn finish(&mut self) -> Result<Logits> {
+        self.logits.take().expect("a step begun")
+    }
+}
+
+#[test]
+fn a_loop_of_co_driven_steps_that_either_thread_advances_gets_every_request_its_tokens() {
+    maxc_runtime::kernels::pool::set_threads(2);
+    let exec = Looping {
+        inner: Fake::new(128, 64, 4, 1),
+        owner: std::thread::current().id(),
+        logits: None,
+        begun: 0,
+    };
+    let mut s = Scheduler::new(exec, config(4, 32), Arc::new(Metrics::new()));
+    assert!(s.loops());
+    let ps = prompts(9, 6);
+    let mut rx: Vec<_> = ps.iter().map(|p| submit(&mut s, p.clone(), 12)).collect();
+    let mut out: Vec<Outcome> = rx.iter().map(|_| Outcome::default()).collect();
+    let (mine, workers) = maxc_serve::scheduler::loop_steps();
+    let mut turns = 0;
+    while s.has_work() {
+        // Between steps, on whichever thread ends one: the cache holds, and events arrive.
+        s.run_loop(&mut |s| {
+            turns += 1;
+            assert_eq!(s.kv().audit(), Ok(()));
+            for (r, o) in rx.iter_mut().zip(&mut out) {
+                collect(r, o);
+            }
+            turns < 1000
+        });
+    }
+    for (r, o) in rx.iter_mut().zip(&mut out) {
+        collect(r, o);
+    }
+    each_alone_to_its_length(&ps, &out, 12);
+    assert!(idle(s.kv()));
+    let (mine, workers) = {
+        let (m, w) = maxc_serve::scheduler::loop_steps();
+        (m - mine, w - workers)
+    };
+    assert!(
+        mine + workers > 10,
+        "{mine} + {workers} steps begun in loops"
+    );
+    if maxc_runtime::kernels::pool::max_threads() >= 2 {
+        assert!(workers > 0, "the pool's worker began no step");
+    }
 }

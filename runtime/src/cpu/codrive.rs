@@ -14,10 +14,10 @@
 //! results are per-call memory, is off in a co-driven step) and its elementwise rows. Every
 //! other launch (generated code, the KV cache's stores, f32 GEMMs, which accumulate into their
 //! output across blocks of `k`, a bias added in place, a gather scaled in place, MoE) is
-//! *exclusive*: the caller computes it alone and the helper waits for it.
+//! *exclusive*: the first driver to reach it computes it alone, and the others wait for it.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::schema::{KernelBody, Program, StepDim, Storage};
@@ -38,12 +38,17 @@ pub(super) fn possible(program: &Program) -> bool {
 /// A co-driven step, shared by its drivers.
 pub(super) struct StepState {
     pub exec: *const super::CpuExecutor,
+    /// Its number among co-driven steps (`maxc_kernels::pool::enter_launch`), given under the
+    /// pool's caller lock: by `pool::drive` to its body, or `pool::step_number` inside a loop.
+    pub drive: AtomicU64,
     pub ptrs: Vec<*mut u8>,
     pub dims: [u64; StepDim::COUNT],
     pub threads: usize,
     pub exclusive: Arc<[bool]>,
     /// Launches done (every launch below it).
     pub progress: AtomicUsize,
+    /// One past the last exclusive launch a driver has claimed.
+    pub claimed: AtomicUsize,
     /// Drivers inside the step.
     pub inside: AtomicUsize,
     /// The first error or panic a launch gave (the step then ends: every driver leaves it).
@@ -210,16 +215,23 @@ impl Codrive {
         set
     }
 
+    /// Waits until no thread is inside a step run on either set.
+    pub fn steps_idle(&self) {
+        self.last.iter().flatten().for_each(|st| st.wait_empty());
+    }
+
     /// Records `st` as the step running on `set`.
     pub fn running(&mut self, set: usize, st: Arc<StepState>) {
         self.last[set] = Some(st);
     }
 }
 
-/// One driver's walk of a co-driven step (`caller`: the thread that runs the step, which
-/// alone computes its exclusive launches; a helper waits for those): every launch not yet done,
-/// in order. A launch that fails ends the step for every driver (the caller reports it).
-pub(super) fn drive_step(st: &StepState, drive: u64, caller: bool) {
+/// One driver's walk of a co-driven step: every launch not yet done, in order. An exclusive
+/// launch runs on the first driver to reach it (the others wait for it): no driver waits for
+/// a descheduled one at an exclusive launch it could run itself, and a loop of steps
+/// (`maxc_kernels::pool::drive_loop`) goes on on whichever thread has a CPU. A launch that
+/// fails ends the step for every driver (the step's owner reports it).
+pub(super) fn drive_step(st: &StepState) {
     st.inside.fetch_add(1, Ordering::AcqRel);
     // SAFETY: the executor outlives its steps' drivers (`StepState`).
     let exec = unsafe { &*st.exec };
@@ -229,11 +241,17 @@ pub(super) fn drive_step(st: &StepState, drive: u64, caller: bool) {
         if st.progress.load(Ordering::Acquire) > i {
             continue;
         }
-        if st.exclusive[i] && !caller {
-            maxc_kernels::pool::spin_until(64, || st.progress.load(Ordering::Acquire) > i);
+        // Every launch before this one is done (this thread ran it, joined it until every
+        // chunk was, or waited for it), so the first thread here may run an exclusive one.
+        if st.exclusive[i] && st.claimed.fetch_max(i + 1, Ordering::AcqRel) > i {
+            let mut spins = 0u32;
+            while st.progress.load(Ordering::Acquire) <= i {
+                spins = spins.wrapping_add(1);
+                maxc_kernels::pool::pause(spins, 64);
+            }
             continue;
         }
-        maxc_kernels::pool::enter_launch(drive, i);
+        maxc_kernels::pool::enter_launch(st.drive.load(Ordering::Acquire), i);
         let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             exec.run_launch(i, &st.ptrs, &st.dims, st.threads, &mut args)
         }));
@@ -254,4 +272,13 @@ pub(super) fn drive_step(st: &StepState, drive: u64, caller: bool) {
     }
     maxc_kernels::pool::leave();
     st.inside.fetch_sub(1, Ordering::AcqRel);
+}
+
+impl crate::engine::StepWalk for StepState {
+    fn walk(&self) {
+        drive_step(self);
+    }
+    fn done(&self) -> bool {
+        self.progress.load(Ordering::Acquire) >= self.exclusive.len()
+    }
 }

@@ -183,7 +183,18 @@ pub struct CpuExecutor {
     /// Each buffer's address in the last step and its rows, where it ran co-driven (its
     /// outputs are there).
     codriven_ptrs: Option<(Vec<*mut u8>, usize)>,
+    /// The step [`CpuExecutor::begin`] began: its buffers' addresses, its dims, its drivers'
+    /// state and when it began.
+    begun: Option<Begun>,
 }
+
+/// A step begun for a loop of co-driven steps, not yet finished.
+type Begun = (
+    Vec<*mut u8>,
+    [u64; StepDim::COUNT],
+    Arc<super::codrive::StepState>,
+    std::time::Instant,
+);
 
 // SAFETY: the raw pointers a `CpuExecutor` holds point into its own allocations and into the
 // weights of the `Arc<Artifact>` it owns (its map or its huge-page copy, both read-only and
@@ -194,9 +205,7 @@ unsafe impl Send for CpuExecutor {}
 impl Drop for CpuExecutor {
     fn drop(&mut self) {
         // A worker may still be inside a co-driven step that its peers finished.
-        if self.codrive.is_some() {
-            pool::drivers_idle();
-        }
+        self.drivers_idle();
         // A helper thread may still be inside a speculative matmul chunk it lost to its caller
         // (`pool::run_speculative`), reading this executor's weights: they outlive it.
         pool::quiesce();
@@ -504,6 +513,7 @@ impl CpuExecutor {
             profile: None,
             codrive: None,
             codriven_ptrs: None,
+            begun: None,
         };
         if CodriveMode::get() != CodriveMode::Off && pool::max_threads() > 1 {
             exec.codrive = super::codrive::Codrive::new(&exec.program, &exec.tokens, &exec.ints);
@@ -604,6 +614,57 @@ impl CpuExecutor {
     /// Runs one step and returns the `logits` output.
     pub fn execute(&mut self, s: &StepInputs) -> Result<Logits> {
         let dims = s.checked_dims(&self.limits)?;
+        self.before_step(&dims);
+        let step_start = std::time::Instant::now();
+        let mut ptrs = self.bind_step(s)?;
+        // Co-driven (`codrive.rs`) where the pool's threads share their CPUs with other
+        // processes (`CpuExecutor::loops`).
+        let timings = if self.codrives(&dims) {
+            let st = self.start_codriven(&mut ptrs, &dims);
+            let body = st.clone();
+            pool::drive(Arc::new(move |n, _| {
+                // (Numbered under the pool's caller lock: steps of several callers take turns,
+                // and a later step's keys must be later.)
+                body.drive.store(n, std::sync::atomic::Ordering::Release);
+                super::codrive::drive_step(&body)
+            }));
+            self.codriven_failure(&st)?;
+            None
+        } else {
+            self.run_launches(&ptrs, &dims, step_start)?
+        };
+        self.step_output(&ptrs, &dims, timings, step_start, Some(s))
+    }
+
+    /// Begins a step whose launches the threads of a loop of co-driven steps walk
+    /// (`maxc_kernels::pool::drive_loop`), where this step runs co-driven; `None` where it
+    /// does not (then [`CpuExecutor::execute`] runs it). [`CpuExecutor::finish`] ends it.
+    pub fn begin(&mut self, s: &StepInputs) -> Result<Option<Arc<dyn crate::engine::StepWalk>>> {
+        let dims = s.checked_dims(&self.limits)?;
+        self.before_step(&dims);
+        if !self.codrives(&dims) {
+            return Ok(None);
+        }
+        let mut ptrs = self.bind_step(s)?;
+        let st = self.start_codriven(&mut ptrs, &dims);
+        // (Inside the loop, which holds the pool's caller lock.)
+        st.drive
+            .store(pool::step_number(), std::sync::atomic::Ordering::Release);
+        self.begun = Some((ptrs, dims, st.clone(), std::time::Instant::now()));
+        Ok(Some(st))
+    }
+
+    /// Ends the step [`CpuExecutor::begin`] began, once its walk is done: the `logits` output.
+    pub fn finish(&mut self) -> Result<Logits> {
+        let Some((ptrs, dims, st, start)) = self.begun.take() else {
+            return Err(RuntimeError::Input("no step was begun".into()));
+        };
+        self.codriven_failure(&st)?;
+        self.step_output(&ptrs, &dims, None, start, None)
+    }
+
+    /// What every step does before its launches: settles the weights, and sets the width.
+    fn before_step(&mut self, dims: &[u64; StepDim::COUNT]) {
         // Panels give other roundings than the stored rows: the first step reads the rows, every
         // later one the panels (this one waits for them), so that the same steps give the same
         // logits whatever the repack's pace.
@@ -615,7 +676,10 @@ impl CpuExecutor {
         // take every thread); it changes only here, between steps, so every launch of a step
         // splits alike.
         self.threads = pool::between_steps(dims[StepDim::TotalSeqLen as usize] as usize);
-        let step_start = std::time::Instant::now();
+    }
+
+    /// Fills the step's inputs from `s` and returns each buffer's address.
+    fn bind_step(&mut self, s: &StepInputs) -> Result<Vec<*mut u8>> {
         fill(&mut self.tokens, &s.tokens);
         let context = s.context_lengths();
         for (name, v) in [
@@ -633,30 +697,45 @@ impl CpuExecutor {
                 fill(buf, s.lookup_table(g));
             }
         }
+        self.codriven_ptrs = None;
+        self.bind()
+    }
 
-        let mut ptrs = self.bind()?;
-        // Co-driven (`codrive.rs`) where the pool's threads share their CPUs with other
-        // processes: a leading width of one (its helper co-drives) or a pair.
-        let codriven = self.profile.is_none()
+    /// Whether decode steps run co-driven now (`codrive.rs`), in loops of steps that any of the
+    /// pool's threads begins: where those threads share their CPUs with other processes (a
+    /// width of two sharing them, a leading width of one whose helper co-drives, or a pair).
+    pub fn loops(&self) -> bool {
+        self.codrive.is_some()
+            && self.profile.is_none()
             && self.comm.is_none()
             && self.ep.is_none()
             && match CodriveMode::get() {
                 CodriveMode::Off => false,
-                CodriveMode::Shared => pool::leading() || pool::paired(),
+                CodriveMode::Shared => pool::shared() || pool::leading() || pool::paired(),
                 CodriveMode::Always => self.threads > 1 || pool::leading(),
             }
+    }
+
+    /// Whether a step at `dims` runs co-driven (`codrive.rs`): steps do now
+    /// ([`CpuExecutor::loops`]), and this one is decode-sized.
+    fn codrives(&mut self, dims: &[u64; StepDim::COUNT]) -> bool {
+        self.loops()
             && self
                 .codrive
                 .as_mut()
-                .is_some_and(|c| c.ready(&self.program, &self.bounds, &dims));
-        self.codriven_ptrs = None;
-        let timings = if codriven {
-            self.run_codriven(&mut ptrs, &dims)?;
-            self.codriven_ptrs = Some((ptrs.clone(), dims[StepDim::TotalSeqLen as usize] as usize));
-            None
-        } else {
-            self.run_launches(&ptrs, &dims, step_start)?
-        };
+                .is_some_and(|c| c.ready(&self.program, &self.bounds, dims))
+    }
+
+    /// The logits of the step run over `ptrs` at `dims` (and its profile, where `timings` has
+    /// one; `s`, its inputs, names its sequences there), and what follows a first step.
+    fn step_output(
+        &mut self,
+        ptrs: &[*mut u8],
+        dims: &[u64; StepDim::COUNT],
+        timings: Option<Vec<LaunchTiming>>,
+        step_start: std::time::Instant,
+        s: Option<&StepInputs>,
+    ) -> Result<Logits> {
         let out = self.program.outputs.get("logits").ok_or_else(|| {
             RuntimeError::artifact(&self.artifact.dir, "the program has no `logits` output")
         })?;
@@ -671,9 +750,9 @@ impl CpuExecutor {
         let data =
             unsafe { std::slice::from_raw_parts(ptrs[*out as usize].cast::<f32>(), rows * vocab) }
                 .to_vec();
-        if let (Some(p), Some(launches)) = (self.profile.as_mut(), timings) {
+        if let (Some(p), Some(launches), Some(s)) = (self.profile.as_mut(), timings, s) {
             *p = StepProfile {
-                dims,
+                dims: *dims,
                 total_ns: step_start.elapsed().as_nanos() as u64,
                 launches,
                 seqs: s
@@ -795,14 +874,23 @@ impl CpuExecutor {
 
     /// Waits until no thread is inside a co-driven step (before the weights they read move).
     fn drivers_idle(&self) {
-        if self.codrive.is_some() {
-            pool::drivers_idle();
+        if let Some(cd) = &self.codrive {
+            if pool::in_body() {
+                // Between the steps of a loop (whose threads stay in its body): its steps'.
+                cd.steps_idle();
+            } else {
+                pool::drivers_idle();
+            }
         }
     }
 
-    /// Runs a step co-driven (`codrive.rs`) over `ptrs`, whose arena buffers and inputs move to
-    /// the next set: the caller and the pool's helper (or its pair) each walk its launches.
-    fn run_codriven(&mut self, ptrs: &mut [*mut u8], dims: &[u64; StepDim::COUNT]) -> Result<()> {
+    /// Readies a co-driven step (`codrive.rs`) over `ptrs`, whose arena buffers and inputs move
+    /// to the next set: each of its drivers walks it (`codrive::drive_step`).
+    fn start_codriven(
+        &mut self,
+        ptrs: &mut [*mut u8],
+        dims: &[u64; StepDim::COUNT],
+    ) -> Arc<super::codrive::StepState> {
         use std::sync::atomic::AtomicUsize;
         let exec = self as *const CpuExecutor;
         // A leading width of one splits its jobs between the caller and its helper.
@@ -810,25 +898,27 @@ impl CpuExecutor {
         let exclusive: Arc<[bool]> = (0..self.program.launches.len())
             .map(|i| !self.codrive_shared(i, dims))
             .collect();
-        let Some(cd) = self.codrive.as_mut() else {
-            return Ok(());
-        };
+        let cd = self.codrive.as_mut().expect("codrives() checked the sets");
         let set = cd.next_set(&self.program, ptrs, &self.tokens, &self.ints);
         let st = Arc::new(super::codrive::StepState {
             exec,
+            drive: std::sync::atomic::AtomicU64::new(0),
             ptrs: ptrs.to_vec(),
             dims: *dims,
             threads,
             exclusive,
             progress: AtomicUsize::new(0),
+            claimed: AtomicUsize::new(0),
             inside: AtomicUsize::new(0),
             failed: std::sync::Mutex::new(None),
         });
         cd.running(set, st.clone());
-        let body = st.clone();
-        pool::drive(Arc::new(move |n, caller| {
-            super::codrive::drive_step(&body, n, caller)
-        }));
+        self.codriven_ptrs = Some((ptrs.to_vec(), dims[StepDim::TotalSeqLen as usize] as usize));
+        st
+    }
+
+    /// The error (or panic, resumed here) a co-driven step's launch gave, if any.
+    fn codriven_failure(&self, st: &super::codrive::StepState) -> Result<()> {
         let failed = st.failed.lock().unwrap_or_else(|e| e.into_inner()).take();
         match failed {
             None => Ok(()),

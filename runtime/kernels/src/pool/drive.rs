@@ -31,7 +31,6 @@ use std::time::{Duration, Instant};
 
 use super::{pool, Current, InJob, Shared, IN_JOB};
 
-/// A co-driven step's body: run on the caller and on every worker of the width.
 /// A co-driven step's body: called on the caller and on every worker of the width with the
 /// drive's number (for [`enter_launch`]) and whether it runs on the caller.
 pub type DriveFn = Arc<dyn Fn(u64, bool) + Send + Sync>;
@@ -47,12 +46,13 @@ const SUB_BITS: u32 = 6;
 thread_local! {
     /// The launch this thread is driving (its key) and how many jobs it has run in it.
     static KEY: Cell<Option<(u64, u64)>> = const { Cell::new(None) };
-    /// How long this thread's last co-driven chunk took: how long it waits for another's.
-    static LAST: Cell<Duration> = const { Cell::new(Duration::ZERO) };
+    /// How long this thread's last two co-driven chunks took: the shorter is how long it waits
+    /// for another's (one chunk's time may include a time slice it waited for its CPU).
+    static LAST: Cell<[Duration; 2]> = const { Cell::new([Duration::ZERO; 2]) };
 }
 
 /// Co-driven steps since the start.
-static STEPS: AtomicUsize = AtomicUsize::new(0);
+pub(super) static STEPS: AtomicUsize = AtomicUsize::new(0);
 /// Chunks computed by a thread that took them over from a descheduled one, since the start.
 static TAKEN_OVER: AtomicUsize = AtomicUsize::new(0);
 
@@ -87,6 +87,83 @@ fn stall_every() -> usize {
 }
 
 thread_local! {
+    /// Whether this thread runs a co-driven body now ([`drive`], [`drive_loop`]): a job it
+    /// splits outside a launch runs on it alone, and a step it drives runs on it alone.
+    static IN_BODY: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks this thread as inside a co-driven body until dropped.
+struct InBody(bool);
+
+impl InBody {
+    fn enter() -> Self {
+        note_cpu();
+        InBody(IN_BODY.with(|b| b.replace(true)))
+    }
+}
+
+impl Drop for InBody {
+    fn drop(&mut self) {
+        IN_BODY.with(|b| b.set(self.0));
+        if !self.0 {
+            CPUS[slot()].store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The CPU each thread in a co-driven body last began a launch on (plus one; zero: none):
+/// the pool's callers' at 0, worker `i`'s at `i + 1` (the last slot shared by the rest).
+static CPUS: [AtomicUsize; 8] = [const { AtomicUsize::new(0) }; 8];
+
+thread_local! {
+    /// This thread's place in [`CPUS`].
+    pub(super) static SLOT: Cell<usize> = const { Cell::new(0) };
+}
+
+fn slot() -> usize {
+    SLOT.with(|s| s.get()).min(CPUS.len() - 1)
+}
+
+/// The CPU this thread runs on now, where the system says.
+fn current_cpu() -> Option<usize> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: no arguments; returns the CPU or -1.
+        let cpu = unsafe { libc::sched_getcpu() };
+        usize::try_from(cpu).ok()
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        None
+    }
+}
+
+/// Records the CPU this thread runs on in [`CPUS`]; returns it (plus one; zero: unknown).
+fn note_cpu() -> usize {
+    let cpu = current_cpu().map_or(0, |c| c + 1);
+    CPUS[slot()].store(cpu, Ordering::Relaxed);
+    cpu
+}
+
+/// Whether another thread in a co-driven body last ran on this thread's CPU (where unknown:
+/// unless the pool leads, whose threads are pinned apart).
+fn sharing_cpu() -> bool {
+    let mine = note_cpu();
+    if mine == 0 {
+        return !super::leading();
+    }
+    let me = slot();
+    CPUS.iter()
+        .enumerate()
+        .any(|(i, c)| i != me && c.load(Ordering::Relaxed) == mine)
+}
+
+/// Whether this thread runs a co-driven body now ([`drive`], [`drive_loop`]).
+pub fn in_body() -> bool {
+    IN_BODY.with(|b| b.get())
+}
+
+thread_local! {
     /// Whether this thread is a worker of the pool (the stall hook stalls only workers).
     pub(super) static WORKER: Cell<bool> = const { Cell::new(false) };
     /// Chunks this thread claimed in co-driven jobs (for the stall hook).
@@ -96,6 +173,7 @@ thread_local! {
 /// Marks this thread as driving launch `launch` of step `step`: its jobs until the next call
 /// (or [`leave`]) are that launch's, joined with the other drivers'.
 pub fn enter_launch(drive: u64, launch: usize) {
+    note_cpu();
     let step = drive & ((1 << (KEY_BITS - LAUNCH_BITS - SUB_BITS)) - 1);
     let launch = launch as u64 & ((1 << LAUNCH_BITS) - 1);
     let key = (step << (LAUNCH_BITS + SUB_BITS)) | (launch << SUB_BITS);
@@ -163,7 +241,7 @@ pub(super) fn run(s: &Shared, key: u64, chunks: usize, f: &(dyn Fn(usize) + Sync
         for c in chunks * i / slots..chunks * (i + 1) / slots {
             f(c);
         }
-        LAST.with(|l| l.set(t.elapsed()));
+        LAST.with(|l| l.set([l.get()[1], t.elapsed()]));
     };
     let mark_done = |i: usize| {
         let mut w = s.co.load(Ordering::Acquire);
@@ -220,7 +298,8 @@ pub(super) fn run(s: &Shared, key: u64, chunks: usize, f: &(dyn Fn(usize) + Sync
         // Every slot is claimed, some by threads still computing them: wait about two of this
         // thread's chunks, then compute the first of them here.
         let since = *waiting.get_or_insert_with(Instant::now);
-        let patience = (LAST.with(|l| l.get()) * 2).max(Duration::from_micros(10));
+        let last = LAST.with(|l| l.get());
+        let patience = (last[0].min(last[1]) * 2).max(Duration::from_micros(10));
         if since.elapsed() >= patience {
             let held = claimed & !done & full;
             let i = held.trailing_zeros() as usize;
@@ -231,11 +310,20 @@ pub(super) fn run(s: &Shared, key: u64, chunks: usize, f: &(dyn Fn(usize) + Sync
             continue;
         }
         spins = spins.wrapping_add(1);
-        if spins.is_multiple_of(256) {
-            std::thread::yield_now();
-        } else {
-            std::hint::spin_loop();
-        }
+        pause(spins, 256);
+    }
+}
+
+/// One spin of a co-driven thread's wait for another: every `every` spins, yields the CPU if
+/// another of the body's threads last ran on this one's (the thread waited for may be waiting
+/// for it). Where they run on different CPUs a yield would hand this thread's share of its
+/// CPU to another process for a whole time slice, and the thread waited for does not need it
+/// (measured beside busy processes: a waiting helper that yielded ran 12 ms in 200).
+pub fn pause(spins: u32, every: u32) {
+    if spins.is_multiple_of(every) && sharing_cpu() {
+        std::thread::yield_now();
+    } else {
+        std::hint::spin_loop();
     }
 }
 
@@ -243,10 +331,35 @@ pub(super) fn run(s: &Shared, key: u64, chunks: usize, f: &(dyn Fn(usize) + Sync
 /// once); returns when the caller's call does, which is when the step is done (the body's
 /// contract: it returns only once every launch is). Workers may still be inside their call:
 /// the body keeps what it reads alive until [`drivers_idle`] (its owner waits for that before
-/// freeing it).
+/// freeing it). Called inside a co-driven body, the step runs on this thread alone.
 pub fn drive(step: DriveFn) {
+    start(step, true);
+}
+
+/// Runs `body` on the calling thread and on every worker of the width at once, as [`drive`]
+/// does, for a body that runs many steps (a loop of steps that any of its threads may begin,
+/// each numbered by [`step_number`]): not counted as a co-driven step itself. Inside it, a job
+/// split outside a launch ([`super::run`]) runs on its thread alone.
+pub fn drive_loop(body: DriveFn) {
+    start(body, false);
+}
+
+/// A new co-driven step's number (counted as one), for [`enter_launch`]: later than every
+/// step's before it.
+pub fn step_number() -> u64 {
+    STEPS.fetch_add(1, Ordering::Relaxed) as u64
+}
+
+fn start(step: DriveFn, counted: bool) {
     let p = pool();
-    if p.workers > 0 && !IN_JOB.with(|j| j.get()) {
+    let number = || {
+        if counted {
+            step_number()
+        } else {
+            STEPS.load(Ordering::Relaxed) as u64
+        }
+    };
+    if p.workers > 0 && !IN_JOB.with(|j| j.get()) && !in_body() {
         let s = p.shared;
         // Held for the whole step: co-driven steps (and other jobs) of several callers take
         // turns, as jobs do.
@@ -254,7 +367,7 @@ pub fn drive(step: DriveFn) {
         // Numbered in the order the steps run (under the lock), across every caller: no two
         // steps' jobs share a key, so a worker late in one never joins another's, and a later
         // step's keys are later (a job whose key is behind the current one's is done).
-        let n = STEPS.fetch_add(1, Ordering::Relaxed) as u64;
+        let n = number();
         *s.drive.lock().unwrap_or_else(|e| e.into_inner()) = Some((n, step.clone()));
         let epoch = (s.epoch.load(Ordering::Acquire) + 1) as u32;
         *s.current.lock().unwrap_or_else(|e| e.into_inner()) = Current {
@@ -269,11 +382,13 @@ pub fn drive(step: DriveFn) {
             s.epoch.fetch_add(1, Ordering::AcqRel);
         }
         s.wake.notify_all();
+        let _in = InBody::enter();
         step(n, true);
         return;
     }
     // (No worker joins: every job of the step runs on this thread.)
-    let n = STEPS.fetch_add(1, Ordering::Relaxed) as u64;
+    let n = number();
+    let _in = InBody::enter();
     step(n, true);
 }
 
@@ -291,7 +406,9 @@ pub(super) fn join(s: &Shared) {
     let Some((n, step)) = step else { return };
     // A panic in a worker's part leaves the step to the caller, which computes every launch
     // it finds undone (and meets the same panic, on its own thread, if it is the kernel's).
+    let in_body = InBody::enter();
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(n, false)));
+    drop(in_body);
     leave();
     s.driving.fetch_sub(1, Ordering::AcqRel);
 }

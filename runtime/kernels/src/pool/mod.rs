@@ -23,18 +23,25 @@
 //! A job split across two threads waits for both, and one whose worker is descheduled while it
 //! holds a chunk waits a whole time slice of the other process; so while other processes keep
 //! the pool's threads waiting for a CPU, fewer threads run the decode steps and the rest sleep,
-//! until a CPU stands idle again; a width of one that still waits for its CPU (more busy
-//! processes than the other CPUs hold) becomes two threads pinned to its CPU, whose share of
-//! it is then two threads', and whose steps never wait for another CPU. Prefill steps
-//! ([`WHOLE_WIDTH_ROWS`] rows or more) still take every thread: their launches are long and
-//! split finely, so each thread's share of the CPUs adds to the step's. A width of one that has
-//! its CPU beside busy processes also leads (`width.rs`, Leading; `MAXC_LEAD=0` turns it off):
-//! its first worker, pinned to the other CPUs, helps.
+//! until a CPU stands idle again. Where that would leave one thread, two stay and share the
+//! CPUs (`width.rs`, Sharing): their decode steps run co-driven (below), so the process keeps
+//! two threads' share of the CPUs and no step waits for a descheduled thread. Where the
+//! executor does not co-drive, the width narrows to one, and a width of one that still waits
+//! for its CPU (more busy processes than the other CPUs hold) becomes two threads pinned to
+//! its CPU, whose share of it is then two threads', and whose steps never wait for another
+//! CPU. Prefill steps ([`WHOLE_WIDTH_ROWS`] rows or more) still take every thread: their
+//! launches are long and split finely, so each thread's share of the CPUs adds to the step's.
+//! A width of one that has its CPU beside busy processes also leads (`width.rs`, Leading;
+//! `MAXC_LEAD=0` turns it off): its first worker, pinned to the other CPUs, helps.
 //!
-//! Where the threads share their CPUs (a leading width of one, a pair), the executor runs its
-//! decode steps co-driven ([`drive`], `drive.rs`): every thread walks the whole step, a split
-//! launch is one job all of them join, and a thread that finds a chunk held by a descheduled
-//! one computes it itself after a short wait; so the step goes on while any thread has a CPU.
+//! Where the threads share their CPUs (a sharing width of two, a leading width of one, a
+//! pair), the executor runs its decode steps co-driven ([`drive`], `drive.rs`): every thread
+//! walks the whole step, a split launch is one job all of them join, and a thread that finds a
+//! chunk held by a descheduled one computes it itself after a short wait; so the step goes on
+//! while any thread has a CPU. The scheduler runs such steps in a loop ([`drive_loop`]) whose
+//! phases between steps any of the threads takes, so that the next step begins on whichever
+//! has a CPU. A thread waiting for another yields its CPU only where the other last ran on the
+//! same CPU ([`pause`]).
 //! Where the executor cannot (a program of collectives), a leading helper takes chunks of
 //! speculative jobs instead ([`run_speculative`], `spec.rs`), which the caller takes back
 //! rather than waits for.
@@ -43,7 +50,10 @@ mod drive;
 mod spec;
 mod width;
 
-pub use drive::{codriving, drive, drivers_idle, driving, enter_launch, leave, Codriving, DriveFn};
+pub use drive::{
+    codriving, drive, drive_loop, drivers_idle, driving, enter_launch, in_body, leave, pause,
+    step_number, Codriving, DriveFn,
+};
 
 pub use spec::{
     allow as allow_speculation, quiesce, run as run_speculative, speculating, speculation, Allow,
@@ -110,6 +120,9 @@ struct Shared {
     /// Whether the first worker, beyond a width of one, helps with speculative jobs
     /// (`width.rs`, Leading; `spec.rs`).
     lead: std::sync::atomic::AtomicBool,
+    /// Whether a width of two shares its CPUs with other processes and co-drives its steps
+    /// (`width.rs`, Sharing).
+    shared: std::sync::atomic::AtomicBool,
     /// Each chunk's state in speculative jobs (`spec.rs`).
     states: Box<[AtomicU64]>,
     widened: Condvar,
@@ -252,6 +265,7 @@ fn pool() -> &'static Pool {
             whole: std::sync::atomic::AtomicBool::new(false),
             paired: std::sync::atomic::AtomicBool::new(false),
             lead: std::sync::atomic::AtomicBool::new(false),
+            shared: std::sync::atomic::AtomicBool::new(false),
             states: spec::states(),
             widened: Condvar::new(),
             epoch: AtomicU64::new(0),
@@ -358,6 +372,7 @@ fn claim_and_run(s: &Shared, cur: Current) {
 
 fn worker(s: &'static Shared, index: usize) {
     drive::WORKER.with(|w| w.set(true));
+    drive::SLOT.with(|w| w.set(index + 1));
     if let Ok(link) = std::fs::read_link("/proc/thread-self") {
         let mut paths = s.tasks.lock().unwrap_or_else(|e| e.into_inner());
         if paths.len() <= index {
@@ -481,7 +496,10 @@ pub fn long_chunks(threads: usize, pieces: usize) -> usize {
 pub fn between_steps(rows: usize) -> usize {
     let p = pool();
     let s = p.shared;
-    if let Some(adapt) = &p.adapt {
+    // Judged on the caller's thread only (it reads and pins "this thread"): in a loop of
+    // co-driven steps a worker begins some of the steps.
+    let worker = drive::WORKER.with(|w| w.get());
+    if let Some(adapt) = p.adapt.as_ref().filter(|_| !worker) {
         if let Ok(mut a) = adapt.try_lock() {
             let now = Instant::now();
             if a.lead && a.keep_lead(s, now) {
@@ -505,6 +523,10 @@ pub fn between_steps(rows: usize) -> usize {
                     s.paired.store(a.paired, Ordering::Release);
                     s.lead.store(a.lead, Ordering::Release);
                     s.widened.notify_all();
+                }
+                if a.shared != s.shared.load(Ordering::Acquire) {
+                    tracing::debug!(shared = a.shared, "CPU threads: co-driven steps");
+                    s.shared.store(a.shared, Ordering::Release);
                 }
                 if next != width {
                     a.changes += 1;
@@ -534,6 +556,12 @@ pub fn between_steps(rows: usize) -> usize {
 /// CPU beside other processes, so two threads share that CPU instead (`width.rs`, Pairing).
 pub fn paired() -> bool {
     pool().shared.paired.load(Ordering::Acquire)
+}
+
+/// Whether a width of two shares its CPUs with other processes: its steps run co-driven
+/// (`width.rs`, Sharing).
+pub fn shared() -> bool {
+    pool().shared.shared.load(Ordering::Acquire)
 }
 
 /// Whether the pool leads: a width of one whose helper takes speculative chunks on the other
@@ -575,6 +603,11 @@ pub fn run<'a>(chunks: usize, f: &'a (dyn Fn(usize) + Sync + 'a)) {
     let s = p.shared;
     if let Some(key) = drive::next_key() {
         drive::run(s, key, chunks, f);
+        return;
+    }
+    if drive::in_body() {
+        // Outside a launch of a co-driven body (between a loop's steps): its own work.
+        (0..chunks).for_each(f);
         return;
     }
     let _one = p.caller.lock().unwrap_or_else(|e| e.into_inner());

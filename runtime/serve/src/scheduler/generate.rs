@@ -24,7 +24,7 @@ pub fn generate(
     scheduler: &mut Scheduler,
     prompt: &[i64],
     opts: &GenerateOptions,
-    mut on_token: impl FnMut(i64),
+    mut on_token: impl FnMut(i64) + Send,
 ) -> Result<Vec<i64>> {
     let room = scheduler.info().max_seq_len.saturating_sub(prompt.len());
     let mut req = Request::greedy(prompt.to_vec(), opts.max_new_tokens.min(room));
@@ -33,20 +33,39 @@ pub fn generate(
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     scheduler.submit(req, tx);
     let mut out = Vec::new();
-    loop {
+    // The request's events so far: `Some` once it has ended (how).
+    let mut events = |out: &mut Vec<i64>| -> Option<Result<()>> {
         while let Ok(event) = rx.try_recv() {
             match event {
                 Event::Token { id, .. } => {
                     out.push(id);
                     on_token(id);
                 }
-                Event::Error(e) => return Err(RuntimeError::Input(e)),
-                Event::Finished { .. } => return Ok(out),
+                Event::Error(e) => return Some(Err(RuntimeError::Input(e))),
+                Event::Finished { .. } => return Some(Ok(())),
                 Event::Admitted { .. } | Event::PromptLogprobs(_) | Event::Embedding(_) => {}
             }
         }
+        None
+    };
+    loop {
+        if let Some(end) = events(&mut out) {
+            return end.map(|()| out);
+        }
         if !scheduler.has_work() {
             return Ok(out);
+        }
+        if scheduler.loops() {
+            // Decode steps go on on whichever of the executor's threads has a CPU.
+            let mut ended = None;
+            scheduler.run_loop(&mut |_| {
+                ended = events(&mut out);
+                ended.is_none()
+            });
+            if let Some(end) = ended {
+                return end.map(|()| out);
+            }
+            continue;
         }
         scheduler.step();
     }

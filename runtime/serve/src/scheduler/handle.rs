@@ -20,18 +20,34 @@ impl SchedulerHandle {
     /// Runs `scheduler` on a new thread.
     pub fn spawn(mut scheduler: Scheduler) -> std::io::Result<Self> {
         let (tx, rx) = std::sync::mpsc::channel::<Command>();
+        // (Behind a lock: the loop's turns take requests on whichever thread has the turn.)
+        let rx = std::sync::Mutex::new(rx);
         let broken = scheduler.broken.clone();
         std::thread::Builder::new()
             .name("maxc-scheduler".into())
             .spawn(move || loop {
                 if !scheduler.has_work() {
-                    match rx.recv() {
+                    match rx.lock().unwrap_or_else(|e| e.into_inner()).recv() {
                         Ok(Command::Submit(r, e)) => scheduler.submit(r, e),
                         Err(_) => return,
                     }
                 }
-                while let Ok(Command::Submit(r, e)) = rx.try_recv() {
+                while let Ok(Command::Submit(r, e)) =
+                    rx.lock().unwrap_or_else(|e| e.into_inner()).try_recv()
+                {
                     scheduler.submit(r, e);
+                }
+                if scheduler.loops() {
+                    // Decode steps go on on whichever of the executor's threads has a CPU;
+                    // requests are taken between them.
+                    scheduler.run_loop(&mut |s| {
+                        let rx = rx.lock().unwrap_or_else(|e| e.into_inner());
+                        while let Ok(Command::Submit(r, e)) = rx.try_recv() {
+                            s.submit(r, e);
+                        }
+                        true
+                    });
+                    continue;
                 }
                 scheduler.step();
             })?;

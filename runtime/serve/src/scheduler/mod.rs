@@ -18,9 +18,14 @@
 //!   stop rules, drops rejected drafts, puts full pages into the prefix cache and retires
 //!   finished requests.
 //!
+//! Where the executor's threads share their CPUs with other processes, decode steps run in a
+//! loop that any of those threads advances (`codrive.rs`, [`Scheduler::run_loop`]): the same
+//! phases, taken in turn by whichever thread has a CPU.
+//!
 //! [`generate`] runs one prompt to its end on the same path (`maxc generate`).
 
 mod active;
+mod codrive;
 mod generate;
 mod handle;
 mod plan;
@@ -32,6 +37,7 @@ mod state;
 pub mod stats;
 mod update;
 
+pub use codrive::loop_steps;
 pub use generate::{generate, GenerateOptions};
 pub use handle::SchedulerHandle;
 pub use request::{Event, EventSender, FinishReason, Fork, Pooling, Request, TokenLogprob, Usage};

@@ -5,6 +5,7 @@
 //! recorded in the metrics by the caller of the phases, never by the phases themselves.
 
 use super::active::{Active, ArmedCapture};
+use super::plan::StepPlan;
 use super::request::{Event, EventSender, Request};
 use super::speculative::Speculation;
 use super::stats::{Gauges, StepStats};
@@ -274,56 +275,83 @@ impl Scheduler {
     pub fn step(&mut self) -> StepReport {
         let mut stats = StepStats::default();
         if let Some(plan) = self.schedule(&mut stats) {
-            let t = Instant::now();
-            let start_unix = crate::trace::now_unix_ns();
-            // The structured outputs' masks of the tokens this step samples are computed
-            // while the forward pass runs: they depend on the tokens chosen so far only.
-            let sampling: Vec<usize> = plan
-                .rows
-                .iter()
-                .filter(|p| {
-                    let a = &self.running[p.idx];
-                    a.req.constraint.is_some() && a.pending() == p.n
-                })
-                .map(|p| p.idx)
-                .collect();
-            let mut constraints: Vec<&mut crate::constraint::Constraint> = self
-                .running
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| sampling.contains(i))
-                .filter_map(|(_, a)| a.req.constraint.as_mut())
-                .collect();
-            let exec_step = &mut self.exec;
-            let result = if constraints.is_empty() {
-                exec_step.execute(&plan.step.inputs)
-            } else {
-                let (result, forward, masks) = std::thread::scope(|scope| {
-                    let masks = scope.spawn(|| {
-                        let t = Instant::now();
-                        constraints.iter_mut().for_each(|c| c.prepare());
-                        t.elapsed()
-                    });
-                    let result = exec_step.execute(&plan.step.inputs);
-                    let forward = t.elapsed();
-                    let masks = masks
-                        .join()
-                        .unwrap_or_else(|e| std::panic::resume_unwind(e));
-                    (result, forward, masks)
-                });
-                let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-                let m = &self.metrics;
-                m.structured_output_mask_time.observe(ms(masks));
-                m.structured_output_mask_exposed_time
-                    .observe(ms(t.elapsed().saturating_sub(forward)));
-                result
-            };
-            let exec = t.elapsed();
-            if result.is_ok() {
-                self.trace_pass(&plan, start_unix, start_unix + exec.as_nanos() as u64);
-            }
-            self.update(plan, result, exec, &mut stats);
+            self.run_planned(plan, &mut stats);
         }
+        self.report(stats)
+    }
+
+    /// The rows of `plan` whose requests' structured outputs sample this step.
+    pub(super) fn constrained(&self, plan: &StepPlan) -> Vec<usize> {
+        plan.rows
+            .iter()
+            .filter(|p| {
+                let a = &self.running[p.idx];
+                a.req.constraint.is_some() && a.pending() == p.n
+            })
+            .map(|p| p.idx)
+            .collect()
+    }
+
+    /// The executor's and the update's phases of a scheduled step.
+    pub(super) fn run_planned(&mut self, plan: StepPlan, stats: &mut StepStats) {
+        let t = Instant::now();
+        let start_unix = crate::trace::now_unix_ns();
+        // The structured outputs' masks of the tokens this step samples are computed
+        // while the forward pass runs: they depend on the tokens chosen so far only.
+        let sampling = self.constrained(&plan);
+        let mut constraints: Vec<&mut crate::constraint::Constraint> = self
+            .running
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| sampling.contains(i))
+            .filter_map(|(_, a)| a.req.constraint.as_mut())
+            .collect();
+        let exec_step = &mut self.exec;
+        let result = if constraints.is_empty() {
+            exec_step.execute(&plan.step.inputs)
+        } else {
+            let (result, forward, masks) = std::thread::scope(|scope| {
+                let masks = scope.spawn(|| {
+                    let t = Instant::now();
+                    constraints.iter_mut().for_each(|c| c.prepare());
+                    t.elapsed()
+                });
+                let result = exec_step.execute(&plan.step.inputs);
+                let forward = t.elapsed();
+                let masks = masks
+                    .join()
+                    .unwrap_or_else(|e| std::panic::resume_unwind(e));
+                (result, forward, masks)
+            });
+            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+            let m = &self.metrics;
+            m.structured_output_mask_time.observe(ms(masks));
+            m.structured_output_mask_exposed_time
+                .observe(ms(t.elapsed().saturating_sub(forward)));
+            result
+        };
+        self.conclude(plan, result, t, start_unix, stats);
+    }
+
+    /// The update phase of a step whose forward pass began at `t` (`start_unix` since the
+    /// epoch) and gave `result`.
+    pub(super) fn conclude(
+        &mut self,
+        plan: StepPlan,
+        result: maxc_runtime::Result<maxc_runtime::Logits>,
+        t: Instant,
+        start_unix: u64,
+        stats: &mut StepStats,
+    ) {
+        let exec = t.elapsed();
+        if result.is_ok() {
+            self.trace_pass(&plan, start_unix, start_unix + exec.as_nanos() as u64);
+        }
+        self.update(plan, result, exec, stats);
+    }
+
+    /// Records what a step did in the metrics, and sums it up.
+    pub(super) fn report(&self, mut stats: StepStats) -> StepReport {
         stats.gauges = self.gauges();
         stats.record(&self.metrics);
         StepReport {
