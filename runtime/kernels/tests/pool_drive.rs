@@ -197,6 +197,10 @@ fn a_loop_of_steps_goes_on_on_a_worker_while_its_caller_stalls() {
                 std::hint::spin_loop();
                 continue;
             };
+            if end.load(Ordering::Acquire) {
+                // The other thread ended the loop meanwhile.
+                return;
+            }
             let mut cur = current.lock().unwrap();
             if cur.as_ref().map(|(n, _)| *n) != step.as_ref().map(|(n, _)| *n) {
                 // Another thread began a step meanwhile: walk it.
