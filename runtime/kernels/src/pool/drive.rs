@@ -317,8 +317,7 @@ pub(super) fn run(s: &Shared, key: u64, chunks: usize, f: &(dyn Fn(usize) + Sync
 /// One spin of a co-driven thread's wait for another: every `every` spins, yields the CPU if
 /// another of the body's threads last ran on this one's (the thread waited for may be waiting
 /// for it). Where they run on different CPUs a yield would hand this thread's share of its
-/// CPU to another process for a whole time slice, and the thread waited for does not need it
-/// (measured beside busy processes: a waiting helper that yielded ran 12 ms in 200).
+/// CPU to another process for a whole time slice, and the thread waited for does not need it.
 pub fn pause(spins: u32, every: u32) {
     if spins.is_multiple_of(every) && sharing_cpu() {
         std::thread::yield_now();

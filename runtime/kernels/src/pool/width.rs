@@ -67,12 +67,11 @@ pub(super) enum Place {
 ///   (`drive.rs`: both threads walk each step, either begins the next, neither waits for the
 ///   other while it is descheduled). Both threads stay runnable and unpinned, so the process
 ///   has its fair share of the CPUs (two threads' worth) wherever the scheduler puts them. It
-///   ends when the threads have their CPUs again (at least [`SHARED_QUIET`] of the width), or
-///   where a window ran steps but none co-driven (the executor cannot: the width narrows as
-///   below). On 2 cores beside two busy processes started afresh before each run (SmolLM2
-///   Q4_1, 64 greedy tokens, 2-core Intel guest, quiet about 180 tokens/s): 78.6-99.0
-///   tokens/s over 10 runs, against 55.8-103.8 narrowed (pairing and leading below); beside
-///   one, 112.9-139.1 against 106.8-128.8. `MAXC_CODRIVE=0` turns it off.
+///   ends when the threads have their CPUs again (at most [`SHARED_QUIET`] of a CPU short of
+///   the width), or where a window ran steps but none co-driven (the executor cannot: the
+///   width narrows as below). Pinned threads fight the balancer: a pair pinned to a CPU that a
+///   busy process keeps gets two thirds of one CPU at most (the README has the measurements).
+///   `MAXC_CODRIVE=0` turns it off.
 /// - **Pairing.** A width of one whose thread still waits for its CPU (it had less than
 ///   [`PAIR_BELOW`] of one over two windows: more busy processes than the other CPUs hold) gets
 ///   a second thread on its own CPU (at once where it had less than [`PAIR_AT_ONCE`]): both
