@@ -142,35 +142,7 @@ pub trait StepWalk: Send + Sync {
 /// Returns once the calling thread's part has returned and no other thread is inside `part`.
 /// Inside `part`, work outside a step's launches runs on its thread alone.
 pub fn drive_loop(part: &(dyn Fn(bool) + Sync)) {
-    /// `part`'s address for the pool's threads (`'static` by erasure).
-    struct Part(*const (dyn Fn(bool) + Sync + 'static));
-    // SAFETY: `part` is `Sync`; the pointer is used only until `drivers_idle` returns, below.
-    unsafe impl Send for Part {}
-    unsafe impl Sync for Part {}
-    impl Part {
-        fn get(&self) -> *const (dyn Fn(bool) + Sync + 'static) {
-            self.0
-        }
-    }
-    // SAFETY: only the lifetime is erased; every thread has left `part` when this returns.
-    let ptr = Part(unsafe {
-        std::mem::transmute::<
-            *const (dyn Fn(bool) + Sync + '_),
-            *const (dyn Fn(bool) + Sync + 'static),
-        >(part)
-    });
-    /// Waits for the pool's threads to leave `part` (also where the caller's part panicked).
-    struct Leave;
-    impl Drop for Leave {
-        fn drop(&mut self) {
-            maxc_kernels::pool::drivers_idle();
-        }
-    }
-    let _leave = Leave;
-    maxc_kernels::pool::drive_loop(Arc::new(move |_, owner| {
-        // SAFETY: see `Part`.
-        unsafe { (*ptr.get())(owner) }
-    }));
+    maxc_kernels::pool::drive_loop(part);
 }
 
 /// Runs whole steps of one role: what the scheduler needs of an executor. [`Engine`] is the

@@ -234,11 +234,7 @@ fn a_loop_of_steps_goes_on_on_a_worker_while_its_caller_stalls() {
             ));
         }
     };
-    let part: &(dyn Fn(bool) + Sync) = &part;
-    // SAFETY (of the erasure): every thread has left `part` when `drivers_idle` returns.
-    let part: &'static (dyn Fn(bool) + Sync) = unsafe { std::mem::transmute(part) };
-    pool::drive_loop(Arc::new(move |_, owner| part(owner)));
-    pool::drivers_idle();
+    pool::drive_loop(&part);
     let (mine, workers) = (
         begun_by[0].load(Ordering::Relaxed),
         begun_by[1].load(Ordering::Relaxed),

@@ -186,6 +186,8 @@ pub struct CpuExecutor {
     /// The step [`CpuExecutor::begin`] began: its buffers' addresses, its dims, its drivers'
     /// state and when it began.
     begun: Option<Begun>,
+    /// Whether `begin` declined the next step after its `before_step` (`execute` skips it).
+    prepared: bool,
 }
 
 /// A step begun for a loop of co-driven steps, not yet finished.
@@ -514,6 +516,7 @@ impl CpuExecutor {
             codrive: None,
             codriven_ptrs: None,
             begun: None,
+            prepared: false,
         };
         if CodriveMode::get() != CodriveMode::Off && pool::max_threads() > 1 {
             exec.codrive = super::codrive::Codrive::new(&exec.program, &exec.tokens, &exec.ints);
@@ -614,7 +617,10 @@ impl CpuExecutor {
     /// Runs one step and returns the `logits` output.
     pub fn execute(&mut self, s: &StepInputs) -> Result<Logits> {
         let dims = s.checked_dims(&self.limits)?;
-        self.before_step(&dims);
+        // (Done already where `begin` declined this step.)
+        if !std::mem::take(&mut self.prepared) {
+            self.before_step(&dims);
+        }
         let step_start = std::time::Instant::now();
         let mut ptrs = self.bind_step(s)?;
         // Co-driven (`codrive.rs`) where the pool's threads share their CPUs with other
@@ -643,6 +649,8 @@ impl CpuExecutor {
         let dims = s.checked_dims(&self.limits)?;
         self.before_step(&dims);
         if !self.codrives(&dims) {
+            // `execute` runs it next, without a second `before_step`.
+            self.prepared = true;
             return Ok(None);
         }
         let mut ptrs = self.bind_step(s)?;

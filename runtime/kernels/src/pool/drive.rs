@@ -335,12 +335,45 @@ pub fn drive(step: DriveFn) {
     start(step, true);
 }
 
-/// Runs `body` on the calling thread and on every worker of the width at once, as [`drive`]
-/// does, for a body that runs many steps (a loop of steps that any of its threads may begin,
-/// each numbered by [`step_number`]): not counted as a co-driven step itself. Inside it, a job
-/// split outside a launch ([`super::run`]) runs on its thread alone.
-pub fn drive_loop(body: DriveFn) {
-    start(body, false);
+/// Runs `part` on the calling thread and on every worker of the width at once, each calling it
+/// once (`true` on the calling thread), for a body that runs many steps (a loop of steps that
+/// any of its threads may begin, each numbered by [`step_number`]): not counted as a co-driven
+/// step itself. Returns once the calling thread's part has returned and no other thread is
+/// inside `part` (so `part` may borrow). Inside it, a job split outside a launch
+/// ([`super::run`]) runs on its thread alone.
+pub fn drive_loop(part: &(dyn Fn(bool) + Sync)) {
+    /// `part`'s address for the pool's threads (`'static` by erasure).
+    struct Part(*const (dyn Fn(bool) + Sync + 'static));
+    // SAFETY: `part` is `Sync`; the pointer is used only until `drivers_idle` returns, below.
+    unsafe impl Send for Part {}
+    unsafe impl Sync for Part {}
+    impl Part {
+        fn get(&self) -> *const (dyn Fn(bool) + Sync + 'static) {
+            self.0
+        }
+    }
+    // SAFETY: only the lifetime is erased; every thread has left `part` when this returns.
+    let ptr = Part(unsafe {
+        std::mem::transmute::<
+            *const (dyn Fn(bool) + Sync + '_),
+            *const (dyn Fn(bool) + Sync + 'static),
+        >(part)
+    });
+    /// Waits for the pool's threads to leave `part` (also where the caller's part panicked).
+    struct Leave;
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            drivers_idle();
+        }
+    }
+    let _leave = Leave;
+    start(
+        Arc::new(move |_, owner| {
+            // SAFETY: see `Part`.
+            unsafe { (*ptr.get())(owner) }
+        }),
+        false,
+    );
 }
 
 /// A new co-driven step's number (counted as one), for [`enter_launch`]: later than every
