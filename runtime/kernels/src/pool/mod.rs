@@ -515,6 +515,8 @@ pub fn between_steps(rows: usize) -> usize {
                     tracing::debug!(?want, pinned, "CPU threads: pinned");
                     if want != Place::Free && !pinned {
                         a.no_lead |= a.lead;
+                        a.no_spread |= a.spread;
+                        a.spread = false;
                         a.paired = false;
                         a.lead = false;
                         next = width;

@@ -33,6 +33,9 @@ const LEAD_ABOVE: f64 = 0.9;
 /// A sharing width whose threads had at least this many CPUs fewer than the width over a
 /// window has its CPUs again: its steps stop being co-driven.
 const SHARED_QUIET: f64 = 0.25;
+/// Windows in a row that a sharing width must see fewer other runnable tasks than its CPUs
+/// before it spreads its threads apart, and as many or more before it stops.
+const SPREAD_VOTES: i32 = 2;
 /// A leading caller that waited for its CPU for more than this share of the time since the
 /// last step moves to its helper's CPU ([`Adapt::keep_lead`]).
 const SWAP_ABOVE: f64 = 0.25;
@@ -44,7 +47,8 @@ pub(super) enum Place {
     Free,
     /// The caller and the first worker on the caller's CPU.
     Pair,
-    /// The caller on its CPU, the first worker on the others.
+    /// The caller on its CPU, the first worker on the others (leading, or a sharing width
+    /// spread apart).
     Lead,
 }
 
@@ -72,6 +76,17 @@ pub(super) enum Place {
 ///   width narrows as below). Pinned threads fight the balancer: a pair pinned to a CPU that a
 ///   busy process keeps gets two thirds of one CPU at most (the README has the measurements).
 ///   `MAXC_CODRIVE=0` turns it off.
+/// - **Spreading.** Unpinned, the two threads of a sharing width sometimes sit on one CPU
+///   while the other processes have another to themselves: beside one busy process on 2
+///   cores the balancer then sees two tasks against one and moves nothing, and the steps have
+///   one CPU where one and a half are theirs to have (each run's speed followed how long its
+///   threads sat together). So where fewer other tasks are runnable than this process has CPUs
+///   (`/proc/loadavg`, over [`SPREAD_VOTES`] windows in a row), a sharing width pins its caller
+///   to its CPU and its worker to the others (as leading does): one thread has a CPU of its
+///   own, the other shares one. Where as many or more are (two busy processes on 2 cores),
+///   the threads stay unpinned: pinned apart, each would share a CPU with a busy process and
+///   wait for the other's time slices, slower than the two together on one CPU, which the
+///   balancer allows there. `MAXC_SPREAD=0` turns it off.
 /// - **Pairing.** A width of one whose thread still waits for its CPU (it had less than
 ///   [`PAIR_BELOW`] of one over two windows: more busy processes than the other CPUs hold) gets
 ///   a second thread on its own CPU (at once where it had less than [`PAIR_AT_ONCE`]): both
@@ -126,6 +141,12 @@ pub(super) struct Adapt {
     pub(super) shared: bool,
     /// Whether the pool never shares (`MAXC_CODRIVE=0`).
     no_share: bool,
+    /// Whether a sharing width has its threads pinned apart (see Spreading above).
+    pub(super) spread: bool,
+    /// Windows in a row for spreading (positive) or against it (negative).
+    spread_votes: i32,
+    /// Whether the pool never spreads (`MAXC_SPREAD=0`, or pinning failed).
+    pub(super) no_spread: bool,
     /// Co-driven steps when the window started.
     steps: usize,
     /// Whether the pool never leads: leading is off (`MAXC_LEAD=0`), or it failed to
@@ -200,6 +221,22 @@ fn idle_ticks(cpus: &[usize]) -> Option<u64> {
     idle_ticks_in(&std::fs::read_to_string("/proc/stat").ok()?, cpus)
 }
 
+/// Tasks runnable on the whole system now: the numerator of `/proc/loadavg`'s fourth field
+/// (`0.52 0.58 0.59 3/467 12345`).
+fn runnable_tasks() -> Option<usize> {
+    runnable_in(&std::fs::read_to_string("/proc/loadavg").ok()?)
+}
+
+fn runnable_in(loadavg: &str) -> Option<usize> {
+    loadavg
+        .split_whitespace()
+        .nth(3)?
+        .split_once('/')?
+        .0
+        .parse()
+        .ok()
+}
+
 /// The CPU a thread last ran on: field 39 of its `stat`, counted after the parenthesized name
 /// (which may hold spaces).
 fn last_cpu(stat_path: &str) -> Option<usize> {
@@ -245,6 +282,9 @@ impl Adapt {
             no_lead: std::env::var("MAXC_LEAD").is_ok_and(|v| v == "0"),
             shared: false,
             no_share: std::env::var("MAXC_CODRIVE").is_ok_and(|v| v == "0"),
+            spread: false,
+            spread_votes: 0,
+            no_spread: std::env::var("MAXC_SPREAD").is_ok_and(|v| v == "0"),
             steps: 0,
             helper: None,
             least: None,
@@ -297,7 +337,7 @@ impl Adapt {
     pub(super) fn place(&self) -> Place {
         if self.paired {
             Place::Pair
-        } else if self.lead {
+        } else if self.lead || self.spread {
             Place::Lead
         } else {
             Place::Free
@@ -328,7 +368,9 @@ impl Adapt {
             .flatten()
             .and_then(|t| tid(&t));
         let cpu = match place {
-            Place::Lead => self.lead_cpu.or_else(|| last_cpu("/proc/thread-self/stat")),
+            Place::Lead if self.lead => {
+                self.lead_cpu.or_else(|| last_cpu("/proc/thread-self/stat"))
+            }
             _ => last_cpu("/proc/thread-self/stat"),
         };
         let (Some(cpu), Some(me), Some(worker)) = (cpu, me, worker) else {
@@ -429,8 +471,15 @@ impl Adapt {
             };
             (1.0 - w as f64 / wall, cpu)
         });
-        // (Co-driven threads on one CPU wait for each other's time slices, as for others'.)
-        let had = if own_work || !self.shared && Self::sharing_one_cpu(s, width) {
+        // Other tasks runnable now, where known (our threads are: they spin between launches).
+        let others = runnable_tasks().map(|n| n.saturating_sub(width));
+        // Threads on one CPU while the other processes fill the others have a CPU to
+        // themselves: their waits are each other's. (Co-driven threads on one CPU wait for
+        // each other's time slices, as for others'; and beside fewer other tasks than CPUs,
+        // one of them could have a CPU of its own: see Spreading above.)
+        let stacked =
+            !self.shared && others.is_none_or(|o| o >= self.max) && Self::sharing_one_cpu(s, width);
+        let had = if own_work || stacked {
             width as f64
         } else {
             width as f64 - waited as f64 / wall
@@ -468,9 +517,14 @@ impl Adapt {
         let codriven = steps != self.steps;
         self.steps = steps;
         let next = if self.shared {
-            self.decide_shared(width, had, codriven)
+            self.decide_shared(width, had, codriven, others)
         } else {
-            self.decide(width, had, idle, now)
+            let next = self.decide(width, had, idle, now);
+            if self.shared {
+                // (Just began sharing: this window votes too.)
+                self.vote_spread(others);
+            }
+            next
         };
         tracing::trace!(width, had, ?idle, next, "CPU threads: a window judged");
         // The next window starts now, with the waits of the threads active in it.
@@ -482,20 +536,48 @@ impl Adapt {
     }
 
     /// The width after a window at `width` sharing its CPUs, in which the threads had `had`
-    /// CPUs and `codriven` says whether steps ran co-driven.
-    fn decide_shared(&mut self, width: usize, had: f64, codriven: bool) -> usize {
+    /// CPUs, `codriven` says whether steps ran co-driven, and `others` other tasks were
+    /// runnable at its end (where known); whether the threads spread apart ([`Adapt::spread`]).
+    fn decide_shared(
+        &mut self,
+        width: usize,
+        had: f64,
+        codriven: bool,
+        others: Option<usize>,
+    ) -> usize {
         self.had = had;
         if !codriven {
             // The executor does not co-drive its steps: one thread runs them.
             self.shared = false;
+            self.spread = false;
             self.narrower = None;
             return 1;
         }
         if had >= width as f64 - SHARED_QUIET {
             self.shared = false;
+            self.spread = false;
             self.narrower = None;
+            return width;
         }
+        self.vote_spread(others);
         width
+    }
+
+    /// A sharing window's vote on spreading its threads apart, `others` other tasks runnable
+    /// at its end (where known).
+    fn vote_spread(&mut self, others: Option<usize>) {
+        self.spread_votes = match others {
+            Some(o) if o < self.max => self.spread_votes.max(0) + 1,
+            Some(_) => self.spread_votes.min(0) - 1,
+            None => 0,
+        };
+        if self.no_spread || others.is_none() {
+            self.spread = false;
+        } else if self.spread_votes >= SPREAD_VOTES {
+            self.spread = true;
+        } else if self.spread_votes <= -SPREAD_VOTES {
+            self.spread = false;
+        }
     }
 
     /// The width after a leading window in which the caller had `had` of its CPU and the
@@ -603,6 +685,7 @@ impl Adapt {
                     if next == 1 && !self.no_share {
                         // Two co-driving threads rather than one (Sharing above).
                         self.shared = true;
+                        self.spread_votes = 0;
                         self.narrower = None;
                         return width.min(2);
                     }
@@ -668,18 +751,18 @@ mod tests {
         assert!(a.shared && !a.lead && !a.paired);
         // Sharing holds while the steps run co-driven and the threads wait for their CPUs
         // (one busy process: about one and a half CPUs).
-        assert_eq!(a.decide_shared(2, 1.0, true), 2);
-        assert_eq!(a.decide_shared(2, 1.5, true), 2);
-        assert!(a.shared);
+        assert_eq!(a.decide_shared(2, 1.0, true, Some(2)), 2);
+        assert_eq!(a.decide_shared(2, 1.5, true, Some(2)), 2);
+        assert!(a.shared && !a.spread);
         // The threads have their CPUs again: plain steps at the whole width.
-        assert_eq!(a.decide_shared(2, 1.9, true), 2);
+        assert_eq!(a.decide_shared(2, 1.9, true, Some(2)), 2);
         assert!(!a.shared);
         // A window of steps none of which ran co-driven: the executor cannot, and one thread
         // runs them (and may pair or lead from there).
         a.decide(2, 1.0, Idle::Pending, ms(100));
         assert_eq!(a.decide(2, 1.0, Idle::Pending, ms(125)), 2);
         assert!(a.shared);
-        assert_eq!(a.decide_shared(2, 1.0, false), 1);
+        assert_eq!(a.decide_shared(2, 1.0, false, Some(2)), 1);
         assert!(!a.shared);
         // Many cores: narrowing to more than one thread narrows as before.
         let mut a = Adapt::new(16);
@@ -687,6 +770,57 @@ mod tests {
         a.decide(16, 13.2, Idle::Pending, ms(0));
         assert_eq!(a.decide(16, 13.4, Idle::Pending, ms(25)), 13);
         assert!(!a.shared);
+    }
+
+    #[test]
+    fn a_sharing_width_spreads_apart_while_fewer_others_than_its_cpus_run() {
+        let mut a = Adapt::new(2);
+        a.no_share = false;
+        a.no_spread = false;
+        a.shared = true;
+        // One busy process beside the two threads (on one CPU between them): one window is
+        // not enough, two in a row are.
+        assert_eq!(a.decide_shared(2, 1.0, true, Some(1)), 2);
+        assert!(!a.spread);
+        assert_eq!(a.decide_shared(2, 1.0, true, Some(1)), 2);
+        assert!(a.spread && a.shared);
+        assert_eq!(a.place(), Place::Lead);
+        // Apart they have one and a half CPUs: still sharing, still spread; a window with a
+        // passing task does not end it, two in a row with a second busy process do.
+        a.decide_shared(2, 1.5, true, Some(1));
+        a.decide_shared(2, 1.5, true, Some(2));
+        assert!(a.spread);
+        a.decide_shared(2, 1.5, true, Some(1));
+        a.decide_shared(2, 1.0, true, Some(2));
+        assert!(a.spread);
+        a.decide_shared(2, 1.0, true, Some(3));
+        assert!(!a.spread && a.shared);
+        assert_eq!(a.place(), Place::Free);
+        // Two busy processes throughout: never spread.
+        for _ in 0..4 {
+            a.decide_shared(2, 1.0, true, Some(2));
+        }
+        assert!(!a.spread);
+        // Spread, then the busy process goes: plain steps, unpinned.
+        a.decide_shared(2, 1.0, true, Some(1));
+        a.decide_shared(2, 1.0, true, Some(1));
+        assert!(a.spread);
+        a.decide_shared(2, 1.9, true, Some(0));
+        assert!(!a.shared && !a.spread);
+        assert_eq!(a.place(), Place::Free);
+        // Unknown counts, or spreading off: never spread.
+        a.shared = true;
+        for _ in 0..3 {
+            a.decide_shared(2, 1.0, true, None);
+        }
+        assert!(!a.spread);
+        a.no_spread = true;
+        for _ in 0..3 {
+            a.decide_shared(2, 1.0, true, Some(1));
+        }
+        assert!(!a.spread);
+        assert_eq!(runnable_in("0.52 0.58 0.59 3/467 12345\n"), Some(3));
+        assert_eq!(runnable_in("0.52 0.58"), None);
     }
 
     #[test]
